@@ -1,0 +1,31 @@
+# pdserve: `make test` and `make serve` set everything up on a fresh machine (idempotent).
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: test serve install redis-server protos clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+redis-server:
+	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -qq && \
+	  $(SUDO) apt-get install -y -qq --no-install-recommends redis-server; }
+
+test: install redis-server
+	$(PY) -m pytest -q tests
+
+serve: install
+	$(PY) -m deploy.local_cluster $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

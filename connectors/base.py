@@ -1,0 +1,104 @@
+"""The KV connector API, shaped like vLLM's V1 KVConnectorBase.
+
+One connector object lives in each engine and serves both halves (scheduler and worker
+share a process here). The engine calls it at these points:
+
+scheduler side
+  - `get_num_new_matched_tokens(request, num_computed_tokens)` after a waiting request's
+    local prefix-cache lookup: how many more tokens the store can provide.
+  - `update_state_after_alloc(request, block_ids, num_external_tokens)` after blocks for
+    local hits + external tokens + new tokens were allocated.
+  - `build_connector_meta(scheduler_output)` when the step's output is built.
+  - `request_finished(request, block_ids)` when a request finishes or is aborted.
+worker side (model runner)
+  - `register_kv_caches(kv_caches)` once, after the paged KV tensors exist.
+  - `start_load_kv(metadata)` before the forward pass; `wait_for_layer_load(i)` before
+    layer i's attention; `save_kv_layer(i, kv_cache, metadata)` after layer i wrote its
+    KV; `wait_for_save()` at the end of the step (a producer's request is done only after);
+    `get_finished(finished_req_ids)` and `get_failed_loads()` after the step.
+"""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.request import Request
+    from engine.scheduler_output import SchedulerOutput
+
+
+class KVConnectorRole(str, enum.Enum):
+    PRODUCER = "producer"  # prefill node: saves KV
+    CONSUMER = "consumer"  # decode node: loads KV
+    BOTH = "both"
+
+    @property
+    def saves(self) -> bool:
+        return self in (KVConnectorRole.PRODUCER, KVConnectorRole.BOTH)
+
+    @property
+    def loads(self) -> bool:
+        return self in (KVConnectorRole.CONSUMER, KVConnectorRole.BOTH)
+
+
+@dataclass
+class KVConnectorMetadata:
+    """Per-step instructions from the scheduler half to the worker half (subclassed)."""
+
+
+class KVConnectorBase(ABC):
+    def __init__(self, role: KVConnectorRole) -> None:
+        self.role = role
+
+    # ---- scheduler side ----
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """(tokens beyond `num_computed_tokens` that can be loaded, whether loading is async)."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        """Remember where the external tokens of `request` must be written."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Turn this step's loads and saves into metadata for the worker side."""
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """(delay freeing the blocks until an async save finishes, params for the caller)."""
+        return False, None
+
+    # ---- worker side ----
+    @abstractmethod
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Receive the paged KV tensors, one [2, num_blocks, block_size, kv_heads, head_dim] per layer."""
+
+    @abstractmethod
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        """Begin loading this step's external KV in the background."""
+
+    @abstractmethod
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        """Block until layer `layer_idx`'s KV for this step is in paged memory (or failed)."""
+
+    @abstractmethod
+    def save_kv_layer(self, layer_idx: int, kv_cache: torch.Tensor, metadata: KVConnectorMetadata) -> None:
+        """Start saving layer `layer_idx`'s KV of this step's completed chunks (background)."""
+
+    @abstractmethod
+    def wait_for_save(self) -> None:
+        """Block until this step's saves are committed (or given up on)."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(request ids whose async save finished, request ids whose async load finished)."""
+        return None, None
+
+    def get_failed_loads(self) -> set[str]:
+        """Request ids whose load failed this step; the engine recomputes their tokens."""
+        return set()
+
+    def shutdown(self) -> None:
+        """Release threads and connections."""

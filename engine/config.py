@@ -1,0 +1,119 @@
+"""Engine configuration as frozen, validated dataclasses (one per concern, as in vLLM)."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "ki": 2**10, "mi": 2**20, "gi": 2**30}
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def parse_bytes(value: int | str) -> int:
+    """'2GiB' -> 2147483648; plain integers are bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot parse a byte size from {value!r} (use e.g. 2GiB, 512MiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    dtype: str = "auto"  # auto: the checkpoint's dtype
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must be a path to a Hugging Face model directory")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int = 1 << 30  # bytes for all layers' paged KV; strings like "2GiB" accepted
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0  # 0: a prefill may take the whole budget
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Where KV goes between nodes; kv_store None means no connector (monolithic serving)."""
+
+    kv_store: str | None = None  # file:///dir, redis://host:port/db, lm://host:port
+    kv_role: str | None = None  # producer | consumer | both
+    chunk_size: int = 256
+    lmcache_config: str | None = None
+    load_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.kv_role is not None and self.kv_role not in ("producer", "consumer", "both"):
+            raise ValueError(f"kv_role must be producer, consumer or both, got {self.kv_role!r}")
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.load_timeout_s <= 0:
+            raise ValueError(f"load_timeout_s must be positive, got {self.load_timeout_s}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_store is not None or self.lmcache_config is not None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+
+    def __post_init__(self) -> None:
+        if self.kv_transfer.enabled and self.kv_transfer.chunk_size % self.cache.block_size:
+            raise ValueError(f"chunk_size ({self.kv_transfer.chunk_size}) must be a multiple of "
+                             f"block_size ({self.cache.block_size})")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
+        """Build from flat keyword options (LLM(...) and the CLIs); unknown names are an error."""
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "kv_transfer": {}}
+        classes = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                   "kv_transfer": KVTransferConfig}
+        for key, value in kwargs.items():
+            for part, klass in classes.items():
+                if key in {f.name for f in dataclasses.fields(klass)}:
+                    parts[part][key] = value
+                    break
+            else:
+                raise TypeError(f"unknown engine option {key!r}")
+        return cls(model=ModelConfig(model=str(model), **parts["model"]), cache=CacheConfig(**parts["cache"]),
+                   scheduler=SchedulerConfig(**parts["scheduler"]),
+                   kv_transfer=KVTransferConfig(**parts["kv_transfer"]))
