@@ -1,1 +1,67 @@
-"""pdserve kvstore package."""
+"""pdserve kvstore: chunked per-layer KV objects in a shared store (see kvstore.base for the API).
+
+open_store(url, **options) picks the backend from the URL scheme:
+    file:///path?max_bytes=64GiB&fsync=0          FileSystemStore (local disk or NFS)
+    redis://host:port/db?ttl=3600&prefix=pdkv:    RedisStore (rediss:// for TLS)
+Common options (URL query or keyword; keywords win): timeout (seconds), io_threads.
+Keywords only: fingerprint, num_layers, dtype, kv_shape (omit all for admin use, as the CLI does).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from kvstore.base import ChunkInfo, KVStore, StoreStats, Usage, VerifyReport
+from kvstore.errors import CorruptObject, NotFound, StoreError, StoreTimeout, StoreUnavailable
+
+__all__ = ["open_store", "KVStore", "ChunkInfo", "StoreStats", "Usage", "VerifyReport",
+           "StoreError", "StoreUnavailable", "StoreTimeout", "CorruptObject", "NotFound"]
+
+
+def _bytes(value: str) -> int:
+    from engine.config import parse_bytes  # lazy: engine imports kvstore through the connectors
+
+    return parse_bytes(value)
+
+
+def _bool(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (1/0/true/false), got {value!r}")
+
+
+_COMMON: dict[str, Callable[[str], Any]] = {"timeout": float, "io_threads": int}
+_QUERY: dict[str, dict[str, Callable[[str], Any]]] = {
+    "file": {"max_bytes": _bytes, "fsync": _bool},
+    "redis": {"ttl": int, "prefix": str, "max_connections": int},
+}
+_QUERY["rediss"] = _QUERY["redis"]  # TLS
+
+
+def open_store(url: str, **options: Any) -> KVStore:
+    """Open the store at `url`; ValueError for a malformed URL or option, StoreUnavailable if unreachable."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in _QUERY:
+        raise ValueError(f"unsupported KV store URL {url!r}: use file:///path or redis[s]://host:port/db")
+    known = {**_COMMON, **_QUERY[scheme]}
+    query: dict[str, Any] = {}
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name not in known:
+            raise ValueError(f"unknown option {name!r} in {url!r}; known: {', '.join(sorted(known))}")
+        try:
+            query[name] = known[name](value)
+        except ValueError as exc:
+            raise ValueError(f"bad value for {name} in {url!r}: {exc}") from exc
+    query.update(options)
+    if scheme == "file":
+        from kvstore.filesystem import FileSystemStore
+
+        if parts.netloc not in ("", "localhost") or not parts.path:
+            raise ValueError(f"file store URL must be file:///absolute/path, got {url!r}")
+        return FileSystemStore(unquote(parts.path), **query)
+    from kvstore.redis_store import RedisStore
+
+    return RedisStore(parts._replace(query="").geturl(), **query)

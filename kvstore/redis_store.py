@@ -1,0 +1,166 @@
+"""redis://host:port/db backend: pipelined batched GET/SET of binary values through a connection pool.
+
+Keys: <prefix><fingerprint>:{<chunk key>}:<layer> for layer objects and ...:c for the commit
+marker. The hash tag {<chunk key>} keeps all of a chunk on one Redis Cluster shard, so the
+multi-key EXISTS/DEL of one chunk stays legal there. Eviction is Redis's own job (ttl here,
+or maxmemory-policy allkeys-lru on the server); a layer evicted before its marker reads as
+NotFound, which callers treat like any other miss.
+
+Every socket operation is bounded by `timeout`; a broken connection is retried once at
+once (that is what reconnects a pooled connection after a Redis restart), so a dead server
+surfaces as StoreUnavailable, a frozen one as StoreTimeout, and never as a hang.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvstore.base import Buffer, ChunkInfo, KVStore
+from kvstore.errors import NotFound, StoreError, StoreTimeout, StoreUnavailable
+
+MARKER = "c"
+_SCAN_BATCH = 256
+_GET_BATCH = 16  # objects per pipelined GET when walking everything (bounds memory: ~16 MiB per batch)
+
+
+class RedisStore(KVStore):
+    _io_errors = (redis.RedisError,)
+
+    def __init__(self, url: str, *, ttl: int | None = None, prefix: str = "pdkv:", max_connections: int = 16,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if ttl is not None and ttl <= 0:
+            raise ValueError(f"ttl must be a positive number of seconds, got {ttl}")
+        self.url = url
+        self.ttl = ttl
+        self.prefix = prefix
+        pool = redis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=self.timeout, socket_timeout=self.timeout,
+            socket_connect_timeout=self.timeout, retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)))
+        self._redis = redis.Redis(connection_pool=pool)
+
+    # ---- keys ----
+    def _key(self, key: str, suffix: str | int, fingerprint: str | None = None) -> str:
+        return f"{self.prefix}{fingerprint or self.fingerprint}:{{{key}}}:{suffix}"
+
+    def object_name(self, key: str, layer: int) -> str:
+        return self._key(key, layer)
+
+    def _parse(self, raw: bytes) -> tuple[str, str, str] | None:
+        """(fingerprint, chunk key, suffix) of one of our keys, None for anything else."""
+        text = raw.decode(errors="replace")[len(self.prefix):]
+        fp, sep, rest = text.partition(":{")
+        key, sep2, suffix = rest.partition("}:")
+        return (fp, key, suffix) if sep and sep2 else None
+
+    # ---- hooks ----
+    def _translate(self, exc: Exception) -> StoreError:
+        where = self.url
+        if isinstance(exc, redis.TimeoutError):
+            return StoreTimeout(f"redis {where} did not answer within {self.timeout:.1f}s")
+        if isinstance(exc, redis.ConnectionError):
+            return StoreUnavailable(f"redis {where} unreachable: {exc}")
+        return StoreError(f"redis {where}: {exc}")
+
+    def _lookup(self, keys: list[str]) -> int:
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(self._key(key, MARKER))
+        found = pipe.execute()
+        return next((i for i, hit in enumerate(found) if not hit), len(keys))
+
+    def _put(self, layer: int, objects: list[tuple[str, bytes, memoryview]]) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        for key, header, payload in objects:
+            pipe.set(self._key(key, layer), b"".join((header, payload)), ex=self.ttl)
+        pipe.execute()
+
+    def _get(self, layer: int, keys: list[str]) -> list[Buffer]:
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(self._key(key, layer))
+        values = pipe.execute()
+        missing = [key for key, value in zip(keys, values) if value is None]
+        if missing:
+            raise NotFound(f"{len(missing)} object(s) missing, e.g. {self._key(missing[0], layer)}")
+        return values
+
+    def _commit(self, keys: list[str], num_layers: int) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(*(self._key(key, i) for i in range(num_layers)))
+        complete = [key for key, n in zip(keys, pipe.execute()) if n == num_layers]
+        for key in complete:
+            if self.ttl is not None:  # layers expire together with the marker, not before it
+                for i in range(num_layers):
+                    pipe.expire(self._key(key, i), self.ttl)
+            pipe.set(self._key(key, MARKER), str(num_layers), ex=self.ttl)
+        pipe.execute()
+        if len(complete) < len(keys):
+            raise NotFound(f"{len(keys) - len(complete)} chunk(s) miss layers and stay invisible")
+
+    def _delete(self, keys: list[str]) -> int:
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.getdel(self._key(key, MARKER))
+        markers = pipe.execute()
+        for key, marker in zip(keys, markers):
+            layers = self.num_layers or (int(marker) if marker else 0)
+            if layers:
+                pipe.unlink(*(self._key(key, i) for i in range(layers)))
+        pipe.execute()
+        return sum(marker is not None for marker in markers)
+
+    def _chunk_infos(self, fingerprint: str | None) -> Iterator[ChunkInfo]:
+        chunks: dict[tuple[str, str], ChunkInfo] = {}
+        for batch in self._scan_batches(fingerprint):
+            pipe = self._redis.pipeline(transaction=False)
+            for raw, _ in batch:
+                pipe.strlen(raw)
+            for (_, (fp, key, suffix)), size in zip(batch, pipe.execute()):
+                info = chunks.setdefault((fp, key), ChunkInfo(fp, key, False, 0, 0))
+                if suffix == MARKER:
+                    info.committed = True
+                else:
+                    info.objects += 1
+                    info.bytes += size
+        yield from chunks.values()
+
+    def _iter_objects(self, fingerprint: str | None) -> Iterator[tuple[str, str, Buffer]]:
+        for batch in self._scan_batches(fingerprint, _GET_BATCH, layers_only=True):
+            pipe = self._redis.pipeline(transaction=False)
+            for raw, _ in batch:
+                pipe.get(raw)
+            for (raw, (fp, _, _)), value in zip(batch, pipe.execute()):
+                if value is not None:  # expired while we walked
+                    yield fp, raw.decode(), value
+
+    def _clear(self, fingerprint: str | None) -> int:
+        removed = 0
+        for batch in self._scan_batches(fingerprint):
+            removed += sum(1 for _, (_, _, suffix) in batch if suffix != MARKER)
+            self._redis.unlink(*(raw for raw, _ in batch))
+        return removed
+
+    def _close(self) -> None:
+        self._redis.close()
+        self._redis.connection_pool.disconnect()
+
+    # ---- internals ----
+    def _scan_batches(self, fingerprint: str | None, size: int = _SCAN_BATCH, layers_only: bool = False
+                      ) -> Iterator[list[tuple[bytes, tuple[str, str, str]]]]:
+        """Our keys (of one or all fingerprints) in batches, each with its parsed parts."""
+        match = f"{self.prefix}{fingerprint or '*'}:*"
+        batch = []
+        for raw in self._redis.scan_iter(match=match, count=_SCAN_BATCH):
+            parsed = self._parse(raw)
+            if parsed is not None and not (layers_only and parsed[2] == MARKER):
+                batch.append((raw, parsed))
+            if len(batch) >= size:
+                yield batch
+                batch = []
+        if batch:
+            yield batch

@@ -1,0 +1,87 @@
+"""Helpers for the kvstore tests: deterministic chunks, store factories, and a writer process.
+
+Run as `python -m tests.kvstore_helpers URL FINGERPRINT NUM_LAYERS ROUNDS [STOP_AFTER_LAYER]`
+to write the standard chunks from a separate process: it prints "ready" once started, waits
+for a line on stdin (so several writers start together), then writes ROUNDS times over,
+committing each round; with STOP_AFTER_LAYER it writes layers [0, STOP_AFTER_LAYER), prints
+"stopped" and waits to be killed.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvstore import KVStore, open_store
+from kvstore.keys import chunk_keys
+
+FP = "0123456789abcdef" * 2
+OTHER_FP = "fedcba9876543210" * 2
+CHUNK = 16
+KV_SHAPE = (2, 8)
+PYTHON = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "python")
+
+
+def make_chunks(num_tokens: int, num_layers: int, dtype: torch.dtype = torch.float32, seed: int = 0,
+                fingerprint: str = FP) -> tuple[list[str], list[dict[str, torch.Tensor]]]:
+    """Keys of a prompt of num_tokens tokens and, per layer, {key: [2, n, H, D]} (last chunk partial)."""
+    tokens = list(range(seed * 1000, seed * 1000 + num_tokens))
+    keys = chunk_keys(fingerprint, tokens, CHUNK)
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [min(CHUNK, num_tokens - i * CHUNK) for i in range(len(keys))]
+    layers = [{key: torch.randn(2, n, *KV_SHAPE, generator=gen).to(dtype) for key, n in zip(keys, sizes)}
+              for _ in range(num_layers)]
+    return keys, layers
+
+
+def write_all(store: KVStore, keys: list[str], layers: list[dict[str, torch.Tensor]]) -> None:
+    for i, chunks in enumerate(layers):
+        store.put_layer(i, chunks)
+    store.commit(keys)
+
+
+def open_test_store(url: str, num_layers: int, dtype: torch.dtype = torch.float32, fingerprint: str = FP,
+                    timeout: float = 2.0, **options) -> KVStore:
+    return open_store(url, fingerprint=fingerprint, num_layers=num_layers, dtype=dtype, kv_shape=KV_SHAPE,
+                      timeout=timeout, **options)
+
+
+def spawn_writer(url: str, num_layers: int, rounds: int, stop_after: int | None = None) -> subprocess.Popen:
+    args = [PYTHON, "-m", "tests.kvstore_helpers", url, FP, str(num_layers), str(rounds)]
+    if stop_after is not None:
+        args.append(str(stop_after))
+    proc = subprocess.Popen(args, cwd=Path(__file__).resolve().parents[1], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def start(writers: list[subprocess.Popen]) -> None:
+    """Release writers that wait after "ready", all at once."""
+    for proc in writers:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+
+
+def main() -> None:
+    url, fingerprint, num_layers, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    stop_after = int(sys.argv[5]) if len(sys.argv) > 5 else None
+    keys, layers = make_chunks(100, num_layers)
+    store = open_test_store(url, num_layers, fingerprint=fingerprint)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    if stop_after is not None:
+        for i in range(stop_after):
+            store.put_layer(i, layers[i])
+        print("stopped", flush=True)
+        time.sleep(600)
+    for _ in range(rounds):
+        write_all(store, keys, layers)
+    store.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Object format: exact round trips, and every kind of damage is a CorruptObject, never garbage data."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore import codec
+from kvstore.errors import CorruptObject
+from tests.kvstore_helpers import FP, OTHER_FP
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_exact_bytes(dtype):
+    t = torch.randn(2, 13, 4, 8).to(dtype)
+    blob = codec.encode_bytes(t, FP)
+    assert len(blob) == codec.HEADER_SIZE + t.numel() * t.element_size()
+    for buf in (blob, bytearray(blob)):  # read-only (redis) and writable (file) buffers
+        out = codec.decode(buf, FP, dtype, (4, 8))
+        assert out.dtype == dtype and out.shape == t.shape
+        assert out.view(torch.uint8).flatten().tolist() == t.view(torch.uint8).flatten().tolist()
+
+
+def test_writable_buffer_is_decoded_without_copy():
+    buf = bytearray(codec.encode_bytes(torch.ones(2, 4, 2, 8), FP))
+    out = codec.decode(buf, FP)
+    buf[-4:] = bytes(4)  # the tensor shares the buffer's memory
+    assert out[1, -1, -1, -1].item() == 0.0
+
+
+def test_non_contiguous_input_is_stored_in_logical_order():
+    t = torch.randn(2, 8, 4, 6).transpose(2, 3).contiguous().transpose(2, 3)
+    assert not t.is_contiguous()
+    assert torch.equal(codec.decode(codec.encode_bytes(t, FP), FP), t)
+
+
+def _damaged(blob: bytes, offset: int) -> bytes:
+    raw = bytearray(blob)
+    raw[offset] ^= 0x40
+    return bytes(raw)
+
+
+@pytest.mark.parametrize("offset,reason", [(0, "magic"), (4, "version"), (6, "dtype"), (12, "header says"),
+                                           (50, "checksum"), (codec.HEADER_SIZE + 7, "checksum"), (-1, "checksum")])
+def test_flipped_bits_are_corrupt(offset, reason):
+    blob = codec.encode_bytes(torch.randn(2, 5, 2, 8), FP)
+    with pytest.raises(CorruptObject, match=reason):
+        codec.decode(_damaged(blob, offset), FP)
+
+
+def test_truncated_and_empty_objects_are_corrupt():
+    blob = codec.encode_bytes(torch.randn(2, 5, 2, 8), FP)
+    for cut in (len(blob) - 1, codec.HEADER_SIZE, 10, 0):
+        with pytest.raises(CorruptObject):
+            codec.decode(blob[:cut], FP)
+
+
+def test_wrong_model_dtype_or_shape_is_corrupt():
+    blob = codec.encode_bytes(torch.randn(2, 5, 2, 8).half(), FP)
+    with pytest.raises(CorruptObject, match="model"):
+        codec.decode(blob, OTHER_FP)
+    with pytest.raises(CorruptObject, match="dtype"):
+        codec.decode(blob, FP, torch.bfloat16)
+    with pytest.raises(CorruptObject, match="shape"):
+        codec.decode(blob, FP, torch.float16, (8, 2))
+
+
+def test_bad_inputs_are_value_errors():
+    with pytest.raises(ValueError, match="2, n_tokens"):
+        codec.encode(torch.zeros(3, 4, 2, 8), FP)
+    with pytest.raises(ValueError, match="dtype"):
+        codec.encode(torch.zeros(2, 4, 2, 8, dtype=torch.int32), FP)
+    with pytest.raises(ValueError, match="fingerprint"):
+        codec.encode(torch.zeros(2, 4, 2, 8), "xyz")
+    assert codec.as_dtype("torch.bfloat16") is torch.bfloat16

@@ -1,0 +1,78 @@
+"""redis:// specifics against a real redis-server: outages, key layout, ttl, damaged values."""
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import redis
+import torch
+
+from kvstore import CorruptObject, StoreTimeout, StoreUnavailable
+from tests.kvstore_helpers import FP, OTHER_FP, make_chunks, open_test_store, write_all
+
+
+def test_outage_is_unavailable_within_the_timeout_and_the_same_store_recovers(redis_server):
+    keys, layers = make_chunks(32, 2)
+    store = open_test_store(redis_server.url, 2, timeout=1.0)
+    write_all(store, keys, layers)
+    redis_server.stop()
+    for call in (lambda: store.lookup(keys), lambda: store.get_layer(0, keys), lambda: write_all(store, keys, layers)):
+        start = time.monotonic()
+        with pytest.raises(StoreUnavailable, match="unreachable"):
+            call()
+        assert time.monotonic() - start < 5.0  # bounded by the 1 s timeout (generous for a loaded machine)
+    redis_server.start()  # a fresh, empty server on the same port
+    assert store.lookup(keys) == 0
+    write_all(store, keys, layers)
+    assert store.lookup(keys) == 2
+    assert torch.equal(store.get_layer(1, keys)[1], layers[1][keys[1]])
+
+
+def test_frozen_server_is_a_timeout_not_a_hang(redis_server):
+    keys, layers = make_chunks(16, 1)
+    store = open_test_store(redis_server.url, 1, timeout=0.5)
+    write_all(store, keys, layers)
+    redis_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(StoreTimeout):
+            store.get_layer(0, keys)
+        assert time.monotonic() - start < 5.0
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+    assert torch.equal(store.get_layer(0, keys)[0], layers[0][keys[0]])
+
+
+def test_keys_share_a_hash_tag_per_chunk_and_respect_prefix_and_ttl(redis_server):
+    keys, layers = make_chunks(20, 2)
+    store = open_test_store(redis_server.url + "?prefix=t1:&ttl=300", 2)
+    write_all(store, keys, layers)
+    client = redis.Redis(port=redis_server.port)
+    names = sorted(k.decode() for k in client.keys("*"))
+    assert names == sorted(f"t1:{FP}:{{{key}}}:{s}" for key in keys for s in ("0", "1", "c"))
+    assert all(0 < client.ttl(name) <= 300 for name in names)
+    other = open_test_store(redis_server.url, 2)  # default prefix: a separate namespace
+    assert other.lookup(keys) == 0
+
+
+def test_damaged_or_foreign_values_are_corrupt(redis_server):
+    keys, layers = make_chunks(16, 1)
+    store = open_test_store(redis_server.url, 1)
+    write_all(store, keys, layers)
+    client = redis.Redis(port=redis_server.port)
+    name = f"pdkv:{FP}:{{{keys[0]}}}:0"
+    value = bytearray(client.get(name))
+    value[100] ^= 4
+    client.set(name, bytes(value))
+    with pytest.raises(CorruptObject, match="checksum"):
+        store.get_layer(0, keys)
+    assert len(store.verify().corrupt) == 1
+    client.set(name, bytes(value[:-1]))
+    with pytest.raises(CorruptObject):
+        store.get_layer(0, keys)
+    foreign = open_test_store(redis_server.url, 1, fingerprint=OTHER_FP)
+    write_all(foreign, keys, layers)
+    client.set(name, client.get(f"pdkv:{OTHER_FP}:{{{keys[0]}}}:0"))
+    with pytest.raises(CorruptObject, match="written for model"):
+        store.get_layer(0, keys)
