@@ -1,1 +1,24 @@
-"""pdserve engine package."""
+"""pdserve engine: `from engine import LLM, SamplingParams` for offline generation.
+
+The heavy names (they pull in torch and transformers) load on first use, so importing a light
+submodule such as `engine.config` stays cheap.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "LLMEngine": "engine.llm_engine",
+    "RequestOutput": "engine.outputs",
+    "EngineStats": "engine.outputs",
+    "SamplingParams": "engine.sampling_params",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

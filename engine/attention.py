@@ -1,0 +1,85 @@
+"""Paged attention layer and the per-step forward context it reads.
+
+The model runner builds one `ForwardContext` per step (batch layout, KV tensors, connector)
+and sets it around the forward pass, so model code stays free of batch plumbing. Each
+attention layer writes its new K/V into paged memory and attends over the paged history,
+calling the KV connector's per-layer hooks in between (when a connector is present).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+import kernels
+
+if TYPE_CHECKING:
+    from connectors.base import KVConnectorBase
+
+
+@dataclass
+class AttentionMetadata:
+    """The flattened batch: request b owns query rows [query_start_loc[b], query_start_loc[b+1])."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: paged slot of each new token
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, padded with 0
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32: tokens in the cache after this step
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata
+    kv_caches: list[torch.Tensor]
+    connector: KVConnectorBase | None = None
+    connector_metadata: Any = None
+
+
+# Per thread: two engines in one process (a prefill and a decode node in tests) step concurrently.
+_local = threading.local()
+
+
+def get_forward_context() -> ForwardContext:
+    ctx = getattr(_local, "ctx", None)
+    if ctx is None:
+        raise RuntimeError("attention called outside set_forward_context (the model runner sets it per step)")
+    return ctx
+
+
+@contextlib.contextmanager
+def set_forward_context(ctx: ForwardContext) -> Iterator[None]:
+    previous, _local.ctx = getattr(_local, "ctx", None), ctx
+    try:
+        yield
+    finally:
+        _local.ctx = previous
+
+
+class PagedAttention(nn.Module):
+    """Attention of layer `layer_idx` over paged KV, with the connector's per-layer hooks."""
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [n, heads, dim], k/v [n, kv_heads, dim] of the new tokens -> [n, heads * dim]."""
+        ctx = get_forward_context()
+        meta = ctx.attn_metadata
+        kv_cache = ctx.kv_caches[self.layer_idx]
+        if ctx.connector is not None:
+            # External KV of this layer must be in paged memory before anything reads it.
+            ctx.connector.wait_for_layer_load(self.layer_idx)
+        kernels.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        if ctx.connector is not None:
+            ctx.connector.save_kv_layer(self.layer_idx, kv_cache, ctx.connector_metadata)
+        out = kernels.paged_attention(q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                                      self.scale)
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)

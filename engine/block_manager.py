@@ -1,0 +1,116 @@
+"""KVCacheManager: which paged-KV blocks each request owns, and prefix caching over them.
+
+Prefix caching works on full blocks only. Block i of a request is named by the hash chain
+h_i = H(h_{i-1} || tokens of block i) with h_{-1} = H(model fingerprint || cache salt)
+(kvstore.keys), so equal prefixes of the same model and tenant get equal names in every
+process. A block is indexed only after the step that wrote its KV has finished
+(`cache_blocks`), never at allocation time: external loads may still fail and be rewound.
+"""
+from __future__ import annotations
+
+from engine.block_pool import BlockPool, KVCacheBlock
+from engine.request import Request
+from kvstore.keys import chain_seed, hash_chain
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, fingerprint: str,
+                 enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.fingerprint = fingerprint
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already indexed
+        self.prefix_cache_queries = 0  # tokens looked up at admission
+        self.prefix_cache_hits = 0  # of those, tokens found in the local prefix cache
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def block_hashes(self, request: Request) -> list[bytes]:
+        """Extend `request.block_hashes` to cover every full block of its current tokens."""
+        hashes = request.block_hashes
+        done = len(hashes) * self.block_size
+        if request.num_tokens - done >= self.block_size:
+            seed = hashes[-1] if hashes else chain_seed(self.fingerprint, request.cache_salt)
+            hashes.extend(hash_chain(seed, request.all_token_ids[done:], self.block_size, include_partial=False))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of cached leading blocks, capped so the last token is always computed."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in self.block_hashes(request)[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Counted once per admission, so a request that waits for room is not counted per step."""
+        self.prefix_cache_queries += num_query_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       num_external_tokens: int = 0) -> list[int] | None:
+        """Make room for local hits + external tokens + `num_new_tokens`; None if the pool is short.
+
+        Returns the ids of the newly allocated blocks. Nothing changes when it returns None.
+        """
+        computed = new_computed_blocks or []
+        held = self.req_to_blocks.get(request.request_id, [])
+        total_tokens = (request.num_computed_tokens + len(computed) * self.block_size
+                        + num_external_tokens + num_new_tokens)
+        num_needed = cdiv(total_tokens, self.block_size) - len(held) - len(computed)
+        revived = sum(1 for b in computed if b.ref_cnt == 0)  # they leave the free queue too
+        if num_needed > self.pool.num_free_blocks - revived:
+            return None
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if computed:
+            self.pool.touch(computed)
+            blocks.extend(computed)
+            self.num_cached_blocks[request.request_id] = len(blocks)
+        new = self.pool.take_new(max(num_needed, 0))
+        blocks.extend(new)
+        return [b.block_id for b in new]
+
+    def cache_blocks(self, request: Request, num_valid_tokens: int) -> None:
+        """Index the request's full blocks among its first `num_valid_tokens` (their KV is written)."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        end = min(num_valid_tokens // self.block_size, len(blocks))
+        if end <= start:
+            return
+        hashes = self.block_hashes(request)
+        for i in range(start, end):
+            self.pool.register(blocks[i], hashes[i])
+        self.num_cached_blocks[request.request_id] = end
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, so its prefix outlives its tail in the LRU."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.pool.release(list(reversed(blocks)))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]

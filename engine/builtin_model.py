@@ -1,0 +1,189 @@
+"""Deterministic random-weight checkpoints (`pd-make-model`): tests and benchmarks need no download.
+
+The weights are random, so the outputs are meaningless text; what matters is that they are a
+real Hugging Face checkpoint (config + safetensors + tokenizer) that `transformers` loads too,
+which makes HF the correctness oracle. The init scales are chosen so greedy choices are well
+separated (float rounding never flips an argmax) and depend on the whole context (so a wrong
+KV cache changes the output).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=32, intermediate_size=256, max_position_embeddings=8192, dtype="float32"),
+    "bench": dict(num_hidden_layers=12, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=64, intermediate_size=2816, max_position_embeddings=8192, dtype="bfloat16"),
+}
+ARCHS = ("llama", "qwen2", "mistral")
+VOCAB_SIZE = 384  # ByT5: pad 0, eos 1, unk 2, 256 bytes, 125 extra ids
+PAD_ID, EOS_ID = 0, 1
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+LOGIT_STD = 4.0  # target std of the final logits: top-1/top-2 gaps of ~0.1..1, far above fp noise
+RESIDUAL_GAIN = 0.5  # each layer's output projections add about this much (relative) to the stream
+README = """# pdserve {preset} random weights — not a real model
+
+Written by `pd-make-model` (engine/builtin_model.py): preset `{preset}`, architecture `{arch}`, seed {seed}.
+The weights are random numbers: the text it produces is meaningless. It exists so that tests and
+benchmarks run without downloads, with Hugging Face `transformers` loading the very same files as
+the correctness oracle. Tokenizer: byte-level ByT5 (eos id 1, pad id 0) with a simple chat template.
+"""
+
+
+def build_config(preset: str = "tiny", arch: str = "llama", num_kv_heads: int | None = None,
+                 **overrides: Any):
+    """The transformers config of a built-in model (no weights)."""
+    from transformers import AutoConfig
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    values = dict(PRESETS[preset])
+    if num_kv_heads is not None:
+        values["num_key_value_heads"] = num_kv_heads
+    values.update(vocab_size=VOCAB_SIZE, eos_token_id=EOS_ID, pad_token_id=PAD_ID, bos_token_id=None,
+                  rms_norm_eps=1e-6, tie_word_embeddings=(arch == "qwen2"),
+                  architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                  "mistral": "MistralForCausalLM"}[arch]])
+    if arch == "qwen2":
+        values.update(use_sliding_window=False, max_window_layers=values["num_hidden_layers"])
+    if arch == "mistral":
+        values.update(sliding_window=None)
+    values["pdserve_note"] = f"pdserve {preset} random weights ({arch}) - not a real model"
+    values.update(overrides)
+    return AutoConfig.for_model(arch, **values)
+
+
+def _param_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes exactly as transformers names them (model built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    if cfg.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def random_weights(cfg, seed: int) -> dict[str, torch.Tensor]:
+    """Deterministic weights: one generator, parameters drawn in sorted-name order, then cast."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = _param_shapes(cfg)
+    hidden = cfg.hidden_size
+    dtype = getattr(torch, str(cfg.dtype).replace("torch.", ""))
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if name.endswith("norm.weight"):
+            w = 1.0 + 0.1 * torch.randn(shape, generator=gen)  # not all-ones: a missed norm weight shows
+        elif "embed_tokens" in name or name == "lm_head.weight":
+            # Logits = normed hidden (unit RMS) @ lm_head^T, so std LOGIT_STD / sqrt(hidden) per entry.
+            w = torch.randn(shape, generator=gen) * (LOGIT_STD / math.sqrt(hidden))
+        elif name.endswith(".bias"):
+            w = 0.1 * torch.randn(shape, generator=gen)
+        else:
+            gain = RESIDUAL_GAIN if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+            w = torch.randn(shape, generator=gen) * (gain / math.sqrt(shape[1]))
+        out[name] = w.to(dtype).contiguous()
+    return out
+
+
+def save_tokenizer(out_dir: Path) -> None:
+    from transformers import ByT5Tokenizer
+
+    tok = ByT5Tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(out_dir), save_jinja_files=False)
+
+
+def make_model(out_dir: str | os.PathLike, preset: str = "tiny", arch: str = "llama",
+               num_kv_heads: int | None = None, seed: int = 0, **config_overrides: Any) -> Path:
+    """Write a random-weight HF checkpoint (config, model.safetensors, tokenizer, README) into out_dir."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = build_config(preset, arch, num_kv_heads, **config_overrides)
+    cfg.save_pretrained(str(out))
+    GenerationConfig(eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False).save_pretrained(str(out))
+    save_file(random_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_tokenizer(out)
+    (out / "README.md").write_text(README.format(preset=preset, arch=arch, seed=seed))
+    for path in [out, *out.iterdir()]:  # tempfile-made paths are owner-only; a model dir is shared
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return out
+
+
+def default_model_path() -> Path:
+    """The tiny Llama under $PDSERVE_CACHE_DIR (default ~/.cache/pdserve/models), made on first use.
+
+    Built in a temp dir beside the target and renamed into place, so racing processes never see
+    a half-written model (the loser of the rename race discards its copy).
+    """
+    root = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve" / "models")
+    target = root / "tiny-random-llama"
+    if (target / "model.safetensors").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-random-llama-", dir=root))
+    try:
+        make_model(tmp, preset="tiny", arch="llama")
+        os.rename(tmp, target)
+    except OSError:
+        if not (target / "model.safetensors").exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _parse_override(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pd-make-model",
+                                     description="Write a deterministic random-weight HF checkpoint.")
+    parser.add_argument("dir", help="output directory")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument("--num-kv-heads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", dest="overrides", action="append", type=_parse_override, default=[],
+                        metavar="KEY=VALUE", help="override a config field (JSON value), repeatable")
+    args = parser.parse_args(argv)
+    try:
+        path = make_model(args.dir, preset=args.preset, arch=args.arch, num_kv_heads=args.num_kv_heads,
+                          seed=args.seed, **dict(args.overrides))
+    except (ValueError, OSError) as exc:
+        print(f"pd-make-model: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.preset} random-weight {args.arch} checkpoint to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

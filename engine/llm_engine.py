@@ -1,0 +1,223 @@
+"""LLMEngine: tokenizer + scheduler + KV cache manager + model runner, driven one step at a time.
+
+`step()` schedules a batch, runs it, applies the outputs and turns them into RequestOutputs
+(detokenized text, stop strings). The engine is synchronous; AsyncLLMEngine runs it in a
+thread for the servers.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from engine.block_manager import KVCacheManager
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.outputs import EngineStats, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.scheduler_output import ModelRunnerOutput
+from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from connectors.base import KVConnectorBase
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _OutputState:
+    """Per-request bookkeeping on the output side: text so far and what was already handed out."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    text: str = ""
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+
+
+def _eos_token_id(tokenizer: Any, hf_config: Any) -> int | None:
+    """The tokenizer's EOS, else the config's (the first one when it lists several)."""
+    if tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    eos = getattr(hf_config, "eos_token_id", None)
+    return eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, connector: KVConnectorBase | None = None) -> None:
+        self.config = config
+        self.model_name = config.model.model
+        self.model_runner = ModelRunner(config, connector)  # first: it explains a bad model path
+        self.tokenizer = load_tokenizer(config.model.model)
+        runner = self.model_runner
+        if connector is None and config.kv_transfer.enabled:
+            from connectors.factory import create_connector
+
+            # The runner comes first (the connector needs its shapes and registers its KV tensors).
+            connector = create_connector(config, runner)
+            runner.connector = connector
+        self.connector = connector
+        self.kv_cache_manager = KVCacheManager(runner.num_blocks, runner.block_size, runner.fingerprint,
+                                               config.cache.enable_prefix_caching)
+        capacity = runner.num_blocks * runner.block_size
+        # One request can never hold more tokens than the whole cache: cap instead of preempting forever.
+        self.max_model_len = min(runner.max_model_len, capacity)
+        if capacity < runner.max_model_len:
+            logger.warning("KV cache holds %d tokens, less than the model's %d: max_model_len capped to %d "
+                           "(raise kv_cache_memory for longer sequences)", capacity, runner.max_model_len, capacity)
+        self.scheduler = Scheduler(config, self.kv_cache_manager, connector, max_model_len=self.max_model_len)
+        self.vocab_size = runner.hf_config.vocab_size
+        self.eos_token_id = _eos_token_id(self.tokenizer, runner.hf_config)
+        self._states: dict[str, _OutputState] = {}
+        self.num_requests_added = 0
+        self.num_requests_finished = 0
+        self.num_generation_tokens = 0
+        sc = config.scheduler
+        logger.info("engine ready: model %s (%s, %s, %d layers, %d kv heads x %d head dim), %d KV blocks x %d "
+                    "tokens = %d tokens, max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, "
+                    "long_prefill_token_threshold %d, prefix caching %s, connector %s",
+                    self.model_name, type(runner.hf_config).__name__.removesuffix("Config"),
+                    str(runner.dtype).removeprefix("torch."),
+                    runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.num_blocks, runner.block_size,
+                    capacity, self.max_model_len, sc.max_num_seqs, sc.max_num_batched_tokens,
+                    sc.long_prefill_token_threshold, "on" if config.cache.enable_prefix_caching else "off",
+                    type(connector).__name__ if connector is not None else "none")
+
+    @classmethod
+    def from_kwargs(cls, model: str, connector: KVConnectorBase | None = None, **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(model, **kwargs), connector)
+
+    # ---- requests ----
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    cache_salt: str | None = None) -> None:
+        """Queue a request; ValueError with a clear message when it can never run."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[0]!r}")
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, ids, params, eos_token_id=self.eos_token_id, cache_salt=cache_salt)
+        self.scheduler.add_request(request)
+        self._states[request_id] = _OutputState(request, IncrementalDetokenizer(self.tokenizer, ids))
+        self.num_requests_added += 1
+        logger.info("Reqid: %s, added: prompt %d tokens, max_tokens %d", request_id, len(ids), params.max_tokens)
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        """Abort running or waiting requests (unknown ids are ignored); their final outputs."""
+        done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [self._make_output(r) for r in done]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- one step ----
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens:
+            runner_output = self.model_runner.execute_model(scheduler_output)
+        else:
+            runner_output = ModelRunnerOutput()
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return [self._make_output(r) for r in updated]
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        state = self._states[request.request_id]
+        new_ids = request.output_token_ids[state.num_sent_tokens:]
+        if new_ids and state.first_token is None:
+            state.first_token = time.monotonic()
+        self.num_generation_tokens += len(new_ids)
+        state.text += state.detokenizer.add_tokens(new_ids)
+        self._check_stop_strings(state)
+        if request.is_finished:
+            if not isinstance(request.stop_reason, str):
+                state.text += state.detokenizer.flush()
+            visible = len(state.text)
+        else:  # hold back text that may still become a stop string
+            visible = max(state.num_sent_chars, len(state.text) - self._stop_holdback(request))
+        out = RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            new_token_ids=new_ids,
+            new_text=state.text[state.num_sent_chars:visible],
+            new_logprobs=request.output_logprobs[state.num_sent_tokens:] if request.sampling_params.logprobs else [],
+            token_ids=list(request.output_token_ids),
+            text=state.text[:visible],
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            stop_reason=request.stop_reason,
+        )
+        state.num_sent_tokens = len(request.output_token_ids)
+        state.num_sent_chars = visible
+        if request.is_finished:
+            self._finish(state)
+        return out
+
+    @staticmethod
+    def _stop_holdback(request: Request) -> int:
+        return max((len(s) for s in request.sampling_params.stop), default=1) - 1
+
+    def _check_stop_strings(self, state: _OutputState) -> None:
+        """Stop strings match on detokenized text; the output text ends right before the match."""
+        request = state.request
+        if not request.sampling_params.stop or request.status == RequestStatus.FINISHED_ABORTED:
+            return
+        start = max(0, state.num_sent_chars - self._stop_holdback(request))
+        hits = [(idx, s) for s in request.sampling_params.stop if (idx := state.text.find(s, start)) >= 0]
+        if not hits:
+            return
+        idx, stop = min(hits)
+        state.text = state.text[:idx]
+        if request.is_finished:  # max_tokens or eos on the same token: the stop string still wins
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_STOPPED)
+        request.stop_reason = stop
+
+    def _finish(self, state: _OutputState) -> None:
+        request = state.request
+        del self._states[request.request_id]
+        self.num_requests_finished += 1
+        now = time.monotonic()
+        ttft = (state.first_token - state.arrival) * 1000 if state.first_token else float("nan")
+        logger.info("Reqid: %s, finished (%s): prompt %d tokens (%d cached), output %d tokens, %.1f ms "
+                    "(first token %.1f ms), %d preemptions", request.request_id, request.finish_reason,
+                    request.num_prompt_tokens, max(request.num_cached_tokens, 0), request.num_output_tokens,
+                    (now - state.arrival) * 1000, ttft, request.num_preemptions)
+
+    # ---- observability ----
+    def get_stats(self) -> EngineStats:
+        kv = self.kv_cache_manager
+        sched = self.scheduler
+        return EngineStats(
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_blocks,
+            kv_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=sched.num_preemptions,
+            num_prompt_tokens_computed=sched.num_prompt_tokens_computed,
+            num_generation_tokens=self.num_generation_tokens,
+            num_requests_added=self.num_requests_added,
+            num_requests_finished=self.num_requests_finished,
+            num_failed_loads=sched.num_failed_loads,
+        )
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()

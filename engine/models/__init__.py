@@ -1,0 +1,29 @@
+"""Model registry: HF `architectures` name -> our paged-KV implementation."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.models.llama import LlamaForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+}
+
+
+def get_model_class(hf_config: Any) -> type[nn.Module]:
+    """The implementation for the config's architecture; a one-line error for anything else."""
+    archs = getattr(hf_config, "architectures", None) or []
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    raise ValueError(f"unsupported model architecture {', '.join(archs) or '(none in config.json)'}; "
+                     f"supported: {', '.join(MODEL_REGISTRY)}")
+
+
+def build_model(hf_config: Any, dtype: torch.dtype, max_positions: int | None = None) -> nn.Module:
+    return get_model_class(hf_config)(hf_config, dtype, max_positions)

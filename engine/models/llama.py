@@ -1,0 +1,229 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral) over paged KV.
+
+Pre-norm blocks: RMSNorm -> attention (fused qkv projection, RoPE, GQA) -> residual,
+RMSNorm -> SwiGLU MLP (fused gate/up projection) -> residual. The elementwise ops follow the
+order transformers uses, so fp32 logits agree with it to rounding.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import PagedAttention
+from engine.models.linear import Linear
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any]]:
+    """(theta, scaling parameters) from either transformers 5 `rope_parameters` or older fields."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    legacy = getattr(hf_config, "rope_scaling", None)
+    if isinstance(legacy, dict):
+        params = {**legacy, **params}
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    params["rope_type"] = rope_type
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
+    return float(theta), params
+
+
+def rope_inv_freq(head_dim: int, theta: float, params: dict[str, Any]) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if params["rope_type"] == "linear":
+        return inv_freq / params["factor"]
+    if params["rope_type"] == "llama3":
+        # Long wavelengths are slowed down by `factor`, short ones kept, the band between interpolated.
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        context = params["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+        blend = (context / wavelen - low) / (high - low)
+        smoothed = (1 - blend) * scaled / factor + blend * scaled
+        medium = (wavelen >= context / high) & (wavelen <= context / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin per position in HF's half-split layout, looked up once per step."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, params: dict[str, Any],
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, params)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), -1).to(dtype), persistent=False)
+        # The sign of rotate_half folded into the table: x*cos + cat(x2, x1)*sin == HF's x*cos + cat(-x2, x1)*sin.
+        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), -1).to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [n, heads, dim] rotated by each row's position (cos/sin from RotaryEmbedding)."""
+    cos, sin = rope
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool, o_bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, o_bias, dtype)
+        self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
+                                   scale=self.head_dim ** -0.5)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        # q and k heads side by side: one rotation for both.
+        qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads,
+                                                                  self.head_dim), rope)
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
+        out = self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], v)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "mlp_bias", False):
+            raise ValueError("only SwiGLU MLPs without bias (hidden_act='silu') are supported")
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, False, dtype)
+        self.down_proj = Linear(self.intermediate, cfg.hidden_size, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool, o_bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, layer_idx, qkv_bias, o_bias, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also Qwen2 (bias on q/k/v, usually tied embeddings) and Mistral (same math as Llama)."""
+
+    def __init__(self, cfg: Any, dtype: torch.dtype, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.arch = arch = (getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])[0]
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
+        o_bias = arch != "Qwen2ForCausalLM" and attention_bias
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        theta, rope_params = rope_settings(cfg)
+        self.rotary = RotaryEmbedding(head_dim, max_positions or cfg.max_position_embeddings, theta, rope_params,
+                                      dtype)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
+                                         requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, qkv_bias, o_bias, dtype)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states [n, hidden] of a flattened batch (layout in the forward context)."""
+        x = F.embedding(input_ids, self.embed_tokens)
+        rope = self.rotary(positions)
+        for layer in self.layers:
+            x = layer(x, rope)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # ---- weights ----
+    def _target(self, name: str) -> tuple[torch.Tensor, int, int] | None:
+        """Where checkpoint tensor `name` goes: (parameter, row offset, rows); None to skip it."""
+        parts = name.removeprefix("model.").split(".")
+        if parts[0] == "embed_tokens":
+            return self.embed_tokens, 0, self.embed_tokens.shape[0]
+        if parts[0] == "lm_head":
+            return None if self.tie_word_embeddings else (self.lm_head.weight, 0, self.lm_head.weight.shape[0])
+        if parts[0] == "norm":
+            return self.norm.weight, 0, self.norm.weight.shape[0]
+        if parts[0] != "layers":
+            raise KeyError(name)
+        layer = self.layers[int(parts[1])]
+        module, proj, kind = parts[2], parts[3], parts[-1]
+        if module in ("input_layernorm", "post_attention_layernorm"):
+            return getattr(layer, module).weight, 0, layer.input_layernorm.weight.shape[0]
+        if kind not in ("weight", "bias"):
+            raise KeyError(name)
+        if module == "self_attn" and proj == "rotary_emb":
+            return None  # old checkpoints store inv_freq; we compute it
+        if module == "self_attn":
+            attn = layer.self_attn
+            if proj == "o_proj":
+                return getattr(attn.o_proj, kind), 0, attn.o_proj.weight.shape[0]
+            offset = {"q_proj": 0, "k_proj": attn.q_size, "v_proj": attn.q_size + attn.kv_size}[proj]
+            rows = attn.q_size if proj == "q_proj" else attn.kv_size
+            return getattr(attn.qkv_proj, kind), offset, rows
+        if module == "mlp":
+            mlp = layer.mlp
+            if proj == "down_proj":
+                return mlp.down_proj.weight, 0, mlp.down_proj.weight.shape[0]
+            offset = {"gate_proj": 0, "up_proj": mlp.intermediate}[proj]
+            return mlp.gate_up_proj.weight, offset, mlp.intermediate
+        raise KeyError(name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into the fused parameters; every parameter must be covered."""
+        params = {id(p): n for n, p in self.named_parameters()}
+        filled: dict[str, int] = {}
+        for name, tensor in weights:
+            try:
+                target = self._target(name)
+            except (KeyError, AttributeError, IndexError):
+                raise ValueError(f"unexpected weight {name!r} in checkpoint (not a {self.arch} weight)") from None
+            if target is None:
+                continue
+            param, offset, rows = target
+            if param is None or tuple(tensor.shape) != (rows, *param.shape[1:]):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, which does not fit this config")
+            param.data[offset:offset + rows].copy_(tensor)
+            key = params[id(param)]
+            filled[key] = filled.get(key, 0) + rows
+        missing = [n for n, p in self.named_parameters() if filled.get(n, 0) != p.shape[0]]
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for {', '.join(missing[:5])}"
+                             f"{' ...' if len(missing) > 5 else ''}")
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()

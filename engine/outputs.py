@@ -1,0 +1,48 @@
+"""What the engine hands back: per-request progress (RequestOutput) and engine counters (EngineStats)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestOutput:
+    """One request after a step: the delta of this step plus everything so far.
+
+    `text` excludes a matched stop string; while a request runs, text that could still turn
+    out to be the start of a stop string is held back from `new_text`.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[float]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    num_cached_tokens: int  # prompt tokens that came from the prefix cache or the KV store
+    stop_reason: int | str | None = None  # the stop token id or stop string that matched
+
+
+@dataclass
+class EngineStats:
+    """Counters since start-up (monotonic) plus the current queue and cache state."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_usage: float  # fraction of blocks held by requests
+    prefix_cache_queries: int  # prompt tokens looked up in the local prefix cache
+    prefix_cache_hits: int  # of those, tokens found
+    num_preemptions: int
+    num_prompt_tokens_computed: int  # prompt tokens that went through the forward pass
+    num_generation_tokens: int  # sampled tokens
+    num_requests_added: int
+    num_requests_finished: int
+    num_failed_loads: int  # external KV loads that failed and were recomputed
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

@@ -1,0 +1,59 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds; logprob of the chosen token."""
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import torch
+
+from engine.request import Request
+from kvstore.keys import digest
+
+
+def seeded_generator(seed: int, token_index: int) -> torch.Generator:
+    """The generator for token `token_index` of a request with `seed`.
+
+    Derived from (seed, index) alone rather than kept as state, so the n-th token of a seeded
+    request is the same whatever it was batched with, after a preemption, or after a step
+    whose result was thrown away (a failed KV load).
+    """
+    key = digest(b"pdserve-sample", struct.pack("<qQ", seed, token_index))
+    return torch.Generator().manual_seed(int.from_bytes(key[:8], "little") >> 1)
+
+
+class Sampler:
+    """Samples one token per row of logits; unseeded requests share one engine-seeded generator."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int], list[float]]:
+        """logits [num_reqs, vocab] float32 (raw) -> (token ids, logprob of each under the raw logits)."""
+        logprobs = torch.log_softmax(logits, dim=-1)
+        tokens = logits.argmax(dim=-1)  # greedy rows: exactly argmax, no noise involved
+        rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+        if rows:
+            tokens[rows] = self._sample(logits[rows], [requests[i] for i in rows])
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+        return tokens.tolist(), chosen.tolist()
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        vocab = logits.shape[1]
+        params = [r.sampling_params for r in requests]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        sorted_logits, order = (logits / temperature[:, None]).sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab)
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+        sorted_logits.masked_fill_(ranks[None, :] >= top_k[:, None], float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        # Drop a token when the tokens ranked above it already hold top_p of the mass (the first always stays).
+        outside = (probs.cumsum(dim=-1) - probs >= top_p[:, None]) & (top_p[:, None] < 1.0)
+        probs.masked_fill_(outside, 0.0)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws index i with probability p_i / sum(p).
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, (req, p) in enumerate(zip(requests, params)):
+            if p.seed is not None:
+                noise[row].exponential_(generator=seeded_generator(p.seed, req.num_tokens))
+        choice = (probs / noise).argmax(dim=-1, keepdim=True)
+        return order.gather(1, choice).squeeze(1)

@@ -1,0 +1,244 @@
+"""The scheduler (vLLM v1 model): one token budget per step, no prefill/decode phases.
+
+Each step every scheduled request's `num_computed_tokens` catches up towards its
+`num_tokens`: running requests first (mostly 1-token decodes), then waiting ones (whose
+prompts are chunked to fit the budget). When the block pool runs dry, the newest running
+request is preempted: its blocks are freed and it is recomputed later, from the front of
+the waiting queue. KV-connector hooks are named `# connector hook:` below.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import TYPE_CHECKING
+
+from engine.block_manager import KVCacheManager
+from engine.config import EngineConfig
+from engine.request import Request, RequestStatus
+from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from connectors.base import KVConnectorBase
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager,
+                 connector: KVConnectorBase | None = None, max_model_len: int | None = None) -> None:
+        self.config = config.scheduler
+        self.kv_cache_manager = kv_cache_manager
+        self.connector = connector
+        # The engine passes the runner's limit; the config's is the fallback for model-less use.
+        self.max_model_len = max_model_len or config.model.max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # since the last schedule(), for the runner
+        self._delayed_free: dict[str, Request] = {}  # finished, blocks held for an async save
+        self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0
+        self.num_tokens_computed = 0
+        self.num_failed_loads = 0
+
+    # ---- requests in and out ----
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> list[Request]:
+        """Finish (stop string) or abort requests from outside; unknown ids are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        done = []
+        for request_id in ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+            done.append(request)
+        return done
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- one step ----
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[Request] = []
+        num_scheduled: dict[str, int] = {}
+        preempted: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
+            while self.kv_cache_manager.allocate_slots(request, n) is None:
+                victim = self.running.pop()  # newest running request
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+            if request.request_id in preempted:
+                break
+            scheduled.append(request)
+            num_scheduled[request.request_id] = n
+            budget -= n
+            i += 1
+
+        # A step that had to preempt is short of blocks: admitting anyone would just thrash.
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            n = self._admit(request, budget)
+            if n is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            scheduled.append(request)
+            num_scheduled[request.request_id] = n
+            budget -= n
+
+        out = SchedulerOutput(
+            scheduled_requests=scheduled,
+            num_scheduled_tokens=num_scheduled,
+            block_tables={r.request_id: self.kv_cache_manager.get_block_ids(r.request_id) for r in scheduled},
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self.finished_req_ids = set()
+        if self.connector is not None:  # connector hook: the step's loads and saves
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        return out
+
+    def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
+        n = request.num_tokens - num_computed
+        threshold = self.config.long_prefill_token_threshold
+        if threshold:
+            n = min(n, threshold)
+        return min(n, budget)
+
+    def _admit(self, request: Request, budget: int) -> int | None:
+        """Prefix lookup + allocation for a waiting request; its new-token count, or None if no room."""
+        kv = self.kv_cache_manager
+        computed_blocks, num_local = kv.get_computed_blocks(request)
+        num_external = 0
+        if self.connector is not None:  # connector hook: what the store adds beyond the local hit
+            num_external, _ = self.connector.get_num_new_matched_tokens(request, num_local)
+            num_external = max(0, min(num_external, request.num_tokens - 1 - num_local))  # last token: computed
+            # The layer-wise load runs inside the same forward pass, so async loads need no special path.
+        n = self._num_tokens_to_schedule(request, num_local + num_external, budget)
+        if kv.allocate_slots(request, n, computed_blocks, num_external) is None:
+            return None
+        if self.connector is not None:  # connector hook: where the external tokens must be written
+            self.connector.update_state_after_alloc(request, kv.get_block_ids(request.request_id), num_external)
+        kv.record_prefix_lookup(request.num_tokens, num_local)
+        request.num_local_computed_tokens = num_local
+        request.num_external_computed_tokens = num_external
+        request.num_computed_tokens = num_local + num_external
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_local + num_external
+        return n
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.info("Reqid: %s, preempted (out of KV blocks), %d tokens to recompute, %d blocks free",
+                    request.request_id, request.num_tokens, self.kv_cache_manager.num_free_blocks)
+
+    # ---- after the step ----
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[Request]:
+        """Advance progress, append sampled tokens, apply stop checks; returns requests with news."""
+        updated: list[Request] = []
+        for request in scheduler_output.scheduled_requests:
+            if request.is_finished:  # aborted between schedule() and now
+                continue
+            rid = request.request_id
+            if rid in runner_output.failed_load_req_ids:
+                self._rewind_failed_load(request)
+                continue
+            before = request.num_computed_tokens
+            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[rid]
+            self.num_tokens_computed += request.num_computed_tokens - before
+            self.num_prompt_tokens_computed += max(0, min(request.num_computed_tokens, request.num_prompt_tokens)
+                                                   - before)
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            token = runner_output.sampled_token_ids.get(rid)
+            if token is None:  # a prefill chunk that did not reach the end of the prompt
+                continue
+            request.append_output_token(token, runner_output.logprobs.get(rid))
+            if self._check_stop(request, token):
+                self.running.remove(request)
+                self._free_request(request)
+            updated.append(request)
+        self._free_finished_saves()
+        return updated
+
+    def _rewind_failed_load(self, request: Request) -> None:
+        """External KV did not arrive: recompute from the local hit (the blocks stay allocated)."""
+        self.num_failed_loads += 1
+        request.num_computed_tokens = request.num_local_computed_tokens
+        request.num_cached_tokens = request.num_local_computed_tokens
+        # The connector already logged the DESIGN.md fallback line with its reason.
+        logger.info("Reqid: %s, rewound to %d locally computed tokens after a failed KV load",
+                    request.request_id, request.num_local_computed_tokens)
+        request.num_external_computed_tokens = 0
+
+    def _check_stop(self, request: Request, token: int) -> bool:
+        params = request.sampling_params
+        if token == request.eos_token_id and not params.ignore_eos:
+            request.status = RequestStatus.FINISHED_STOPPED
+        elif token in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token
+        elif (request.num_output_tokens >= params.max_tokens
+              or (self.max_model_len is not None and request.num_tokens >= self.max_model_len)):
+            request.status = RequestStatus.FINISHED_LENGTH
+        return request.is_finished
+
+    def _free_request(self, request: Request) -> None:
+        """Finished or aborted: tell the connector, then free the blocks unless it still saves from them."""
+        self.finished_req_ids.add(request.request_id)
+        delay = False
+        if self.connector is not None:  # connector hook: the request is done
+            delay, _ = self.connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(request.request_id))
+        if delay:
+            self._delayed_free[request.request_id] = request
+        else:
+            self._release(request)
+
+    def _free_finished_saves(self) -> None:
+        if not self._delayed_free:
+            return
+        done_sending, _ = self.connector.get_finished(set(self._delayed_free))
+        for request_id in done_sending or ():
+            request = self._delayed_free.pop(request_id, None)
+            if request is not None:
+                self._release(request)
+
+    def _release(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]

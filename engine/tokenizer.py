@@ -1,0 +1,93 @@
+"""Tokenizer handling: loading, prompt encoding, chat templates and incremental detokenization."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def load_tokenizer(path: str | os.PathLike) -> Any:
+    """The model directory's own tokenizer (local files only: serving never downloads).
+
+    A directory without tokenizer.json whose tokenizer_config.json names a transformers class
+    (the built-in models' ByT5Tokenizer) gets exactly that class: AutoTokenizer would pick
+    the class registered for the model type instead (e.g. Qwen2Tokenizer for qwen2) and
+    build a wrong vocabulary.
+    """
+    import transformers
+
+    root = Path(path)
+    config_file = root / "tokenizer_config.json"
+    if config_file.exists() and not (root / "tokenizer.json").exists():
+        declared = getattr(transformers, json.loads(config_file.read_text()).get("tokenizer_class") or "", None)
+        if declared is not None:
+            return declared.from_pretrained(str(root), local_files_only=True)
+    return transformers.AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a plain-text prompt.
+
+    Special tokens are added only when the tokenizer has a BOS token: Llama-style tokenizers
+    then get their BOS, while tokenizers that would *append* EOS (ByT5) do not end every
+    prompt with end-of-sequence.
+    """
+    return tokenizer.encode(text, add_special_tokens=tokenizer.bos_token is not None)
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
+                        add_generation_prompt: bool = True) -> list[int]:
+    """Render chat messages with the tokenizer's chat template and tokenize them."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; use the completions API with a plain prompt")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    # The template already contains whatever BOS the model wants.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Byte-level tokens can split one UTF-8 character across several tokens; decoding them
+    alone yields U+FFFD. Text is emitted only once it no longer ends in U+FFFD, and each
+    step decodes only a short window of recent tokens (cost independent of output length).
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int] | None = None,
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = list(prompt_token_ids or [])
+        # Context tokens before the window start make the decoding of the window's tokens
+        # correct for tokenizers whose pieces depend on their left neighbours (sentencepiece spaces).
+        self.prefix_offset = max(len(self.token_ids) - 5, 0)
+        self.read_offset = len(self.token_ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_tokens(self, new_token_ids: list[int]) -> str:
+        """Append tokens; return the newly completed text (possibly empty)."""
+        self.token_ids.extend(new_token_ids)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset:])
+        if full_text.endswith(REPLACEMENT_CHAR) or len(full_text) <= len(prefix_text):
+            return ""
+        delta = full_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end of a request: emit whatever is pending, incomplete characters included."""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset:])
+        delta = full_text[len(prefix_text):] if full_text.startswith(prefix_text) else ""
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,213 @@
+"""Our paged-KV forward pass against transformers on the same random weights (fp32)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import kernels
+from connectors.base import KVConnectorBase, KVConnectorRole
+from engine.attention import ForwardContext, set_forward_context
+from engine.builtin_model import make_model
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler_output import SchedulerOutput
+
+ATOL = 1e-4
+BLOCK = 16
+
+
+def hf_logits(path: Path, token_ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def make_runner(path: Path, connector: KVConnectorBase | None = None) -> ModelRunner:
+    return ModelRunner(EngineConfig.from_kwargs(str(path), kv_cache_memory="2MiB", block_size=BLOCK), connector)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 259, (n,), generator=g).tolist()
+
+
+def step(runner: ModelRunner, plan: list[tuple[Request, int]], tables: dict[str, list[int]],
+         meta=None) -> tuple[torch.Tensor, SchedulerOutput]:
+    """Logits of every scheduled token of one step, run through the runner's own batch preparation."""
+    so = SchedulerOutput(scheduled_requests=[r for r, _ in plan],
+                         num_scheduled_tokens={r.request_id: n for r, n in plan},
+                         block_tables={r.request_id: tables[r.request_id] for r, _ in plan},
+                         total_num_scheduled_tokens=sum(n for _, n in plan), kv_connector_metadata=meta)
+    input_ids, positions, attn_meta, _ = runner.prepare_inputs(so)
+    with torch.inference_mode(), set_forward_context(ForwardContext(attn_meta, runner.kv_caches)):
+        logits = runner.model.compute_logits(runner.model(input_ids, positions))
+    return logits, so
+
+
+def check_against_hf(path: Path) -> None:
+    """Chunked prefill over paged history, a full prefill and decode steps, all in mixed batches."""
+    runner = make_runner(path)
+    a = Request("a", prompt(37, 1), SamplingParams(temperature=0))
+    b = Request("b", prompt(20, 2), SamplingParams(temperature=0))
+    tables = {"a": [9, 3, 7], "b": [5, 2]}  # scattered, non-contiguous blocks
+    got = {"a": [], "b": []}
+    plans = [[(a, 18), (b, 20)], [(b, 1), (a, 19)], [(a, 1), (b, 1)], [(a, 1), (b, 1)]]
+    for plan in plans:
+        logits, _ = step(runner, plan, tables)
+        offset = 0
+        for req, n in plan:
+            got[req.request_id].append(logits[offset:offset + n])
+            offset += n
+        for req, n in plan:  # what the scheduler does after the step: advance, append the greedy token
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens:
+                req.append_output_token(int(got[req.request_id][-1][-1].argmax()))
+    for req in (a, b):
+        ours = torch.cat(got[req.request_id])
+        ref = hf_logits(path, req.all_token_ids)[:ours.shape[0]]
+        assert ours.shape == ref.shape
+        torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])  # 4 query heads: GQA ratios 1, 2 and 4
+def test_logits_match_transformers(tmp_path, arch, num_kv_heads):
+    path = make_model(tmp_path / "m", arch=arch, num_kv_heads=num_kv_heads)
+    check_against_hf(path)
+
+
+def test_mistral_and_llama3_rope_scaling_match_transformers(tmp_path):
+    check_against_hf(make_model(tmp_path / "mistral", arch="mistral"))
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    check_against_hf(make_model(tmp_path / "llama3", rope_parameters=rope))
+
+
+def test_qwen2_checkpoint_has_bias_and_tied_embeddings(tiny_qwen2):
+    names = load_file(tiny_qwen2 / "model.safetensors").keys()
+    assert "lm_head.weight" not in names
+    assert "model.layers.0.self_attn.q_proj.bias" in names
+
+
+class RecordingConnector(KVConnectorBase):
+    """A worker-side connector that loads a given prefix's KV into paged memory in wait_for_layer_load."""
+
+    def __init__(self, loads: dict[int, tuple[torch.Tensor, torch.Tensor]], failed: set[str]) -> None:
+        super().__init__(KVConnectorRole.BOTH)
+        self.loads, self.failed, self.calls, self.saved = loads, failed, [], {}
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return 0, False
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        pass
+
+    def build_connector_meta(self, scheduler_output):
+        return None
+
+    def register_kv_caches(self, kv_caches):
+        self.kv_caches = kv_caches
+
+    def start_load_kv(self, metadata):
+        self.calls.append(("start_load", None))
+
+    def wait_for_layer_load(self, layer_idx):
+        self.calls.append(("load", layer_idx))
+        if layer_idx in self.loads:
+            slots, buf = self.loads[layer_idx]
+            kernels.scatter_kv(self.kv_caches[layer_idx], slots, buf)
+
+    def save_kv_layer(self, layer_idx, kv_cache, metadata):
+        self.calls.append(("save", layer_idx))
+        self.saved[layer_idx] = kv_cache.clone()
+
+    def wait_for_save(self):
+        self.calls.append(("wait_save", None))
+
+    def get_failed_loads(self):
+        return set(self.failed)
+
+
+def test_connector_hooks_load_prefix_and_save_each_layer(tiny_llama):
+    """A 'decode node' computes only the last prompt token; the connector loads the rest per layer."""
+    tokens = prompt(40, 3)
+    table = [4, 1, 6]
+    producer = make_runner(tiny_llama)
+    req = Request("p", tokens, SamplingParams(temperature=0))
+    step(producer, [(req, 40)], {"p": table})
+    slots = torch.arange(39)
+    slots = torch.tensor(table)[slots // BLOCK] * BLOCK + slots % BLOCK
+    loads = {i: (slots, kernels.gather_kv(producer.kv_caches[i], slots)) for i in range(producer.num_layers)}
+
+    connector = RecordingConnector(loads, failed=set())
+    consumer = make_runner(tiny_llama, connector)
+    req2 = Request("c", tokens, SamplingParams(temperature=0, logprobs=True))
+    req2.num_computed_tokens = 39
+    so = SchedulerOutput([req2], {"c": 1}, {"c": table}, 1)
+    out = consumer.execute_model(so)
+    ref = hf_logits(tiny_llama, tokens)[-1]
+    assert out.sampled_token_ids == {"c": int(ref.argmax())}
+    assert out.logprobs["c"] == pytest.approx(float(torch.log_softmax(ref, -1).max()), abs=ATOL)
+    layers = range(consumer.num_layers)
+    expected = [("start_load", None)] + [c for i in layers for c in (("load", i), ("save", i))] + [("wait_save", None)]
+    assert connector.calls == expected
+    last_slot = table[39 // BLOCK] * BLOCK + 39 % BLOCK
+    for i in layers:  # at save time, the layer's cache already holds this step's KV (zeros before)
+        saved = connector.saved[i].view(2, -1, *connector.saved[i].shape[3:])[:, last_slot]
+        reference = producer.kv_caches[i].view(2, -1, *producer.kv_caches[i].shape[3:])[:, last_slot]
+        assert saved.abs().sum() > 0
+        torch.testing.assert_close(saved, reference, atol=ATOL, rtol=0)
+
+
+def test_failed_load_drops_sampled_token(tiny_llama):
+    connector = RecordingConnector({}, failed={"x"})
+    runner = make_runner(tiny_llama, connector)
+    x = Request("x", prompt(5, 4), SamplingParams(temperature=0))
+    y = Request("y", prompt(6, 5), SamplingParams(temperature=0))
+    out = runner.execute_model(SchedulerOutput([x, y], {"x": 5, "y": 6}, {"x": [0], "y": [1]}, 11))
+    assert out.failed_load_req_ids == {"x"}
+    assert set(out.sampled_token_ids) == {"y"}
+
+
+def test_unsupported_architecture_is_one_line_error(tmp_path, tiny_llama):
+    shutil.copytree(tiny_llama, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["architectures"] = ["GPTNeoXForCausalLM"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as err:
+        make_runner(tmp_path / "m")
+    message = str(err.value)
+    assert "\n" not in message and "GPTNeoXForCausalLM" in message
+    assert all(a in message for a in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"))
+
+
+def test_sharded_safetensors_index(tmp_path, tiny_qwen2):
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny_qwen2, sharded)
+    weights = load_file(sharded / "model.safetensors")
+    (sharded / "model.safetensors").unlink()
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({n: weights[n] for n in part}, sharded / file, metadata={"format": "pt"})
+    weight_map = {n: file for file, part in shards.items() for n in part}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    ours = make_runner(sharded).model.state_dict()
+    single = make_runner(tiny_qwen2).model.state_dict()
+    assert ours.keys() == single.keys()
+    assert all(torch.equal(ours[k], single[k]) for k in ours)
+    check_against_hf(sharded)
+
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match="model-00002-of-00002"):
+        make_runner(sharded)
