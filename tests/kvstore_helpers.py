@@ -22,7 +22,7 @@ FP = "0123456789abcdef" * 2
 OTHER_FP = "fedcba9876543210" * 2
 CHUNK = 16
 KV_SHAPE = (2, 8)
-PYTHON = str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "python")
+PYTHON = sys.executable
 
 
 def make_chunks(num_tokens: int, num_layers: int, dtype: torch.dtype = torch.float32, seed: int = 0,
