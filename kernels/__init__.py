@@ -2,6 +2,8 @@
 
 The engine and the connectors call only the functions exported here.
 """
-from kernels.ops import gather_kv, paged_attention, reshape_and_cache, scatter_kv
+from kernels.ops import (gather_kv, gather_kv_layers, paged_attention, reshape_and_cache, scatter_kv,
+                         scatter_kv_layers, use_backend)
 
-__all__ = ["reshape_and_cache", "paged_attention", "gather_kv", "scatter_kv"]
+__all__ = ["reshape_and_cache", "paged_attention", "gather_kv", "scatter_kv", "gather_kv_layers",
+           "scatter_kv_layers", "use_backend"]

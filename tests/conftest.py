@@ -7,6 +7,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton reads TRITON_INTERPRET when it is first imported (its own tl.* helpers are jitted then),
+# and lmcache/transformers may import it early: set it before anything else so the kernel tests
+# run in the interpreter whatever the test order. CPU tensors still take the torch path.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.utils import RedisServer  # noqa: E402
 
