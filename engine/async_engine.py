@@ -1,0 +1,261 @@
+"""AsyncLLMEngine: the synchronous LLMEngine driven by a dedicated step thread, for asyncio servers.
+
+Why a thread: a step (a long prefill especially) can take seconds; run on the event loop it
+would stall /health and every other connection. Torch releases the GIL inside its ops, so the
+loop stays responsive. Only the step thread touches the LLMEngine (it is not thread-safe):
+the loop sends it commands through a queue and gets outputs back via call_soon_threadsafe.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many accepted requests are still waiting for their first token."""
+
+
+class EngineShutdownError(RuntimeError):
+    """The engine is shutting down (or has stopped) and takes no new requests."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The server aborted the request (shutdown or an engine failure), not the client."""
+
+
+@dataclass
+class _Stream:
+    request_id: str
+    num_prompt_tokens: int
+    arrival: float = field(default_factory=time.monotonic)
+    last_token_time: float = 0.0
+    started: bool = False  # produced its first token (or finished)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class AsyncLLMEngine:
+    """Per-request async output streams over one LLMEngine stepping in its own thread."""
+
+    def __init__(self, engine: Any, max_waiting_requests: int = 256, metrics: Any = None) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.metrics = metrics
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._num_unstarted = 0  # accepted requests without a first token yet: the bounded "waiting queue"
+        self._stats = engine.get_stats()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._accepting = False
+        self.num_steps = 0  # steps started (written by the step thread only)
+        self._step_started: float | None = None
+
+    # ------------------------------------------------------------ event-loop side
+
+    def start(self) -> None:
+        """Start the step thread; call from the event loop that will consume the outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
+        self._thread.start()
+
+    @property
+    def stats(self) -> Any:
+        """The engine's EngineStats after its latest step or command (never computed on the loop)."""
+        return self._stats
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def num_unstarted(self) -> int:
+        return self._num_unstarted
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    @property
+    def step_running_s(self) -> float | None:
+        """How long the current step has been running; None between steps (a stall detector)."""
+        started = self._step_started
+        return None if started is None else time.monotonic() - started
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request until it finishes. Closing the iterator early aborts the request.
+
+        Raises EngineShutdownError / EngineOverloadedError before the first output, ValueError
+        when the engine rejects the request, RequestAbortedError when the server aborts it.
+        """
+        if not self._accepting:
+            raise EngineShutdownError("the server is shutting down")
+        if self._num_unstarted >= self.max_waiting_requests:
+            raise EngineOverloadedError(f"{self._num_unstarted} requests are already waiting "
+                                        f"(limit {self.max_waiting_requests}); retry later")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        stream = _Stream(request_id, len(prompt_token_ids))
+        self._streams[request_id] = stream
+        self._num_unstarted += 1
+        self._commands.put(("add", request_id, prompt_token_ids, params, cache_salt))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine already dropped it
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._forget(stream)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (client gone): the step thread frees its blocks before the next step."""
+        self._commands.put(("abort", request_id))
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Refuse new requests, let in-flight ones finish for up to `timeout`, abort the rest, stop."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self._streams:
+            logger.info("shutdown: aborting %d in-flight requests after %.1f s", len(self._streams), timeout)
+        for rid, stream in list(self._streams.items()):
+            self._commands.put(("abort", rid))
+            stream.queue.put_nowait(RequestAbortedError("the server is shutting down"))
+        self._commands.put(("stop",))
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+
+    def _forget(self, stream: _Stream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+        if not stream.started:
+            stream.started = True
+            self._num_unstarted -= 1
+
+    def _dispatch(self, outputs: list[RequestOutput], stats: Any) -> None:
+        """Runs on the loop: route one step's outputs to their streams, observe latencies."""
+        self._stats = stats
+        now = time.monotonic()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # aborted meanwhile
+                continue
+            n = len(out.new_token_ids)
+            if self.metrics is not None and n:
+                first = not stream.started
+                self.metrics.observe_tokens(now - (stream.arrival if first else stream.last_token_time), n, first)
+                if out.finished:
+                    self.metrics.observe_finished(now - stream.arrival, stream.num_prompt_tokens, len(out.token_ids))
+            if n:
+                stream.last_token_time = now
+            if (n or out.finished) and not stream.started:
+                stream.started = True
+                self._num_unstarted -= 1
+            stream.queue.put_nowait(out)
+
+    def _fail(self, request_id: str, error: BaseException, stats: Any) -> None:
+        self._stats = stats
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.queue.put_nowait(error)
+
+    # ------------------------------------------------------------ step-thread side
+
+    def _post(self, callback, *args) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # loop closed during interpreter shutdown
+            pass
+
+    def _run(self) -> None:
+        try:
+            self._step_loop()
+        except BaseException:  # a bug outside step(): stop taking requests rather than hang them
+            logger.exception("engine step thread died; the server stops accepting requests")
+            self._post(self._on_thread_died)
+
+    def _on_thread_died(self) -> None:
+        self._accepting = False
+        for stream in self._streams.values():
+            stream.queue.put_nowait(RequestAbortedError("the engine stopped unexpectedly"))
+
+    def _step_loop(self) -> None:
+        live: set[str] = set()
+        while True:
+            idle = not self.engine.has_unfinished_requests()
+            if not self._handle_commands(live, block=idle):
+                return
+            if not self.engine.has_unfinished_requests():
+                continue
+            self.num_steps += 1
+            self._step_started = time.monotonic()
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # never let one bad step kill the server: fail what was in flight
+                logger.exception("engine step failed; aborting %d requests", len(live))
+                self._abort_in_engine(list(live))
+                for rid in live:
+                    self._post(self._fail, rid, RequestAbortedError(f"engine step failed: {e}"), self._stats)
+                live.clear()
+                continue
+            finally:
+                self._step_started = None
+            live.difference_update(o.request_id for o in outputs if o.finished)
+            self._post(self._dispatch, outputs, self.engine.get_stats())
+
+    def _handle_commands(self, live: set[str], block: bool) -> bool:
+        """Apply queued adds/aborts; wait for one when idle. False once asked to stop."""
+        changed = False
+        while True:
+            try:
+                cmd = self._commands.get(block=block and not changed)
+            except queue.Empty:
+                break
+            changed = True
+            if cmd[0] == "stop":
+                return False
+            if cmd[0] == "add":
+                _, rid, ids, params, salt = cmd
+                try:
+                    self.engine.add_request(rid, ids, params, cache_salt=salt)
+                    live.add(rid)
+                except ValueError as e:  # the client's fault: 400
+                    self._post(self._fail, rid, e, self.engine.get_stats())
+                except Exception as e:
+                    logger.exception("Reqid: %s, add_request failed", rid)
+                    self._post(self._fail, rid, RequestAbortedError(f"could not add the request: {e}"),
+                               self.engine.get_stats())
+            elif cmd[0] == "abort" and cmd[1] in live:
+                live.discard(cmd[1])
+                self._abort_in_engine([cmd[1]])
+                logger.info("Reqid: %s, aborted; KV blocks freed", cmd[1])
+        if changed:
+            self._post(self._dispatch, [], self.engine.get_stats())
+        return True
+
+    def _abort_in_engine(self, request_ids: list[str]) -> None:
+        try:
+            self.engine.abort_request(request_ids)
+        except Exception:
+            logger.exception("aborting %s failed", request_ids)

@@ -1,0 +1,96 @@
+"""Command-line options shared by pd-serve, pd-prefill and pd-decode.
+
+Launchers build one parser from these pieces and may add their own options; any option whose
+dest matches an EngineConfig field (e.g. a launcher's --kv-store) reaches the engine through
+engine_kwargs_from_args without further wiring. Importing this module must stay cheap (no
+torch): a bad flag should fail in milliseconds.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from typing import Any, NoReturn
+
+from engine.config import DTYPES, CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage dump) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _int_at_least(lo: int):
+    """An argparse type: an integer >= lo, with a message naming the bound."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
+_positive_int, _non_negative_int = _int_at_least(1), _int_at_least(0)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """--model and the engine's options (defaults None: the config dataclasses own the defaults)."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face model directory (default: the built-in tiny model, created on first use)")
+    g.add_argument("--dtype", choices=DTYPES, default=None, help="weights and KV dtype (default: the checkpoint's)")
+    g.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="context length (default: the checkpoint's max_position_embeddings)")
+    g.add_argument("--block-size", type=_positive_int, default=None,
+                   help=f"tokens per KV block, a power of two (default {CacheConfig.block_size})")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="bytes for the paged KV cache of all layers, e.g. 2GiB (default 1GiB)")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
+                   help="disable the local prefix cache")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=None,
+                   help=f"max requests in one batch (default {SchedulerConfig.max_num_seqs})")
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                   help=f"token budget of one step (default {SchedulerConfig.max_num_batched_tokens})")
+    g.add_argument("--long-prefill-token-threshold", type=_non_negative_int, default=None,
+                   help="max prompt tokens of one request per step; 0: no limit")
+    g.add_argument("--seed", type=int, default=None, help="default sampling seed of the engine")
+    return parser
+
+
+def add_server_args(parser: argparse.ArgumentParser, default_port: int = 8000) -> argparse.ArgumentParser:
+    """HTTP server options of a node (pd-serve, pd-prefill, pd-decode)."""
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=default_port,
+                   help=f"HTTP port (default {default_port}; 0 picks a free one, shown in the ready line)")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name clients send in `model` (default: the model directory's name)")
+    g.add_argument("--max-waiting-requests", type=_non_negative_int, default=256,
+                   help="accepted requests not yet producing tokens before new ones get 503 (default 256)")
+    g.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds in-flight requests may finish after SIGINT/SIGTERM (default 5)")
+    g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="log level (default INFO)")
+    return parser
+
+
+_ENGINE_FIELDS = [f.name for cls in (ModelConfig, CacheConfig, SchedulerConfig, KVTransferConfig)
+                  for f in dataclasses.fields(cls) if f.name != "model"]
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Flat EngineConfig options from parsed args: every set option whose dest names a config field."""
+    return {name: getattr(args, name) for name in _ENGINE_FIELDS if getattr(args, name, None) is not None}
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr, force=True)

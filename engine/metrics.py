@@ -1,0 +1,98 @@
+"""Prometheus metrics of one serving engine, in a registry of its own.
+
+A per-engine CollectorRegistry keeps several engines in one process (tests, a node with
+helpers) from clashing over global metric names. Latencies are observed on the event loop;
+engine-side totals are read from the latest EngineStats snapshot at scrape time, so the
+step thread never touches prometheus objects.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OUTCOMES = ("stop", "length", "abort", "invalid", "rejected", "error")
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class _EngineStatsCollector(Collector):
+    """Gauges and totals straight from the engine's last stats snapshot (read at scrape time)."""
+
+    def __init__(self, get_stats: Callable[[], Any], labels: dict[str, str]) -> None:
+        self._get_stats = get_stats
+        self._labels = labels
+
+    def _family(self, cls, name: str, doc: str, value: float):
+        fam = cls(name, doc, labels=list(self._labels))
+        fam.add_metric(list(self._labels.values()), value)
+        return fam
+
+    def collect(self) -> Iterator:
+        s = self._get_stats()
+        if s is None:
+            return
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        yield self._family(g, "pdserve_num_requests_running", "Requests in the running batch.", s.num_running)
+        yield self._family(g, "pdserve_num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield self._family(g, "pdserve_kv_cache_usage_ratio", "Fraction of KV blocks in use (0..1).", s.kv_usage)
+        yield self._family(g, "pdserve_kv_blocks_free", "Free KV blocks (cached-but-free included).",
+                           s.num_free_blocks)
+        yield self._family(g, "pdserve_kv_blocks_total", "KV blocks in the pool.", s.num_total_blocks)
+        yield self._family(c, "pdserve_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix "
+                           "cache.", s.prefix_cache_queries)
+        yield self._family(c, "pdserve_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache.",
+                           s.prefix_cache_hits)
+        yield self._family(c, "pdserve_num_preemptions", "Requests preempted for lack of KV blocks.",
+                           s.num_preemptions)
+        yield self._family(c, "pdserve_prompt_tokens_computed", "Prompt tokens run through the model.",
+                           s.num_prompt_tokens_computed)
+
+
+class EngineMetrics:
+    """Request outcome counters and latency histograms, plus the engine stats collector."""
+
+    def __init__(self, model_name: str, get_stats: Callable[[], Any] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"model_name": model_name}
+        self._model = model_name
+        self.requests = Counter("pdserve_requests", "Finished HTTP generation requests by outcome.",
+                                ["model_name", "outcome"], registry=self.registry)
+        for outcome in OUTCOMES:
+            self.requests.labels(model_name, outcome)
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Arrival to first output token.",
+                              ["model_name"], buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             ["model_name"], buckets=_ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Arrival to the last output token.",
+                             ["model_name"], buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests.",
+                                     ["model_name"], registry=self.registry).labels(model_name)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "Output tokens of finished requests.",
+                                         ["model_name"], registry=self.registry).labels(model_name)
+        if get_stats is not None:
+            self.registry.register(_EngineStatsCollector(get_stats, labels))
+
+    def record_outcome(self, outcome: str) -> None:
+        self.requests.labels(self._model, outcome).inc()
+
+    def observe_tokens(self, since_last: float, num_tokens: int, first: bool) -> None:
+        """One output delta: `since_last` is from arrival (first delta) or from the previous delta."""
+        if first:
+            self.ttft.observe(since_last)
+            num_tokens -= 1
+            since_last = 0.0
+        for _ in range(num_tokens):  # a delta with k tokens: k inter-token gaps of equal share
+            self.itl.observe(since_last / num_tokens)
+
+    def observe_finished(self, e2e_s: float, prompt_tokens: int, output_tokens: int) -> None:
+        self.e2e.observe(e2e_s)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(output_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
