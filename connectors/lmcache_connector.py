@@ -1,0 +1,218 @@
+"""KV hand-off through the real LMCache engine (its chunking, keys and storage backends).
+
+The shared store between nodes is an `lmcache_server` (`lm://host:port`); configuration comes
+from an LMCache YAML file (`lmcache_config`) and `LMCACHE_*` variables over our defaults.
+Bytes move through `PagedKVCPUConnector`. Two deliberate departures from LMCache defaults:
+
+- chunk keys use a blake2b chain instead of Python's `hash()`: LMCache falls back to the
+  builtin when vLLM is absent, and our keys must never depend on the interpreter;
+- the partial last chunk is saved (`save_unfull_chunk: true`), as DESIGN.md section 3 requires.
+
+LMCache's retrieve/store are whole-sequence calls, so the load runs in the background from
+`start_load_kv` and layer 0 waits for it; the save starts after the last layer wrote its KV.
+Either way one I/O thread serialises every LMCache call, bounded by `load_timeout_s`.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import yaml
+from lmcache.v1.cache_engine import LMCacheEngineBuilder
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.metadata import LMCacheMetadata
+
+from connectors.base import KVConnectorRole
+from connectors.chunked import ChunkedConnector, ChunkedConnectorMetadata, InFlightLoad, SaveSpec
+from connectors.lmcache_cpu import PagedKVCPUConnector
+from kvstore.keys import digest, token_bytes
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig, KVTransferConfig
+    from engine.request import Request
+
+_DEFAULTS: dict[str, Any] = {
+    "local_cpu": False,  # the lmcache_server is the store; a node-local copy would hide cross-node misses
+    "max_local_cpu_size": 1.0,  # GB of LMCache staging memory
+    "save_unfull_chunk": True,
+    "remote_serde": "naive",
+}
+_POLL_S = 0.002
+
+
+def build_lmcache_config(kt: KVTransferConfig) -> LMCacheEngineConfig:
+    """Our defaults, then the YAML file, then kv_store (the node flag), then LMCACHE_* variables."""
+    values: dict[str, Any] = {"chunk_size": kt.chunk_size, **_DEFAULTS}
+    if kt.lmcache_config:
+        path = Path(kt.lmcache_config)
+        if not path.is_file():
+            raise ValueError(f"lmcache_config {str(path)!r} is not a file")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"lmcache_config {str(path)!r} must hold a YAML mapping of LMCache options")
+        values.update(loaded)
+    if kt.kv_store:
+        values["remote_url"] = kt.kv_store
+    config = LMCacheEngineConfig.from_dict(values)
+    config.update_config_from_env()
+    return config
+
+
+def chunk_hash(item: tuple[int, tuple[int, ...], tuple[Any, ...]]) -> bytes:
+    """LMCache's per-chunk hash input (prefix hash, chunk tokens, extra keys) -> blake2b digest.
+
+    LMCache keeps the first 8 bytes as the chunk's int hash, so keys are identical in every
+    process regardless of PYTHONHASHSEED or the Python build."""
+    prefix, tokens, extra = item
+    return digest(b"pdserve-lmcache-chunk", int(prefix).to_bytes(8, "big"), token_bytes(list(tokens)),
+                  repr(tuple(extra)).encode())
+
+
+def salt_configs(cache_salt: str | None) -> dict[str, str] | None:
+    """Cache salt as an LMCache key tag: different salts never share a chunk."""
+    if not cache_salt:
+        return None
+    return {"lmcache.tag.salt": digest(b"pdserve-salt", cache_salt.encode()).hex()[:16]}
+
+
+class LMCacheConnector(ChunkedConnector):
+    def __init__(self, config: EngineConfig, runner: Any) -> None:
+        kt = config.kv_transfer
+        self.lmcache_config = build_lmcache_config(kt)
+        chunk_size = self.lmcache_config.chunk_size
+        if chunk_size % config.cache.block_size:
+            raise ValueError(f"LMCache chunk_size ({chunk_size}) must be a multiple of block_size "
+                             f"({config.cache.block_size})")
+        super().__init__(KVConnectorRole(kt.kv_role or "both"), chunk_size, config.cache.block_size)
+        self.num_layers: int = runner.num_layers
+        self.timeout_s = kt.load_timeout_s
+        self.token_bytes = 2 * runner.num_layers * runner.num_kv_heads * runner.head_dim * \
+            torch.empty((), dtype=runner.dtype).element_size()
+        metadata = LMCacheMetadata(
+            model_name=f"pdserve-{runner.fingerprint}", world_size=1, local_world_size=1, worker_id=0,
+            local_worker_id=0, kv_dtype=runner.dtype,
+            kv_shape=(runner.num_layers, 2, chunk_size, runner.num_kv_heads, runner.head_dim), chunk_size=chunk_size)
+        self.instance_id = f"pdserve-{uuid.uuid4().hex[:12]}"
+        start_method = multiprocessing.get_start_method(allow_none=True)
+        self.engine = LMCacheEngineBuilder.get_or_create(
+            self.instance_id, self.lmcache_config, metadata,
+            PagedKVCPUConnector(runner.num_layers, runner.num_kv_heads, runner.head_dim), None, None)
+        # LMCacheEngine forces the "spawn" start method process-wide (for a controller we do not run).
+        multiprocessing.set_start_method(start_method, force=True)
+        self.engine.post_init()
+        self.engine.token_database.hash_func = chunk_hash
+        self._remote_only = ["RemoteBackend"] if self.lmcache_config.remote_url else None
+        self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-io")
+        self.kv_caches: list[torch.Tensor] = []
+        self._loads: list[tuple[InFlightLoad, concurrent.futures.Future]] = []
+        self._saves: list[tuple[SaveSpec, concurrent.futures.Future, float]] = []
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run one LMCache call on the I/O thread, bounded by load_timeout_s."""
+        return self._io.submit(fn, *args, **kwargs).result(timeout=self.timeout_s)
+
+    def _failure_reason(self, exc: BaseException) -> str:
+        if isinstance(exc, concurrent.futures.TimeoutError):
+            return f"timeout: LMCache did not answer within {self.timeout_s:g}s"
+        if isinstance(exc, LookupError):
+            return f"missing: {exc}"
+        return f"error: {type(exc).__name__}: {exc}"
+
+    # ---- scheduler side ----
+    def _lookup_hit(self, request: Request) -> int:
+        return self._call(self.engine.lookup, tokens=list(request.prompt_token_ids),
+                          request_configs=salt_configs(request.cache_salt))
+
+    # ---- worker side ----
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        self.kv_caches = list(kv_caches)
+
+    def start_load_kv(self, metadata: ChunkedConnectorMetadata) -> None:
+        self._begin_step(metadata)
+        self._loads = []
+        for spec in metadata.loads:
+            load = InFlightLoad(spec)
+            self._loads.append((load, self._io.submit(self._retrieve, load)))
+        self._load_deadline = time.monotonic() + self.timeout_s
+
+    def _retrieve(self, load: InFlightLoad) -> None:
+        """Read chunks [aligned_start, H) and write only tokens [N, N + need) (slot -1 elsewhere)."""
+        plan = load.spec.plan
+        mask = torch.ones(plan.hit, dtype=torch.bool)
+        mask[:plan.aligned_start] = False
+        slot_mapping = torch.full((plan.hit,), -1, dtype=torch.long)
+        start, end = plan.write_range
+        slot_mapping[start:end] = load.spec.slots
+        got = int(self.engine.retrieve(load.spec.token_ids[:plan.hit], mask=mask, kvcaches=self.kv_caches,
+                                       slot_mapping=slot_mapping, load_guard=load, req_id=load.spec.request_id,
+                                       request_configs=salt_configs(load.spec.cache_salt)).sum())
+        if got < plan.retrieved:
+            raise LookupError(f"partial: retrieved {got} of {plan.retrieved} tokens")
+        load.num_bytes = got * self.token_bytes
+        load.finished = time.perf_counter()
+
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        if layer_idx != 0:  # the whole-sequence retrieve finished (or failed) before layer 0
+            return
+        for load, future in self._loads:
+            try:
+                future.result(timeout=max(0.0, self._load_deadline - time.monotonic()))
+            except Exception as exc:  # timeout, unreachable server, missing chunk: recompute
+                self._fail_load(load, exc)
+                continue
+            self.metrics.on_load(load.spec.request_id, load.spec.plan, load.num_bytes, load.io_seconds)
+        self._loads = []
+
+    def save_kv_layer(self, layer_idx: int, kv_cache: torch.Tensor, metadata: ChunkedConnectorMetadata) -> None:
+        if layer_idx != self.num_layers - 1:
+            return
+        for spec in metadata.saves:
+            if spec.request_id not in self._failed:
+                self._saves.append((spec, self._io.submit(self._store, spec), time.perf_counter()))
+
+    def _store(self, spec: SaveSpec) -> None:
+        mask = torch.ones(spec.end, dtype=torch.bool)
+        mask[:spec.start] = False
+        slot_mapping = torch.full((spec.end,), -1, dtype=torch.long)
+        slot_mapping[spec.start:spec.end] = spec.slots
+        self.engine.store(spec.token_ids[:spec.end], mask=mask, kvcaches=self.kv_caches, slot_mapping=slot_mapping,
+                          req_id=spec.request_id, request_configs=salt_configs(spec.cache_salt))
+
+    def _wait_committed(self, spec: SaveSpec, deadline: float) -> None:
+        """LMCache puts to the remote asynchronously: the save is done once a lookup sees every chunk."""
+        configs = salt_configs(spec.cache_salt)
+        target = spec.end if self.lmcache_config.save_unfull_chunk else spec.end // self.chunk_size * self.chunk_size
+        while True:
+            found = self._call(self.engine.lookup, tokens=spec.token_ids[:spec.end], request_configs=configs,
+                               search_range=self._remote_only)
+            if found >= target:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {found} of {spec.end} tokens visible after {self.timeout_s:g}s")
+            time.sleep(_POLL_S)
+
+    def wait_for_save(self) -> None:
+        dropped = self._drop_saves_of_failed_loads()
+        saves, self._saves = self._saves, []
+        for spec, future, started in saves:
+            if spec.request_id in dropped:
+                continue
+            try:
+                future.result(timeout=self.timeout_s)
+                self._wait_committed(spec, time.monotonic() + self.timeout_s)
+            except Exception as exc:  # a save failure never fails the request
+                self.metrics.on_save_failure(spec.request_id, self._failure_reason(exc))
+                continue
+            num_chunks = -(-(spec.end - spec.start) // self.chunk_size)
+            self.metrics.on_save(spec.request_id, spec.start, spec.end, len(spec.token_ids),
+                                 spec.skip_leading_tokens, num_chunks, (spec.end - spec.start) * self.token_bytes,
+                                 time.perf_counter() - started)
+
+    def shutdown(self) -> None:
+        self._io.shutdown(wait=True)
+        LMCacheEngineBuilder.destroy(self.instance_id)

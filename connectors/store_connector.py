@@ -1,0 +1,180 @@
+"""KV hand-off through a pdserve kvstore (file:// or redis://), layer by layer in the background.
+
+Worker half: `start_load_kv` queues one read per (request, layer) on the store's I/O pool, in
+layer order, and each read scatters its chunk rows straight into paged memory; the forward pass
+only waits for layer i right before layer i's attention, so reads overlap compute. Saves gather
+a layer's complete chunks right after the layer wrote its KV and put them in the background;
+`wait_for_save` commits the chunks once every layer is written. Every store failure turns into
+"recompute" (loads) or a warning (saves), never a failed request or a hang (DESIGN.md section 6).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import kernels
+from connectors.base import KVConnectorRole
+from connectors.chunk_math import chunk_bounds
+from connectors.chunked import ChunkedConnector, ChunkedConnectorMetadata, InFlightLoad, SaveSpec
+from kvstore import CorruptObject, KVStore, NotFound, StoreTimeout, StoreUnavailable, open_store
+from kvstore.keys import chunk_keys
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from engine.request import Request
+
+_REASONS = ((StoreUnavailable, "unavailable"), (StoreTimeout, "timeout"), (CorruptObject, "corrupt"),
+            (NotFound, "missing"))
+
+
+@dataclass
+class _Load(InFlightLoad):
+    keys: list[str] = field(default_factory=list)
+    futures: dict[int, concurrent.futures.Future] = field(default_factory=dict)
+
+
+@dataclass
+class _Save:
+    spec: SaveSpec
+    keys: list[str]
+    futures: list[concurrent.futures.Future] = field(default_factory=list)
+    num_bytes: int = 0
+    io_seconds: float = 0.0  # gather + put + commit time (puts overlap compute, so not wall time)
+
+
+class StoreConnector(ChunkedConnector):
+    """The pdserve kvstore connector: DESIGN.md sections 3-6 over open_store(url)."""
+
+    def __init__(self, config: EngineConfig, runner: Any, store: KVStore | None = None) -> None:
+        kt = config.kv_transfer
+        super().__init__(KVConnectorRole(kt.kv_role or "both"), kt.chunk_size, config.cache.block_size)
+        self.fingerprint: str = runner.fingerprint
+        self.num_layers: int = runner.num_layers
+        self.load_timeout_s = kt.load_timeout_s
+        self.store = store or open_store(kt.kv_store, fingerprint=runner.fingerprint, num_layers=runner.num_layers,
+                                         dtype=runner.dtype, kv_shape=(runner.num_kv_heads, runner.head_dim),
+                                         timeout=min(kt.load_timeout_s, 5.0))
+        self.kv_caches: list[torch.Tensor] = []
+        self._loads: list[_Load] = []
+        self._load_deadline = 0.0
+        self._saves: dict[str, _Save] = {}
+
+    def keys_for(self, token_ids: list[int], cache_salt: str | None) -> list[str]:
+        return chunk_keys(self.fingerprint, token_ids, self.chunk_size, cache_salt)
+
+    # ---- scheduler side ----
+    def _lookup_hit(self, request: Request) -> int:
+        keys = self.keys_for(request.prompt_token_ids, request.cache_salt)
+        present = self.store.result(self.store.submit(self.store.lookup, keys), self.load_timeout_s)
+        if present == 0:
+            return 0
+        return chunk_bounds(present - 1, request.num_prompt_tokens, self.chunk_size)[1]
+
+    def _failure_reason(self, exc: BaseException) -> str:
+        if isinstance(exc, concurrent.futures.TimeoutError):
+            return f"timeout: no answer within {self.load_timeout_s:g}s"
+        kind = next((name for cls, name in _REASONS if isinstance(exc, cls)), "error")
+        return f"{kind}: {exc}"
+
+    # ---- worker side: loads ----
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        self.kv_caches = list(kv_caches)
+
+    def start_load_kv(self, metadata: ChunkedConnectorMetadata) -> None:
+        self._loads = []
+        self._begin_step(metadata)
+        if not metadata.loads:
+            return
+        self._load_deadline = time.monotonic() + self.load_timeout_s
+        for spec in metadata.loads:
+            keys = self.keys_for(spec.token_ids[:spec.plan.hit], spec.cache_salt)[spec.plan.chunk_range.start:]
+            self._loads.append(_Load(spec, keys=keys))
+        for layer in range(self.num_layers):  # layer-major, so layer 0 of every request arrives first
+            for load in self._loads:
+                load.futures[layer] = self.store.submit(self._load_layer, load, layer)
+
+    def _load_layer(self, load: _Load, layer: int) -> int:
+        """Read one layer's chunks and scatter the rows of tokens [N, N + need) into their slots."""
+        plan = load.spec.plan
+        tensors = self.store.get_layer(layer, load.keys)
+        write_start, write_end = plan.write_range
+        pieces = []  # (rows of one chunk, where they go in spec.slots)
+        for idx, tensor in zip(plan.chunk_range, tensors):
+            start, end = chunk_bounds(idx, plan.num_tokens, self.chunk_size)
+            if tensor.shape[1] != end - start:
+                raise CorruptObject(f"chunk {idx} layer {layer} holds {tensor.shape[1]} tokens, "
+                                    f"expected {end - start}")
+            lo, hi = max(start, write_start), min(end, write_end)
+            if hi > lo:
+                pieces.append((tensor[:, lo - start:hi - start], load.spec.slots[lo - write_start:hi - write_start]))
+        with load.lock:
+            if not load.failed:
+                for rows, slots in pieces:
+                    kernels.scatter_kv(self.kv_caches[layer], slots, rows)
+                load.finished = max(load.finished, time.perf_counter())
+        return sum(t.nbytes for t in tensors)
+
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        for load in self._loads:
+            future = load.futures.get(layer_idx)
+            if load.failed or future is None:
+                continue
+            try:
+                load.num_bytes += future.result(timeout=max(0.0, self._load_deadline - time.monotonic()))
+            except Exception as exc:  # timeout, store error or a bad object: recompute this request
+                self._fail_load(load, exc)
+                continue
+            if layer_idx == self.num_layers - 1:
+                self.metrics.on_load(load.spec.request_id, load.spec.plan, load.num_bytes, load.io_seconds)
+
+    # ---- worker side: saves ----
+    def save_kv_layer(self, layer_idx: int, kv_cache: torch.Tensor, metadata: ChunkedConnectorMetadata) -> None:
+        for spec in metadata.saves:
+            if spec.request_id in self._failed:
+                continue
+            started = time.perf_counter()
+            save = self._saves.get(spec.request_id)
+            if save is None:
+                keys = self.keys_for(spec.token_ids[:spec.end], spec.cache_salt)[spec.start // self.chunk_size:]
+                save = self._saves[spec.request_id] = _Save(spec, keys)
+            buf = kernels.gather_kv(kv_cache, spec.slots)  # a copy: later steps may reuse the blocks
+            chunks = {}
+            for i, key in enumerate(save.keys):
+                lo = i * self.chunk_size
+                chunks[key] = buf[:, lo:lo + self.chunk_size].contiguous()
+            save.num_bytes += buf.nbytes
+            save.io_seconds += time.perf_counter() - started
+            save.futures.append(self.store.submit(self._put_layer, layer_idx, chunks))
+
+    def _put_layer(self, layer: int, chunks: dict[str, torch.Tensor]) -> float:
+        started = time.perf_counter()
+        self.store.put_layer(layer, chunks)
+        return time.perf_counter() - started
+
+    def wait_for_save(self) -> None:
+        saves, self._saves = self._saves, {}
+        for rid in self._drop_saves_of_failed_loads():
+            saves.pop(rid, None)
+        deadline = time.monotonic() + self.load_timeout_s  # one bound for the whole step, not per layer
+        for rid, save in saves.items():
+            spec = save.spec
+            try:
+                for future in save.futures:
+                    save.io_seconds += self.store.result(future, max(0.0, deadline - time.monotonic()))
+                if len(save.futures) != self.num_layers:
+                    raise NotFound(f"only {len(save.futures)} of {self.num_layers} layers were written")
+                started = time.perf_counter()
+                self.store.commit(save.keys)
+                save.io_seconds += time.perf_counter() - started
+            except Exception as exc:  # a save failure never fails the request
+                self.metrics.on_save_failure(rid, self._failure_reason(exc))
+                continue
+            self.metrics.on_save(rid, spec.start, spec.end, len(spec.token_ids), spec.skip_leading_tokens,
+                                 len(save.keys), save.num_bytes, save.io_seconds)
+
+    def shutdown(self) -> None:
+        self.store.close()
