@@ -1,0 +1,162 @@
+"""The same workload through a P/D cluster (pd-proxy -> pd-prefill + pd-decode) and one pd-serve.
+
+Workload: --num-requests streaming requests sent at once (open loop), prompts of --prompt-len
+tokens whose first --shared-fraction is one common prefix (a system prompt / few-shot
+context) and the rest unique, --output-len tokens each (EOS ignored). Per path: TTFT,
+inter-token latency and per-request output tokens/s (p50/p99), plus aggregate output
+tokens/s. Both paths run in this one invocation on the same machine, one after the other,
+and the P/D figures are also given as ratios to pd-serve.
+
+The proxy's own cost: short requests (max_tokens 1) sent one at a time straight to the
+decode node's HTTP API vs through a proxy that has only that decode node (same engine, same
+local prefill): the difference is the proxy's HTTP + gRPC hop.
+
+    .venv/bin/python benchmarks/pd_vs_monolithic.py [--model DIR] [--num-requests 32]
+        [--prompt-len 2048] [--shared-fraction 0.5] [--output-len 128] [--store file|redis|lmcache]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import aiohttp  # noqa: E402
+
+from benchmarks.engine_throughput import bench_model_path, prompts  # noqa: E402
+from benchmarks.serve_latency import pct  # noqa: E402
+from deploy.processes import HOST, Child, ClusterSpec, LocalCluster, free_port, python_module  # noqa: E402
+from tests.serve_helpers import ServerProcess  # noqa: E402
+
+
+def workload(n: int, length: int, shared_fraction: float, seed: int) -> list[list[int]]:
+    shared = prompts(1, int(length * shared_fraction), seed)[0]
+    return [shared + tail for tail in prompts(n, length - len(shared), seed + 1)]
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int) -> dict:
+    """Token arrival times from the SSE chunks' token_ids; the usage chunk confirms the count (a chunk
+    whose text is still held back may be skipped by the server, so gaps are per visible chunk)."""
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    times: list[float] = []
+    completion_tokens = 0
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                completion_tokens = event["usage"]["completion_tokens"]
+            elif event["choices"]:
+                times += [time.perf_counter()] * len(event["choices"][0].get("token_ids", []))
+    end = time.perf_counter()
+    assert completion_tokens == output_len and times, (completion_tokens, len(times))
+    return {"ttft": times[0] - start, "itl": [b - a for a, b in zip(times, times[1:])],
+            "tok_s": output_len / (end - start)}
+
+
+async def run_batch(url: str, batch: list[list[int]], output_len: int) -> dict:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=7200)) as session:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one_request(session, url, p, output_len) for p in batch))
+        wall = time.perf_counter() - start
+    ttft = [r["ttft"] for r in results]
+    itl = [g for r in results for g in r["itl"]]
+    tok_s = [r["tok_s"] for r in results]
+    return {"ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99), "itl_p50": pct(itl, 0.5),
+            "itl_p99": pct(itl, 0.99), "tok_s_p50": pct(tok_s, 0.5), "tok_s_p99": pct(tok_s, 0.01),
+            "agg_tok_s": len(batch) * output_len / wall, "wall": wall}
+
+
+async def short_latency(url: str, n: int, seed: int) -> list[float]:
+    """End-to-end latency of n sequential one-token requests on fresh short prompts."""
+    out = []
+    async with aiohttp.ClientSession() as session:
+        for prompt in prompts(n, 16, seed):
+            start = time.perf_counter()
+            body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                await resp.read()
+            out.append(time.perf_counter() - start)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="model dir (default: the built-in bench model)")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=2048)
+    p.add_argument("--shared-fraction", type=float, default=0.5)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--store", choices=("file", "redis", "lmcache"), default="file")
+    p.add_argument("--kv-cache-memory", default="2GiB")
+    p.add_argument("--latency-probes", type=int, default=30)
+    args = p.parse_args()
+    model = Path(args.model) if args.model else bench_model_path()
+    engine_args = ["--kv-cache-memory", args.kv_cache_memory, "--max-model-len",
+                   str(args.prompt_len + args.output_len + 16)]
+    log_dir = Path(tempfile.mkdtemp(prefix="pd-vs-mono-"))
+    print(f"model {model}; {args.num_requests} requests x {args.prompt_len} prompt tokens "
+          f"({args.shared_fraction:.0%} shared prefix) x {args.output_len} output tokens; store {args.store}; "
+          f"logs {log_dir}", flush=True)
+    results: dict[str, dict] = {}
+    latency: dict[str, list[float]] = {}
+
+    cluster = LocalCluster(ClusterSpec(model=str(model), log_dir=log_dir, store=args.store,
+                                       node_args=engine_args))
+    direct_proxy = None
+    try:
+        cluster.start(timeout_s=600)
+        decode = cluster.decode[0]
+        port = free_port()  # a proxy with the decode node only: isolates the proxy hop
+        direct_proxy = Child("proxy-decode-only", python_module(
+            "proxy", "--port", str(port), "--decode", decode.grpc_address), log_dir)
+        direct_proxy.start()
+        cluster.wait_healthy(1, 1)
+        proxy_only_url, decode_url = f"http://{HOST}:{port}", f"http://{HOST}:{decode.http_port}"
+        time.sleep(2.0)  # first health probe of the extra proxy
+        asyncio.run(run_batch(cluster.url, workload(2, 256, 0.5, seed=7), 4))  # warm-up (kernel shapes)
+        results["P/D"] = asyncio.run(run_batch(cluster.url, workload(args.num_requests, args.prompt_len,
+                                                                     args.shared_fraction, seed=1), args.output_len))
+        latency["decode node direct"] = asyncio.run(short_latency(decode_url, args.latency_probes, seed=11))
+        latency["proxy -> decode node"] = asyncio.run(short_latency(proxy_only_url, args.latency_probes, seed=12))
+        latency["proxy -> prefill -> decode"] = asyncio.run(short_latency(cluster.url, args.latency_probes, seed=13))
+    finally:
+        if direct_proxy is not None:
+            direct_proxy.stop()
+        cluster.stop()
+
+    with ServerProcess("--model", str(model), *engine_args) as mono:
+        asyncio.run(run_batch(mono.url, workload(2, 256, 0.5, seed=7), 4))
+        results["pd-serve"] = asyncio.run(run_batch(mono.url, workload(args.num_requests, args.prompt_len,
+                                                                       args.shared_fraction, seed=1), args.output_len))
+
+    base = results["pd-serve"]
+    print(f"\n{'path':10} {'TTFT p50/p99 (s)':>18} {'ITL p50/p99 (ms)':>18} {'tok/s/req p50/p99':>19} "
+          f"{'agg tok/s':>10} {'wall s':>7}")
+    for name, r in results.items():
+        print(f"{name:10} {r['ttft_p50']:8.2f}/{r['ttft_p99']:<9.2f} {r['itl_p50'] * 1e3:8.1f}/{r['itl_p99'] * 1e3:<9.1f} "
+              f"{r['tok_s_p50']:9.1f}/{r['tok_s_p99']:<9.1f} {r['agg_tok_s']:10.1f} {r['wall']:7.1f}")
+    pd = results["P/D"]
+    print(f"P/D vs pd-serve: TTFT p50 x{pd['ttft_p50'] / base['ttft_p50']:.2f}, ITL p50 "
+          f"x{pd['itl_p50'] / base['itl_p50']:.2f}, aggregate tok/s x{pd['agg_tok_s'] / base['agg_tok_s']:.2f}")
+    print("\nshort requests (16 prompt tokens, 1 output token), sequential:")
+    for name, values in latency.items():
+        print(f"  {name:28} p50 {statistics.median(values) * 1e3:7.2f} ms  p99 {pct(values, 0.99) * 1e3:7.2f} ms")
+    added = statistics.median(latency["proxy -> decode node"]) - statistics.median(latency["decode node direct"])
+    print(f"  proxy's added latency (p50): {added * 1e3:.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+"""`pd-decode`: a node that loads prompt KV from the shared store and generates tokens."""
+from __future__ import annotations
+
+import sys
+
+from engine.node_grpc import NodeRole, node_main
+
+ROLE = NodeRole(name="decode", kv_role="consumer", http_port=8200, grpc_port=50052)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return node_main(ROLE, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

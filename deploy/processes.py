@@ -1,0 +1,227 @@
+"""Start, watch and stop a P/D cluster's processes on one host (used by `make serve` and the tests).
+
+Every child is a real process (`python -m prefill_node`, `decode_node`, `proxy`, plus
+redis-server or LMCache's server when the store needs one) with its console output in a file
+under the log directory. Nodes also write their own log via --log-file for `pd-kv-hits`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout_s: float, host: str = HOST) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=0.5).close()
+            return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+@dataclass
+class Child:
+    """One child process; output to `<log_dir>/<name>.out`."""
+
+    name: str
+    argv: list[str]
+    log_dir: Path
+    env: dict[str, str] | None = None
+    proc: subprocess.Popen | None = None
+    _terminated: bool = False
+
+    @property
+    def out_path(self) -> Path:
+        return self.log_dir / f"{self.name}.out"
+
+    def start(self) -> None:
+        self._terminated = False
+        with open(self.out_path, "ab") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **(self.env or {})})
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def terminate(self) -> None:
+        """SIGTERM once: a second one could hit the process after its handler is gone."""
+        if self.alive and not self._terminated:
+            self._terminated = True
+            self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout_s: float = 20.0) -> int | None:
+        """SIGTERM, then SIGKILL after `timeout_s`; the exit status (None if never started)."""
+        if self.proc is None:
+            return None
+        self.terminate()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, for fault tests."""
+        if self.alive:
+            self.proc.kill()
+            self.proc.wait()
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.out_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class Node(Child):
+    role: str = "prefill"
+    http_port: int = 0
+    grpc_port: int = 0
+
+    @property
+    def log_file(self) -> Path:
+        return self.log_dir / f"{self.name}.log"
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{HOST}:{self.grpc_port}"
+
+
+@dataclass
+class ClusterSpec:
+    model: str
+    log_dir: Path
+    kv_store: str | None = None  # file:///..., redis://..., lm://...; None with store="redis"/"lmcache" here
+    store: str = "file"  # file | redis | lmcache: redis and lmcache get a server started here
+    num_prefill: int = 1
+    num_decode: int = 1
+    policy: str = "least-loaded"
+    proxy_port: int = 0  # 0: a free port
+    node_args: list[str] = field(default_factory=list)  # engine options for every node
+    proxy_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+class LocalCluster:
+    """Prefill nodes, decode nodes, a proxy and (for redis/lmcache) a store server on localhost."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        spec.log_dir.mkdir(parents=True, exist_ok=True)
+        self.store_server: Child | None = None
+        self.kv_store = spec.kv_store or self._store_server()
+        self.prefill = [self._node("prefill", i) for i in range(spec.num_prefill)]
+        self.decode = [self._node("decode", i) for i in range(spec.num_decode)]
+        self.proxy_port = spec.proxy_port or free_port()
+        self.proxy = Child("proxy", python_module(
+            "proxy", "--host", HOST, "--port", str(self.proxy_port), "--policy", spec.policy,
+            "--prefill", ",".join(n.grpc_address for n in self.prefill),
+            "--decode", ",".join(n.grpc_address for n in self.decode), *spec.proxy_args), spec.log_dir, spec.env)
+
+    def _store_server(self) -> str:
+        port = free_port()
+        if self.spec.store == "redis":
+            exe = shutil.which("redis-server")
+            if exe is None:
+                raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+            argv = [exe, "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no"]
+            self.store_server = Child("redis", argv, self.spec.log_dir)
+            return f"redis://{HOST}:{port}/0"
+        if self.spec.store == "lmcache":
+            self.store_server = Child("lmcache", python_module("lmcache.v1.server", HOST, str(port), "cpu"),
+                                      self.spec.log_dir)
+            return f"lm://{HOST}:{port}"
+        store_dir = self.spec.log_dir / "kvstore"
+        return store_dir.resolve().as_uri()
+
+    def _node(self, role: str, index: int) -> Node:
+        name = f"{role}{index}"
+        node = Node(name, [], self.spec.log_dir, self.spec.env, role=role, http_port=free_port(),
+                    grpc_port=free_port())
+        node.argv = python_module(f"{role}_node", "--model", self.spec.model, "--kv-store", self.kv_store,
+                                  "--host", HOST, "--port", str(node.http_port), "--grpc-port", str(node.grpc_port),
+                                  "--log-file", str(node.log_file), *self.spec.node_args)
+        return node
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.proxy_port}"
+
+    @property
+    def children(self) -> list[Child]:
+        store = [self.store_server] if self.store_server else []
+        return [*store, *self.prefill, *self.decode, self.proxy]
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Start everything and wait until the proxy sees every node healthy; RuntimeError otherwise."""
+        try:
+            if self.store_server is not None:
+                self.store_server.start()
+                port = int(self.kv_store.rsplit(":", 1)[1].split("/")[0])
+                if not wait_for_port(port, 30.0):
+                    raise RuntimeError(f"{self.store_server.name} did not start:\n{self.store_server.tail()}")
+            for child in [*self.prefill, *self.decode, self.proxy]:
+                child.start()
+            self.wait_healthy(len(self.prefill), len(self.decode), timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def status(self) -> dict | None:
+        try:
+            with urllib.request.urlopen(self.url + "/status", timeout=2) as r:
+                return json.loads(r.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+
+    def wait_healthy(self, num_prefill: int, num_decode: int, timeout_s: float = 60.0) -> dict:
+        """Until the proxy reports this many healthy prefill and decode nodes; raises if a child died."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            failed = [c for c in self.children if c.proc is not None and (c.proc.poll() or 0) > 0]
+            if failed:  # exited on its own with an error (a node we killed has a negative status)
+                raise RuntimeError(f"{failed[0].name} exited with {failed[0].proc.returncode}:\n{failed[0].tail()}")
+            status = self.status()
+            if status and sum(n["healthy"] for n in status["prefill"]) == num_prefill \
+                    and sum(n["healthy"] for n in status["decode"]) == num_decode:
+                return status
+            time.sleep(0.2)
+        raise RuntimeError(f"cluster not healthy after {timeout_s:.0f}s: {self.status()}")
+
+    def stop(self) -> dict[str, int | None]:
+        """Stop the proxy first (no new requests), then the nodes, then the store server."""
+        codes = {}
+        for child in [self.proxy, *self.prefill, *self.decode]:
+            child.terminate()
+        for child in [self.proxy, *self.prefill, *self.decode]:
+            codes[child.name] = child.stop()
+        if self.store_server is not None:
+            codes[self.store_server.name] = self.store_server.stop()
+        return codes

@@ -1,0 +1,275 @@
+"""A P/D node: the OpenAI HTTP server plus the gRPC control plane the proxy drives.
+
+Shared by both roles; `prefill_node` and `decode_node` only pick defaults (KV role, ports).
+The gRPC servicer runs in the HTTP server's event loop over the same AsyncLLMEngine, and it
+validates through engine.protocol exactly like the HTTP API does, so an error raised here
+reaches the proxy's client with the body pd-serve would have sent (the JSON rides in the
+gRPC status details).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+from urllib.parse import urlsplit
+
+import grpc
+
+from engine import protocol as oai
+from engine.cli import LOG_FORMAT, ArgumentParser, add_engine_args, add_server_args, setup_logging
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+_GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+_STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND}
+
+
+def default_kv_store() -> str:
+    """file:// store under the user's pdserve cache directory (shared by nodes on one host)."""
+    root = os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve"
+    return (Path(root) / "kvstore").resolve().as_uri()
+
+
+def generation_request(prompt: pb.Prompt, params: pb.SamplingParams, cache_salt: str) -> oai.GenerationRequest:
+    """The protocol module's request for a gRPC call, so limits and messages match the HTTP API."""
+    kind = oai.CHAT if prompt.WhichOneof("kind") == "chat" else oai.COMPLETION
+    sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                "seed": params.seed if params.HasField("seed") else None, "stop": list(params.stop),
+                "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos}
+    kind_of = prompt.WhichOneof("kind")
+    return oai.GenerationRequest(
+        kind=kind, model=None, max_tokens=params.max_tokens or None, logprobs=params.logprobs,
+        cache_salt=cache_salt or None, sampling=sampling,
+        prompt=prompt.text if kind_of == "text" else (list(prompt.token_ids.ids) if kind_of == "token_ids" else None),
+        messages=[{"role": m.role, "content": m.content} for m in prompt.chat.messages] if kind == oai.CHAT else None)
+
+
+class NodeServicer(pb_grpc.PDNodeServicer):
+    """Prefill / Generate / Lookup / Health / Stats over the node's OpenAIServer and engine."""
+
+    def __init__(self, server: Any, role: str) -> None:
+        self.server = server  # engine.server.OpenAIServer: tokenization is shared with the HTTP API
+        self.engine = server.engine
+        self.llm = server.engine.engine
+        self.role = role
+
+    async def _abort(self, context: grpc.aio.ServicerContext, err: oai.APIError) -> None:
+        code = _STATUS.get(err.status, grpc.StatusCode.UNAVAILABLE)
+        if err.code == "queue_full":
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+        await context.abort(code, json.dumps(err.body()))
+
+    async def _token_ids(self, req: oai.GenerationRequest) -> list[int]:
+        return await self.server._prompt_token_ids(req)  # noqa: SLF001 - the HTTP API's own tokenization
+
+    async def _outputs(self, rid: str, req: oai.GenerationRequest, ids: list[int], params: Any,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """Engine outputs with engine errors mapped to pd-serve's OpenAI errors; aborts when the caller leaves."""
+        from engine.async_engine import EngineOverloadedError, EngineShutdownError, RequestAbortedError
+
+        outputs = self.engine.generate(rid, ids, params, req.cache_salt)
+        async with contextlib.aclosing(outputs):
+            try:
+                async for out in outputs:
+                    yield out
+            except EngineOverloadedError as e:
+                await self._abort(context, oai.service_unavailable(str(e), "queue_full"))
+            except EngineShutdownError as e:
+                await self._abort(context, oai.service_unavailable(str(e), "shutting_down"))
+            except RequestAbortedError as e:
+                await context.abort(grpc.StatusCode.ABORTED, str(e))
+            except ValueError as e:
+                await self._abort(context, oai.bad_request(str(e), "messages" if req.kind == oai.CHAT else "prompt"))
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        t0 = time.perf_counter()
+        req = generation_request(request.prompt, request.params, request.cache_salt)
+        try:
+            ids = await self._token_ids(req)
+            params = dataclasses.replace(req.sampling_params(len(ids), self.llm.max_model_len), max_tokens=1)
+        except oai.APIError as e:
+            await self._abort(context, e)
+        last = None
+        async for last in self._outputs(request.request_id, req, ids, params, context):
+            pass
+        ms = (time.perf_counter() - t0) * 1e3
+        logger.info("Reqid: %s, prefill done: %d prompt tokens, %d cached, KV committed, %.1f ms",
+                    request.request_id, len(ids), max(0, last.num_cached_tokens), ms)
+        return pb.PrefillResponse(prompt_token_ids=ids, num_cached_tokens=max(0, last.num_cached_tokens),
+                                  prefill_ms=ms)
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateDelta]:
+        req = generation_request(request.prompt, request.params, request.cache_salt)
+        try:
+            ids = await self._token_ids(req)
+            params = req.sampling_params(len(ids), self.llm.max_model_len)
+        except oai.APIError as e:
+            await self._abort(context, e)
+        if request.prompt.WhichOneof("kind") != "token_ids":
+            logger.info("Reqid: %s, local prefill: prompt tokenized here (%d tokens)", request.request_id, len(ids))
+        decode = self.llm.tokenizer.decode
+        async for out in self._outputs(request.request_id, req, ids, params, context):
+            delta = pb.GenerateDelta(text=out.new_text, token_ids=out.new_token_ids,
+                                     finish_reason=(out.finish_reason or "") if out.finished else "")
+            if req.logprobs:
+                delta.logprobs.extend(out.new_logprobs)
+                delta.tokens.extend(decode([t]) for t in out.new_token_ids)
+            if out.finished:
+                delta.usage.CopyFrom(pb.Usage(prompt_tokens=len(ids), completion_tokens=len(out.token_ids),
+                                              cached_tokens=max(0, out.num_cached_tokens)))
+            yield delta
+
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        """A routing hint: read-only peeks at the prefix cache and the store, never blocking the engine."""
+        from engine.request import Request
+        from engine.sampling_params import SamplingParams
+
+        req = generation_request(request.prompt, pb.SamplingParams(), request.cache_salt)
+        try:
+            ids = await self._token_ids(req)
+        except oai.APIError as e:
+            await self._abort(context, e)
+        probe = Request("lookup", ids, SamplingParams(max_tokens=1), cache_salt=req.cache_salt)
+        _, local = self.llm.kv_cache_manager.get_computed_blocks(probe)
+        store = 0
+        connector = self.llm.connector
+        if connector is not None:
+            try:  # the connector's own hit computation (H of DESIGN.md section 4)
+                store = await asyncio.wait_for(asyncio.to_thread(connector._lookup_hit, probe), 1.0)  # noqa: SLF001
+            except Exception as e:  # a routing hint: an unreachable store just means "no store hit"
+                logger.debug("lookup: store hit unknown (%s)", e)
+        return pb.LookupResponse(total_tokens=len(ids), local_hit_tokens=local, store_hit_tokens=store)
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        return pb.HealthResponse(ok=self.engine.accepting, role=self.role,
+                                 served_model_names=self.server.served_names, max_model_len=self.llm.max_model_len)
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        s = self.engine.stats
+        return pb.StatsResponse(num_running=s.num_running, num_waiting=s.num_waiting,
+                                num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
+                                kv_usage=s.kv_usage, prefix_cache_queries=s.prefix_cache_queries,
+                                prefix_cache_hits=s.prefix_cache_hits)
+
+
+# ---------------------------------------------------------------- launcher
+
+@dataclasses.dataclass(frozen=True)
+class NodeRole:
+    """What distinguishes `pd-prefill` from `pd-decode`: defaults only."""
+
+    name: str  # prefill | decode
+    kv_role: str  # producer | consumer
+    http_port: int
+    grpc_port: int
+
+
+def build_parser(role: NodeRole) -> ArgumentParser:
+    parser = ArgumentParser(prog=f"pd-{role.name}", description=f"pdserve {role.name} node: OpenAI HTTP API plus "
+                            "the gRPC control plane for pd-proxy, with a KV connector")
+    add_server_args(parser, default_port=role.http_port)
+    g = parser.add_argument_group("P/D node")
+    g.add_argument("--grpc-port", type=int, default=role.grpc_port,
+                   help=f"gRPC port for pd-proxy (default {role.grpc_port}; 0 picks a free one)")
+    g.add_argument("--kv-store", default=None, help="shared KV store: file:///dir, redis://host:port/db or "
+                   "lm://host:port (LMCache server); default file:// under ~/.cache/pdserve/kvstore")
+    g.add_argument("--lmcache-config", default=None, help="LMCache YAML config (instead of --kv-store)")
+    g.add_argument("--chunk-size", type=int, default=None, help="tokens per stored chunk (default 256)")
+    g.add_argument("--kv-role", choices=("producer", "consumer", "both"), default=role.kv_role,
+                   help=f"KV connector role (default {role.kv_role})")
+    g.add_argument("--kv-load-timeout", dest="load_timeout_s", type=float, default=None,
+                   help="seconds to wait for the store before recomputing (default 10)")
+    g.add_argument("--log-file", default=None, help="also write the log here (for pd-kv-hits)")
+    add_engine_args(parser)
+    return parser
+
+
+def add_log_file(path: str) -> None:
+    """Also log to `path` (what pd-kv-hits reads), in the console format."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.getLogger().addHandler(handler)
+
+
+class _StoreCheckError(Exception):
+    pass
+
+
+def check_store(url: str, timeout_s: float = 3.0) -> None:
+    """Fail start-up with one line when the store cannot be reached (before loading any weights)."""
+    parts = urlsplit(url)
+    if parts.scheme == "lm":
+        try:
+            socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 65432), timeout=timeout_s).close()
+        except OSError as e:
+            raise _StoreCheckError(f"LMCache server {parts.netloc} unreachable: {e.strerror or e}") from None
+        return
+    from kvstore import StoreError, open_store
+
+    try:  # one real round trip: redis connects lazily
+        with open_store(url, timeout=timeout_s, fingerprint="0" * 32) as store:
+            store.lookup(["0" * 32])
+    except (StoreError, ValueError, OSError) as e:
+        raise _StoreCheckError(f"KV store {url} unusable: {e}") from None
+
+
+async def run_node(server: Any, servicer: NodeServicer, sock: socket.socket, grpc_host: str, grpc_port: int,
+                   prog: str, shutdown_timeout: float) -> None:
+    from engine.server import StartupError, serve
+
+    grpc_server = grpc.aio.server(options=_GRPC_OPTIONS)
+    pb_grpc.add_PDNodeServicer_to_server(servicer, grpc_server)
+    try:
+        bound = grpc_server.add_insecure_port(f"{grpc_host}:{grpc_port}")
+    except RuntimeError as e:
+        raise StartupError(f"cannot listen on {grpc_host}:{grpc_port} (gRPC): {e}") from None
+    await grpc_server.start()
+    try:
+        await serve(server.app, server.engine, sock, server.served_names[0],
+                    f"{prog} [gRPC {grpc_host}:{bound}]", shutdown_timeout)
+    finally:
+        await grpc_server.stop(grace=1.0)
+        # The connector's threads and connections (LMCache's especially) would keep the process alive.
+        await asyncio.to_thread(server.engine.engine.shutdown)
+
+
+def node_main(role: NodeRole, argv: list[str] | None = None) -> int:
+    from engine.server import OpenAIServer, StartupError, _listen, check_model_dir, create_async_engine
+
+    parser = build_parser(role)
+    args = parser.parse_args(argv)
+    prog = parser.prog
+    if args.kv_store is None and args.lmcache_config is None:
+        args.kv_store = default_kv_store()
+    setup_logging(args.log_level)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        if args.log_file:
+            add_log_file(args.log_file)
+        if args.model is not None:
+            check_model_dir(args.model)  # cheap checks first: the store check imports torch
+        if args.kv_store:
+            check_store(args.kv_store)
+        if args.lmcache_config and not os.access(args.lmcache_config, os.R_OK):
+            raise _StoreCheckError(f"cannot read LMCache config {args.lmcache_config}")
+        sock = _listen(args.host, args.port)
+        async_engine, names = create_async_engine(args)
+        server = OpenAIServer(async_engine, names, async_engine.metrics)
+        servicer = NodeServicer(server, role.name)
+        asyncio.run(run_node(server, servicer, sock, args.host, args.grpc_port, prog, args.shutdown_timeout))
+    except (StartupError, _StoreCheckError, OSError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    return 0

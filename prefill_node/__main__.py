@@ -1,0 +1,16 @@
+"""`pd-prefill`: a node that computes prompts and commits their KV to the shared store."""
+from __future__ import annotations
+
+import sys
+
+from engine.node_grpc import NodeRole, node_main
+
+ROLE = NodeRole(name="prefill", kv_role="producer", http_port=8100, grpc_port=50051)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return node_main(ROLE, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

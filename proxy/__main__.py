@@ -1,0 +1,91 @@
+"""`pd-proxy`: the OpenAI-compatible entry point of a P/D cluster."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+
+from aiohttp import web
+
+from engine.cli import ArgumentParser, setup_logging
+from engine.node_grpc import add_log_file
+from proxy.app import Proxy, ProxyConfig
+from proxy.router import POLICIES
+
+logger = logging.getLogger("proxy")
+
+
+def _addresses(text: str) -> list[str]:
+    out = [a.strip() for a in text.split(",") if a.strip()]
+    for a in out:
+        host, sep, port = a.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {a!r}")
+    if not out:
+        raise argparse.ArgumentTypeError("expected at least one HOST:PORT")
+    return out
+
+
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="pd-proxy", description="Routing proxy: OpenAI API in front of prefill and decode "
+                       "nodes (gRPC)")
+    p.add_argument("--prefill", type=_addresses, default=[], metavar="HOST:PORT[,...]",
+                   help="gRPC addresses of the prefill nodes (none: decode nodes prefill locally)")
+    p.add_argument("--decode", type=_addresses, required=True, metavar="HOST:PORT[,...]",
+                   help="gRPC addresses of the decode nodes")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--policy", choices=POLICIES, default="least-loaded", help="routing policy (default least-loaded)")
+    p.add_argument("--local-prefill-threshold", type=int, default=0, metavar="N",
+                   help="prompts shorter than N tokens skip the prefill node (default 0: never)")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between node health checks")
+    p.add_argument("--log-file", default=None, help="also write the log here")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+async def _serve(app: web.Application, sock: socket.socket, config: ProxyConfig) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    host, port = sock.getsockname()[:2]
+    logger.info("pd-proxy ready at http://%s:%d (policy %s, prefill %s, decode %s)", host, port, config.policy,
+                ",".join(config.prefill) or "-", ",".join(config.decode))
+    await stop.wait()
+    logger.info("pd-proxy shutting down")
+    await runner.cleanup()
+    logger.info("pd-proxy stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    if args.log_file:
+        try:
+            add_log_file(args.log_file)
+        except OSError as e:
+            print(f"pd-proxy: error: cannot write log file {args.log_file}: {e.strerror or e}", file=sys.stderr)
+            return 1
+    config = ProxyConfig(prefill=args.prefill, decode=args.decode, policy=args.policy,
+                         local_prefill_threshold=args.local_prefill_threshold, api_key=args.api_key,
+                         health_interval_s=args.health_interval)
+    try:
+        sock = socket.create_server((args.host, args.port))
+    except OSError as e:
+        print(f"pd-proxy: error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    sock.setblocking(False)
+    asyncio.run(_serve(Proxy(config).app(), sock, config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

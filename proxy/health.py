@@ -1,0 +1,131 @@
+"""Node handles and health checking: dead instances leave rotation, recovered ones come back.
+
+A node is healthy once its `Health` RPC answers; any failed periodic check, or an
+UNAVAILABLE from a request's own RPC, takes it out at once. Stats from the same probe
+feed the least-loaded policy.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+# Reconnect quickly after a node restarts (gRPC's default backoff grows to 2 minutes).
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+
+
+@dataclass
+class NodeLoad:
+    """What the last probe said, plus what this proxy has in flight there right now."""
+
+    in_flight: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    kv_usage: float = 0.0
+
+    @property
+    def score(self) -> int:
+        """Outstanding requests: the node's own (possibly stale) count or ours, whichever is larger."""
+        return max(self.in_flight, self.num_running + self.num_waiting)
+
+
+class Node:
+    """One prefill or decode instance reached over gRPC."""
+
+    def __init__(self, address: str, role: str) -> None:
+        self.address = address
+        self.role = role
+        self.channel: grpc.aio.Channel | None = None
+        self.stub: pb_grpc.PDNodeStub | None = None
+        self.healthy = False
+        self.load = NodeLoad()
+        self.routed = 0
+        self.last_error: str | None = None
+        self.model_names: list[str] = []
+        self.max_model_len = 0
+
+    def connect(self) -> None:
+        """Open the channel; inside the running event loop, which grpc.aio binds it to."""
+        self.channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+        self.stub = pb_grpc.PDNodeStub(self.channel)
+
+    def mark_down(self, reason: str) -> None:
+        if self.healthy:
+            logger.warning("%s node %s out of rotation: %s", self.role, self.address, reason)
+        self.healthy = False
+        self.last_error = reason
+
+    async def probe(self, timeout_s: float) -> None:
+        """Health + Stats in one go; raises grpc.aio.AioRpcError / asyncio.TimeoutError on failure."""
+        health = await self.stub.Health(pb.HealthRequest(), timeout=timeout_s)
+        stats = await self.stub.Stats(pb.StatsRequest(), timeout=timeout_s)
+        if not health.ok:
+            raise RuntimeError("node reports not ok (shutting down)")
+        self.model_names, self.max_model_len = list(health.served_model_names), health.max_model_len
+        self.load.num_running, self.load.num_waiting = stats.num_running, stats.num_waiting
+        self.load.num_free_blocks, self.load.num_total_blocks = stats.num_free_blocks, stats.num_total_blocks
+        self.load.kv_usage = stats.kv_usage
+        if not self.healthy:
+            logger.info("%s node %s in rotation (model %s)", self.role, self.address, self.model_names[0])
+        self.healthy = True
+        self.last_error = None
+
+    def status(self) -> dict[str, object]:
+        return {"address": self.address, "role": self.role, "healthy": self.healthy, "routed": self.routed,
+                "in_flight": self.load.in_flight, "running": self.load.num_running,
+                "waiting": self.load.num_waiting, "free_blocks": self.load.num_free_blocks,
+                "total_blocks": self.load.num_total_blocks, "kv_usage": round(self.load.kv_usage, 4),
+                "last_error": self.last_error}
+
+    async def close(self) -> None:
+        if self.channel is not None:
+            await self.channel.close()
+
+
+class HealthMonitor:
+    """Probes every node each `interval_s` in the background."""
+
+    def __init__(self, nodes: list[Node], interval_s: float = 1.0, timeout_s: float = 1.0) -> None:
+        self.nodes = nodes
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._task: asyncio.Task | None = None
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(node) for node in self.nodes))
+
+    async def _check(self, node: Node) -> None:
+        try:
+            await node.probe(self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            node.mark_down(f"{e.code().name}: {e.details()}")
+        except (asyncio.TimeoutError, RuntimeError) as e:
+            node.mark_down(str(e) or type(e).__name__)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.check_all()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)

@@ -1,0 +1,70 @@
+"""What `make serve` runs (python -m deploy.local_cluster), from a fresh cache directory as on a fresh
+clone: it builds the built-in model, starts prefill + decode + proxy, prints the URL, a curl example and
+the pd-kv-hits command, answers a request through the proxy, and stops every child cleanly on Ctrl-C."""
+from __future__ import annotations
+
+import os
+import queue
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from tests.cluster_helpers import client, kv_hits
+
+
+def _lines(proc: subprocess.Popen) -> queue.Queue:
+    q: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            q.put(line)
+        q.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return q
+
+
+def _read_until(q: queue.Queue, pattern: str, seen: list[str], timeout_s: float) -> re.Match:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            line = q.get(timeout=1)
+        except queue.Empty:
+            continue
+        assert line is not None, "local_cluster exited early:\n" + "".join(seen)
+        seen.append(line)
+        m = re.search(pattern, line)
+        if m:
+            return m
+    raise AssertionError(f"no {pattern!r} within {timeout_s}s:\n" + "".join(seen))
+
+
+def test_local_cluster_from_fresh_cache_serves_and_stops_cleanly(tmp_path):
+    env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.local_cluster", "--port", "0", "--log-dir",
+                             str(tmp_path / "logs")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
+    q, seen = _lines(proc), []
+    try:
+        url = _read_until(q, r"cluster ready: (http://\S+)", seen, 240).group(1)
+        curl = _read_until(q, r"^\s+curl (http://\S+/v1/completions)", seen, 5)
+        assert curl.group(1) == url + "/v1/completions"
+        logs = shlex.split(_read_until(q, r"KV hits: pd-kv-hits (.*)$", seen, 5).group(1))
+        assert (tmp_path / "cache" / "tiny-random-llama" / "model.safetensors").exists()  # built on first use
+        oai = client(url)
+        model = oai.models.list().data[0].id
+        resp = oai.completions.create(model=model, prompt="Hello, my name is " * 20, max_tokens=8, temperature=0,
+                                      extra_headers={"X-Request-Id": "make-serve-1"})
+        assert resp.usage.completion_tokens > 0 and resp.usage.prompt_tokens_details.cached_tokens > 0
+        rows = {r["request_id"]: r for r in kv_hits(*logs)["requests"]}
+        assert rows["make-serve-1"]["loaded"] > 0 and rows["make-serve-1"]["stored"] > 0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(60)
+    stopped = _read_until(q, r"^stopped: (.*)$", seen, 5).group(1)
+    assert code == 0, "".join(seen)
+    assert stopped == "proxy (exit 0), prefill0 (exit 0), decode0 (exit 0)"
