@@ -3,7 +3,7 @@
 Both connectors answer the same questions with the DESIGN.md section 4 arithmetic; they
 differ only in how a prompt's present chunk prefix is looked up and how bytes move. This
 class owns the per-request bookkeeping (load plan, save progress) and the step metadata;
-subclasses implement `_lookup_hit` and the worker half.
+subclasses implement `lookup_hit` and the worker half.
 """
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ class ChunkedConnector(KVConnectorBase):
 
     # ---- subclass hooks ----
     @abstractmethod
-    def _lookup_hit(self, request: Request) -> int:
+    def lookup_hit(self, request: Request) -> int:
         """H: prompt tokens covered by the longest run of present chunks; raises on store failure."""
 
     def _failure_reason(self, exc: BaseException) -> str:
@@ -110,7 +110,7 @@ class ChunkedConnector(KVConnectorBase):
         state = self._requests.setdefault(request.request_id, _RequestState())
         num_tokens = request.num_prompt_tokens
         try:
-            hit = self._lookup_hit(request)
+            hit = self.lookup_hit(request)
         except Exception as exc:  # any lookup failure means "recompute", never a failed request
             hit = 0
             if self.role.loads:

@@ -124,7 +124,7 @@ class LMCacheConnector(ChunkedConnector):
         return f"error: {type(exc).__name__}: {exc}"
 
     # ---- scheduler side ----
-    def _lookup_hit(self, request: Request) -> int:
+    def lookup_hit(self, request: Request) -> int:
         return self._call(self.engine.lookup, tokens=list(request.prompt_token_ids),
                           request_configs=salt_configs(request.cache_salt))
 

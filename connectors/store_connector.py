@@ -67,7 +67,7 @@ class StoreConnector(ChunkedConnector):
         return chunk_keys(self.fingerprint, token_ids, self.chunk_size, cache_salt)
 
     # ---- scheduler side ----
-    def _lookup_hit(self, request: Request) -> int:
+    def lookup_hit(self, request: Request) -> int:
         keys = self.keys_for(request.prompt_token_ids, request.cache_salt)
         present = self.store.result(self.store.submit(self.store.lookup, keys), self.load_timeout_s)
         if present == 0:

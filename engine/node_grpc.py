@@ -8,7 +8,6 @@ gRPC status details).
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -71,7 +70,7 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         await context.abort(code, json.dumps(err.body()))
 
     async def _token_ids(self, req: oai.GenerationRequest) -> list[int]:
-        return await self.server._prompt_token_ids(req)  # noqa: SLF001 - the HTTP API's own tokenization
+        return await self.server.prompt_token_ids_of(req)  # the HTTP API's own tokenization
 
     async def _outputs(self, rid: str, req: oai.GenerationRequest, ids: list[int], params: Any,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
@@ -147,7 +146,7 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         connector = self.llm.connector
         if connector is not None:
             try:  # the connector's own hit computation (H of DESIGN.md section 4)
-                store = await asyncio.wait_for(asyncio.to_thread(connector._lookup_hit, probe), 1.0)  # noqa: SLF001
+                store = await asyncio.wait_for(asyncio.to_thread(connector.lookup_hit, probe), 1.0)
             except Exception as e:  # a routing hint: an unreachable store just means "no store hit"
                 logger.debug("lookup: store hit unknown (%s)", e)
         return pb.LookupResponse(total_tokens=len(ids), local_hit_tokens=local, store_hit_tokens=store)
@@ -246,7 +245,7 @@ async def run_node(server: Any, servicer: NodeServicer, sock: socket.socket, grp
 
 
 def node_main(role: NodeRole, argv: list[str] | None = None) -> int:
-    from engine.server import OpenAIServer, StartupError, _listen, check_model_dir, create_async_engine
+    from engine.server import OpenAIServer, StartupError, listen_socket, check_model_dir, create_async_engine
 
     parser = build_parser(role)
     args = parser.parse_args(argv)
@@ -264,7 +263,7 @@ def node_main(role: NodeRole, argv: list[str] | None = None) -> int:
             check_store(args.kv_store)
         if args.lmcache_config and not os.access(args.lmcache_config, os.R_OK):
             raise _StoreCheckError(f"cannot read LMCache config {args.lmcache_config}")
-        sock = _listen(args.host, args.port)
+        sock = listen_socket(args.host, args.port)
         async_engine, names = create_async_engine(args)
         server = OpenAIServer(async_engine, names, async_engine.metrics)
         servicer = NodeServicer(server, role.name)

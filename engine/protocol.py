@@ -6,6 +6,7 @@ rules live here once, as pure functions over JSON-decoded values (no HTTP librar
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,8 @@ from engine.sampling_params import SamplingParams
 
 COMPLETION, CHAT = "completion", "chat"
 SSE_DONE = b"data: [DONE]\n\n"
+# X-Request-Id values honoured as given (printable ASCII, no spaces): the id starts every log line.
+REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")
 MAX_LOGPROBS = 20
 # Accepted OpenAI fields we do not implement: allowed only at their neutral value.
 _NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "best_of": 1, "echo": False, "logit_bias": {},

@@ -13,7 +13,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import sys
@@ -33,7 +32,6 @@ from engine.tokenizer import apply_chat_template, encode_prompt
 
 logger = logging.getLogger(__name__)
 
-_REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")
 _GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 _TOKENIZE_IN_EXECUTOR_CHARS = 8192  # bigger prompts are tokenized off the event loop
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -78,7 +76,7 @@ class OpenAIServer:
         request["outcome"] = None
         response: web.StreamResponse | None = None
         try:
-            if not _REQUEST_ID_RE.fullmatch(rid):
+            if not oai.REQUEST_ID_RE.fullmatch(rid):
                 rid = uuid.uuid4().hex
                 raise oai.bad_request("X-Request-Id must be 1-128 printable ASCII characters without spaces")
             request["request_id"] = rid
@@ -131,7 +129,7 @@ class OpenAIServer:
             return req.prompt
         return encode_prompt(self.tokenizer, req.prompt)
 
-    async def _prompt_token_ids(self, req: oai.GenerationRequest) -> list[int]:
+    async def prompt_token_ids_of(self, req: oai.GenerationRequest) -> list[int]:
         size = sum(len(m["content"]) for m in req.messages) if req.kind == oai.CHAT else len(req.prompt)
         if size < _TOKENIZE_IN_EXECUTOR_CHARS:
             return self._encode(req)
@@ -147,7 +145,7 @@ class OpenAIServer:
         rid = request["request_id"]
         req = oai.parse_request(kind, await request.read())
         model = oai.check_model(req, self.served_names)
-        prompt_ids = await self._prompt_token_ids(req)
+        prompt_ids = await self.prompt_token_ids_of(req)
         params = req.sampling_params(len(prompt_ids), self.max_model_len)
         builder = oai.ResponseBuilder(req, rid, model)
         outputs = self.engine.generate(rid, prompt_ids, params, req.cache_salt)
@@ -277,7 +275,7 @@ def create_async_engine(args: argparse.Namespace) -> tuple[AsyncLLMEngine, list[
     return async_engine, names
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen_socket(host: str, port: int) -> socket.socket:
     try:
         sock = socket.create_server((host, port), reuse_port=False)
     except OSError as e:
@@ -327,7 +325,7 @@ def run_node(args: argparse.Namespace, prog: str,
     setup_logging(args.log_level)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
-        sock = _listen(args.host, args.port)
+        sock = listen_socket(args.host, args.port)
         async_engine, names = create_async_engine(args)
         server = OpenAIServer(async_engine, names, async_engine.metrics)
         if setup is not None:

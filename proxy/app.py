@@ -21,7 +21,6 @@ import grpc
 from aiohttp import web
 
 from engine import protocol as oai
-from engine.server import _REQUEST_ID_RE as REQUEST_ID_RE  # one rule for node and proxy
 from protos import pdserve_pb2 as pb
 from proxy.health import HealthMonitor, Node
 from proxy.router import Router
@@ -125,7 +124,7 @@ class Proxy:
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         try:
-            if not REQUEST_ID_RE.fullmatch(rid):  # pd-serve's rule: the id goes into every log line
+            if not oai.REQUEST_ID_RE.fullmatch(rid):  # pd-serve's rule: the id goes into every log line
                 rid = uuid.uuid4().hex
                 raise oai.bad_request("X-Request-Id must be 1-128 printable ASCII characters without spaces")
             request["rid"] = rid
