@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"starting prefill, decode and proxy (store {cluster.kv_store}); logs in {log_dir}", flush=True)
         cluster.start(args.timeout)
         logs = " ".join(str(n.log_file) for n in cluster.prefill + cluster.decode)
+        # `make serve` runs from the venv without activating it: name the script where it lies.
+        kv_hits = shutil.which("pd-kv-hits") or str(Path(sys.executable).parent / "pd-kv-hits")
         print(f"""
 pdserve P/D cluster ready: {cluster.url}  (OpenAI API; model {Path(args.model).name})
 
@@ -63,7 +66,7 @@ pdserve P/D cluster ready: {cluster.url}  (OpenAI API; model {Path(args.model).n
        -d '{{"prompt": "Hello, my name is", "max_tokens": 16, "temperature": 0}}'
 
   status:  curl {cluster.url}/status
-  KV hits: pd-kv-hits {logs}
+  KV hits: {kv_hits} {logs}
 
 Ctrl-C stops everything.""", flush=True)
         while all(c.alive for c in cluster.children):

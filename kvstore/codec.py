@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import struct
+import warnings
 from typing import Sequence
 
 import torch
@@ -27,6 +28,8 @@ VERSION = 1
 HEADER_SIZE = 64
 _HEAD = struct.Struct("<4sHBB4I16sQ")  # magic .. payload length: the checksummed part (48 bytes)
 _SUM = struct.Struct("<Q")
+# torch warns once per process when a tensor aliases read-only bytes; decode() documents it.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 1, torch.float16: 2, torch.bfloat16: 3,
@@ -90,8 +93,9 @@ def decode(buf: bytes | bytearray | memoryview, fingerprint: str, dtype: torch.d
            kv_shape: Sequence[int] | None = None, name: str = "object") -> torch.Tensor:
     """Validate everything and return the [2, n, H, D] tensor; raises CorruptObject on any mismatch.
 
-    A writable buffer (bytearray from a file read) becomes the tensor's storage without a
-    copy; a read-only one (bytes from redis) is copied once so callers may write the result.
+    The buffer becomes the tensor's storage without a copy. A read-only one (bytes from
+    redis) is aliased too: the result is for reading (scatter into paged memory), never for
+    writing — copying it into fresh memory would halve redis read throughput (page faults).
     """
     view = memoryview(buf).cast("B")
     if view.nbytes < HEADER_SIZE:
@@ -99,8 +103,6 @@ def decode(buf: bytes | bytearray | memoryview, fingerprint: str, dtype: torch.d
     found, shape = _check(view[:HEADER_SIZE], view[HEADER_SIZE:], fingerprint, dtype, kv_shape, name)
     if view.nbytes == HEADER_SIZE:
         return torch.empty(shape, dtype=found)
-    if view.readonly:
-        return torch.frombuffer(bytearray(view[HEADER_SIZE:]), dtype=found).view(shape)
     return torch.frombuffer(view, dtype=found, offset=HEADER_SIZE).view(shape)
 
 

@@ -3,6 +3,7 @@ clone: it builds the built-in model, starts prefill + decode + proxy, prints the
 the pd-kv-hits command, answers a request through the proxy, and stops every child cleanly on Ctrl-C."""
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -13,7 +14,7 @@ import sys
 import threading
 import time
 
-from tests.cluster_helpers import client, kv_hits
+from tests.cluster_helpers import client
 
 
 def _lines(proc: subprocess.Popen) -> queue.Queue:
@@ -53,14 +54,18 @@ def test_local_cluster_from_fresh_cache_serves_and_stops_cleanly(tmp_path):
         url = _read_until(q, r"cluster ready: (http://\S+)", seen, 240).group(1)
         curl = _read_until(q, r"^\s+curl (http://\S+/v1/completions)", seen, 5)
         assert curl.group(1) == url + "/v1/completions"
-        logs = shlex.split(_read_until(q, r"KV hits: pd-kv-hits (.*)$", seen, 5).group(1))
+        printed = shlex.split(_read_until(q, r"KV hits: (.*pd-kv-hits .*)$", seen, 5).group(1))
+        kv_hits_cmd, logs = printed[0], printed[1:]
         assert (tmp_path / "cache" / "tiny-random-llama" / "model.safetensors").exists()  # built on first use
         oai = client(url)
         model = oai.models.list().data[0].id
         resp = oai.completions.create(model=model, prompt="Hello, my name is " * 20, max_tokens=8, temperature=0,
                                       extra_headers={"X-Request-Id": "make-serve-1"})
         assert resp.usage.completion_tokens > 0 and resp.usage.prompt_tokens_details.cached_tokens > 0
-        rows = {r["request_id"]: r for r in kv_hits(*logs)["requests"]}
+        # The printed command itself works (it names the venv's script: make serve does not activate it).
+        report = subprocess.run([kv_hits_cmd, "--json", *logs], capture_output=True, text=True, timeout=60)
+        assert report.returncode == 0, report.stderr
+        rows = {r["request_id"]: r for r in json.loads(report.stdout)["requests"]}
         assert rows["make-serve-1"]["loaded"] > 0 and rows["make-serve-1"]["stored"] > 0
     finally:
         proc.send_signal(signal.SIGINT)
