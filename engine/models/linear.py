@@ -23,10 +23,12 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
 
     def pack(self) -> None:
-        """Call after the weights are loaded (a later weight change would not reach the packed copy)."""
+        """Call once the weights are loaded. The plain weight is then dropped (a tied embedding keeps
+        its own reference): holding both layouts would double the model's memory."""
         w = self.weight
         if w.device.type == "cpu" and w.dtype in _PACKABLE and torch.backends.mkldnn.is_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
+            self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
