@@ -9,7 +9,7 @@ from connectors.base import KVConnectorBase
 if TYPE_CHECKING:
     from engine.config import EngineConfig
 
-STORE_SCHEMES = ("file", "redis")
+STORE_SCHEMES = ("file", "redis", "rediss")
 LMCACHE_SCHEMES = ("lm",)
 
 
