@@ -78,6 +78,8 @@ class FileSystemStore(KVStore):
     def _lookup(self, keys: list[str]) -> int:
         for i, key in enumerate(keys):
             if not os.path.exists(f"{self._chunk_dir(key)}/{MARKER}"):
+                if not os.path.isdir(self._root):  # deleted or unmounted: an outage, not a miss
+                    raise StoreUnavailable(f"{self._root}: the store directory is gone")
                 return i
         return len(keys)
 

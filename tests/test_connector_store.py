@@ -159,9 +159,10 @@ def test_chunk_with_missing_layer_is_recomputed(file_pair, store_dir, mono, capl
 
 def test_store_deleted_between_prefill_and_decode(file_pair, store_dir, mono, caplog):
     producer, consumer = file_pair
-    # deleted before decode starts: the lookup finds nothing and the consumer computes the prompt
+    # deleted before decode starts: the lookup reports the outage and the consumer computes the prompt
     full = prompt(300, seed=42)
-    assert _fault_roundtrip(producer, consumer, mono, full, caplog, lambda: shutil.rmtree(store_dir)) == []
+    found = _fault_roundtrip(producer, consumer, mono, full, caplog, lambda: shutil.rmtree(store_dir))
+    assert [(reason, n) for _, reason, n in found] == [("unavailable", 299)]
     assert [lk[3:] for lk in lines(caplog, LOOKUP_RE)] == [(0, 0)]
     store_dir.mkdir()
     # deleted after the lookup, while the load is starting: a fallback line and a recompute

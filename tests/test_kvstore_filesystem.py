@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,16 @@ def test_unusable_root_is_unavailable(tmp_path):
         open_store(f"file://{blocker}/store")
     with pytest.raises(ValueError, match="file:///"):
         open_store("file://relative/path")
+
+
+def test_deleted_store_directory_is_an_outage_not_a_miss(tmp_path):
+    keys, layers = make_chunks(48, 2)
+    root = tmp_path / "store"
+    store = open_test_store(f"file://{root}", 2)
+    write_all(store, keys, layers)
+    assert store.lookup(keys) == len(keys)
+    shutil.rmtree(root)
+    with pytest.raises(StoreUnavailable, match="gone"):
+        store.lookup(keys)
+    write_all(store, keys, layers)  # a producer's next save recreates the tree
+    assert store.lookup(keys) == len(keys)
