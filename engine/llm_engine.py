@@ -159,6 +159,7 @@ class LLMEngine:
             finish_reason=request.finish_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             stop_reason=request.stop_reason,
+            new_top_logprobs=request.output_top_logprobs[state.num_sent_tokens:],
         )
         state.num_sent_tokens = len(request.output_token_ids)
         state.num_sent_chars = visible

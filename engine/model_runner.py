@@ -151,8 +151,11 @@ class ModelRunner:
         if keep:
             last_rows = meta.query_start_loc[1:].long()[[sample_rows[i] for i in keep]] - 1
             logits = self.model.compute_logits(hidden[last_rows])
-            tokens, logprobs = self.sampler(logits, [reqs[i] for i in keep])
+            kept = [reqs[i] for i in keep]
+            tokens, logprobs = self.sampler(logits, kept)
             for i, token, logprob in zip(keep, tokens, logprobs):
                 output.sampled_token_ids[reqs[i].request_id] = token
                 output.logprobs[reqs[i].request_id] = logprob
+            for row, top in self.sampler.top_logprobs(logits, kept).items():
+                output.top_logprobs[kept[row].request_id] = top
         return output

@@ -49,6 +49,7 @@ def generation_request(prompt: pb.Prompt, params: pb.SamplingParams, cache_salt:
     kind_of = prompt.WhichOneof("kind")
     return oai.GenerationRequest(
         kind=kind, model=None, max_tokens=params.max_tokens or None, logprobs=params.logprobs,
+        top_logprobs=params.top_logprobs,
         cache_salt=cache_salt or None, sampling=sampling,
         prompt=prompt.text if kind_of == "text" else (list(prompt.token_ids.ids) if kind_of == "token_ids" else None),
         messages=[{"role": m.role, "content": m.content} for m in prompt.chat.messages] if kind == oai.CHAT else None)
@@ -125,6 +126,8 @@ class NodeServicer(pb_grpc.PDNodeServicer):
             if req.logprobs:
                 delta.logprobs.extend(out.new_logprobs)
                 delta.tokens.extend(decode([t]) for t in out.new_token_ids)
+                delta.top_logprobs.extend(pb.TopLogprobs(tokens=[t for t, _ in top], logprobs=[lp for _, lp in top])
+                                          for top in oai.top_token_texts(decode, out.new_top_logprobs))
             if out.finished:
                 delta.usage.CopyFrom(pb.Usage(prompt_tokens=len(ids), completion_tokens=len(out.token_ids),
                                               cached_tokens=max(0, out.num_cached_tokens)))

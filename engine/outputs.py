@@ -1,7 +1,7 @@
 """What the engine hands back: per-request progress (RequestOutput) and engine counters (EngineStats)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -23,6 +23,8 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     num_cached_tokens: int  # prompt tokens that came from the prefix cache or the KV store
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    # Per new token, its `top_logprobs` most likely (token id, logprob), best first; [] unless asked.
+    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass

@@ -9,15 +9,14 @@ import json
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 COMPLETION, CHAT = "completion", "chat"
 SSE_DONE = b"data: [DONE]\n\n"
 # X-Request-Id values honoured as given (printable ASCII, no spaces): the id starts every log line.
 REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")
-MAX_LOGPROBS = 20
 # Accepted OpenAI fields we do not implement: allowed only at their neutral value.
 _NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "best_of": 1, "echo": False, "logit_bias": {},
             "suffix": None, "tools": [], "functions": []}
@@ -180,6 +179,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # most likely tokens reported per position
     return_token_ids: bool = False
     user: str | None = None
     cache_salt: str | None = None
@@ -195,7 +195,8 @@ class GenerationRequest:
                               "max_tokens" if room >= 1 else ("messages" if self.kind == CHAT else "prompt"),
                               "context_length_exceeded")
         try:
-            return SamplingParams(max_tokens=self.max_tokens or room, logprobs=self.logprobs, **self.sampling)
+            return SamplingParams(max_tokens=self.max_tokens or room, logprobs=self.logprobs,
+                                  top_logprobs=self.top_logprobs, **self.sampling)
         except ValueError as e:
             raise bad_request(str(e)) from None
 
@@ -221,12 +222,15 @@ def parse_request(kind: str, raw: bytes | str | Any) -> GenerationRequest:
         prompt, messages = None, _parse_messages(body)
         max_tokens = _int(body, "max_completion_tokens", None, 1)
         max_tokens = _int(body, "max_tokens", max_tokens, 1)
-        _int(body, "top_logprobs", 0, 0, MAX_LOGPROBS)  # accepted; only sampled tokens are reported
+        top_logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
         logprobs = _bool(body, "logprobs")
+        if top_logprobs and not logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     else:
         prompt, messages = _parse_prompt(body), None
         max_tokens = _int(body, "max_tokens", 16, 1)
-        logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS) is not None
+        top_logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+        logprobs, top_logprobs = top_logprobs is not None, top_logprobs or 0
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
@@ -241,7 +245,7 @@ def parse_request(kind: str, raw: bytes | str | Any) -> GenerationRequest:
     return GenerationRequest(
         kind=kind, model=model, prompt=prompt, messages=messages, max_tokens=max_tokens,
         stream=_bool(body, "stream"), include_usage=_bool(stream_options or {}, "include_usage"),
-        logprobs=logprobs, return_token_ids=_bool(body, "return_token_ids"), user=_str(body, "user"),
+        logprobs=logprobs, top_logprobs=top_logprobs, return_token_ids=_bool(body, "return_token_ids"), user=_str(body, "user"),
         cache_salt=_str(body, "cache_salt"), sampling=sampling)
 
 
@@ -277,7 +281,22 @@ class Delta:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     tokens: list[str] | None = None  # token strings for logprobs; None: not available
+    top_logprobs: list[list[tuple[str, float]]] = field(default_factory=list)  # per token, best first
     finish_reason: str | None = None
+
+
+def top_token_texts(decode: Callable[[list[int]], str],
+                    tops: list[list[tuple[int, float]]]) -> list[list[tuple[str, float]]]:
+    """The engine's (token id, logprob) lists with each id decoded alone, as the sampled tokens are."""
+    return [[(decode([t]), lp) for t, lp in top] for top in tops]
+
+
+def top_by_text(top: list[tuple[str, float]]) -> dict[str, float]:
+    """Completions key top tokens by text: ids that decode alike (partial UTF-8) keep the best logprob."""
+    out: dict[str, float] = {}
+    for text, logprob in top:
+        out.setdefault(text, logprob)
+    return out
 
 
 class ResponseBuilder:
@@ -297,14 +316,18 @@ class ResponseBuilder:
         if not self.req.logprobs:
             return None
         tokens = d.tokens if d.tokens is not None else [""] * len(d.logprobs)
+        tops = d.top_logprobs or [[] for _ in tokens]
         if self.req.kind == CHAT:
-            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                                for t, lp in zip(tokens, d.logprobs)]}
+            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                                 "top_logprobs": [{"token": tt, "logprob": tlp, "bytes": list(tt.encode())}
+                                                  for tt, tlp in top]}
+                                for t, lp, top in zip(tokens, d.logprobs, tops)]}
         offsets = []
         for t in tokens:
             offsets.append(self._text_offset)
             self._text_offset += len(t)
-        return {"tokens": tokens, "token_logprobs": d.logprobs, "top_logprobs": None, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": d.logprobs, "text_offset": offsets,
+                "top_logprobs": [top_by_text(top) for top in tops] if self.req.top_logprobs else None}
 
     def _choice(self, d: Delta, *, stream: bool, role: bool = False) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}

@@ -42,6 +42,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # with top_logprobs > 0
     num_computed_tokens: int = 0
     # Prompt tokens that did not need computing on first admission (local prefix cache + external KV).
     num_cached_tokens: int = -1
@@ -77,8 +78,11 @@ class Request:
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 
-    def append_output_token(self, token_id: int, logprob: float | None = None) -> None:
+    def append_output_token(self, token_id: int, logprob: float | None = None,
+                            top_logprobs: list[tuple[int, float]] | None = None) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if top_logprobs is not None:
+            self.output_top_logprobs.append(top_logprobs)

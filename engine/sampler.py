@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds; logprob of the chosen token."""
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds; logprobs of the chosen and top tokens."""
 from __future__ import annotations
 
 import struct
@@ -57,3 +57,20 @@ class Sampler:
                 noise[row].exponential_(generator=seeded_generator(p.seed, req.num_tokens))
         choice = (probs / noise).argmax(dim=-1, keepdim=True)
         return order.gather(1, choice).squeeze(1)
+
+    @staticmethod
+    def top_logprobs(logits: torch.Tensor, requests: Sequence[Request]) -> dict[int, list[tuple[int, float]]]:
+        """Row -> the `top_logprobs` most likely (token id, logprob) under the raw logits, best first.
+
+        Only rows that asked are computed, so the common path pays nothing.
+        """
+        rows = [i for i, r in enumerate(requests) if r.sampling_params.top_logprobs > 0]
+        if not rows:
+            return {}
+        k = max(requests[i].sampling_params.top_logprobs for i in rows)
+        values, ids = (v.tolist() for v in torch.log_softmax(logits[rows], dim=-1).topk(k, dim=-1))
+        out = {}
+        for j, row in enumerate(rows):
+            n = requests[row].sampling_params.top_logprobs
+            out[row] = list(zip(ids[j][:n], values[j][:n]))
+        return out

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
 
 @dataclass
 class SamplingParams:
@@ -16,7 +18,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: bool = False
+    logprobs: bool = False  # report the sampled token's logprob
+    top_logprobs: int = 0  # also report this many most likely tokens per position (implies logprobs)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -37,6 +40,10 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if not isinstance(self.top_logprobs, int) or isinstance(self.top_logprobs, bool) or \
+                not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        self.logprobs = bool(self.logprobs or self.top_logprobs)
 
     @property
     def greedy(self) -> bool:

@@ -188,7 +188,7 @@ class Scheduler:
             token = runner_output.sampled_token_ids.get(rid)
             if token is None:  # a prefill chunk that did not reach the end of the prompt
                 continue
-            request.append_output_token(token, runner_output.logprobs.get(rid))
+            request.append_output_token(token, runner_output.logprobs.get(rid), runner_output.top_logprobs.get(rid))
             if self._check_stop(request, token):
                 self.running.remove(request)
                 self._free_request(request)

@@ -32,6 +32,7 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, float] = field(default_factory=dict)
+    top_logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # only requests that asked
     # Requests whose external KV failed to load this step: their sampled token (if any) is
     # discarded and the scheduler rewinds them to the locally computed prefix to recompute.
     failed_load_req_ids: set[str] = field(default_factory=set)

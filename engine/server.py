@@ -136,10 +136,11 @@ class OpenAIServer:
         return await asyncio.get_running_loop().run_in_executor(None, self._encode, req)
 
     def _delta(self, req: oai.GenerationRequest, text: str, token_ids: list[int], logprobs: list[float],
-               finish_reason: str | None) -> oai.Delta:
+               tops: list[list[tuple[int, float]]], finish_reason: str | None) -> oai.Delta:
         tokens = [self.tokenizer.decode([t]) for t in token_ids] if req.logprobs else None
         return oai.Delta(text=text, token_ids=list(token_ids), logprobs=list(logprobs) if req.logprobs else [],
-                         tokens=tokens, finish_reason=finish_reason)
+                         tokens=tokens, top_logprobs=oai.top_token_texts(self.tokenizer.decode, tops),
+                         finish_reason=finish_reason)
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         rid = request["request_id"]
@@ -155,10 +156,11 @@ class OpenAIServer:
                 if req.stream:
                     last = await self._stream(request, req, builder, outputs, first)
                 else:
-                    last, logprobs = first, list(first.new_logprobs)
+                    last, logprobs, tops = first, list(first.new_logprobs), list(first.new_top_logprobs)
                     async for last in outputs:
                         logprobs += last.new_logprobs
-                    delta = self._delta(req, last.text, last.token_ids, logprobs, last.finish_reason)
+                        tops += last.new_top_logprobs
+                    delta = self._delta(req, last.text, last.token_ids, logprobs, tops, last.finish_reason)
                     body = builder.response(delta, self._usage(last), prompt_ids)
             except EngineOverloadedError as e:
                 raise oai.service_unavailable(str(e), "queue_full") from None
@@ -189,7 +191,8 @@ class OpenAIServer:
             await resp.write(oai.sse_event(builder.chunk(oai.Delta(""), role=True)))
         while True:
             finish = out.finish_reason if out.finished else None
-            delta = self._delta(req, out.new_text, out.new_token_ids, out.new_logprobs, finish)
+            delta = self._delta(req, out.new_text, out.new_token_ids, out.new_logprobs, out.new_top_logprobs,
+                                finish)
             if delta.text or finish or ((req.logprobs or req.return_token_ids) and delta.token_ids):
                 await resp.write(oai.sse_event(builder.chunk(delta)))
             if out.finished:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/pdserve.proto\x12\x07pdserve\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\x0c\x43hatMessages\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.pdserve.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"o\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.pdserve.ChatMessagesH\x00\x12&\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x11.pdserve.TokenIdsH\x00\x42\x06\n\x04kind\"\xbf\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x42\x07\n\x05_seed\"\x82\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x06prompt\x18\x02 \x01(\x0b\x32\x0f.pdserve.Prompt\x12\'\n\x06params\x18\x03 \x01(\x0b\x32\x17.pdserve.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"Z\n\x0fPrefillResponse\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\"\x83\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x06prompt\x18\x02 \x01(\x0b\x32\x0f.pdserve.Prompt\x12\'\n\x06params\x18\x03 \x01(\x0b\x32\x17.pdserve.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x88\x01\n\rGenerateDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1d\n\x05usage\x18\x05 \x01(\x0b\x32\x0e.pdserve.Usage\x12\x0e\n\x06tokens\x18\x06 \x03(\t\"D\n\rLookupRequest\x12\x1f\n\x06prompt\x18\x01 \x01(\x0b\x32\x0f.pdserve.Prompt\x12\x12\n\ncache_salt\x18\x02 \x01(\t\"Z\n\x0eLookupResponse\x12\x14\n\x0ctotal_tokens\x18\x01 \x01(\r\x12\x18\n\x10local_hit_tokens\x18\x02 \x01(\r\x12\x18\n\x10store_hit_tokens\x18\x03 \x01(\r\"\x0f\n\rHealthRequest\"]\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x1a\n\x12served_model_names\x18\x03 \x03(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\"\x0e\n\x0cStatsRequest\"\xb7\x01\n\rStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x10\n\x08kv_usage\x18\x05 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x04\x32\xb4\x02\n\x06PDNode\x12<\n\x07Prefill\x12\x17.pdserve.PrefillRequest\x1a\x18.pdserve.PrefillResponse\x12>\n\x08Generate\x12\x18.pdserve.GenerateRequest\x1a\x16.pdserve.GenerateDelta0\x01\x12\x39\n\x06Lookup\x12\x16.pdserve.LookupRequest\x1a\x17.pdserve.LookupResponse\x12\x39\n\x06Health\x12\x16.pdserve.HealthRequest\x1a\x17.pdserve.HealthResponse\x12\x36\n\x05Stats\x12\x15.pdserve.StatsRequest\x1a\x16.pdserve.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/pdserve.proto\x12\x07pdserve\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\x0c\x43hatMessages\x12&\n\x08messages\x18\x01 \x03(\x0b\x32\x14.pdserve.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"o\n\x06Prompt\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.pdserve.ChatMessagesH\x00\x12&\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x11.pdserve.TokenIdsH\x00\x42\x06\n\x04kind\"\xd5\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\rB\x07\n\x05_seed\"\x82\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x06prompt\x18\x02 \x01(\x0b\x32\x0f.pdserve.Prompt\x12\'\n\x06params\x18\x03 \x01(\x0b\x32\x17.pdserve.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"Z\n\x0fPrefillResponse\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x12\n\nprefill_ms\x18\x03 \x01(\x01\"\x83\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x06prompt\x18\x02 \x01(\x0b\x32\x0f.pdserve.Prompt\x12\'\n\x06params\x18\x03 \x01(\x0b\x32\x17.pdserve.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xb4\x01\n\rGenerateDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1d\n\x05usage\x18\x05 \x01(\x0b\x32\x0e.pdserve.Usage\x12\x0e\n\x06tokens\x18\x06 \x03(\t\x12*\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x14.pdserve.TopLogprobs\"/\n\x0bTopLogprobs\x12\x0e\n\x06tokens\x18\x01 \x03(\t\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"D\n\rLookupRequest\x12\x1f\n\x06prompt\x18\x01 \x01(\x0b\x32\x0f.pdserve.Prompt\x12\x12\n\ncache_salt\x18\x02 \x01(\t\"Z\n\x0eLookupResponse\x12\x14\n\x0ctotal_tokens\x18\x01 \x01(\r\x12\x18\n\x10local_hit_tokens\x18\x02 \x01(\r\x12\x18\n\x10store_hit_tokens\x18\x03 \x01(\r\"\x0f\n\rHealthRequest\"]\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x1a\n\x12served_model_names\x18\x03 \x03(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\"\x0e\n\x0cStatsRequest\"\xb7\x01\n\rStatsResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x10\n\x08kv_usage\x18\x05 \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x04\x32\xb4\x02\n\x06PDNode\x12<\n\x07Prefill\x12\x17.pdserve.PrefillRequest\x1a\x18.pdserve.PrefillResponse\x12>\n\x08Generate\x12\x18.pdserve.GenerateRequest\x1a\x16.pdserve.GenerateDelta0\x01\x12\x39\n\x06Lookup\x12\x16.pdserve.LookupRequest\x1a\x17.pdserve.LookupResponse\x12\x39\n\x06Health\x12\x16.pdserve.HealthRequest\x1a\x17.pdserve.HealthResponse\x12\x36\n\x05Stats\x12\x15.pdserve.StatsRequest\x1a\x16.pdserve.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,29 +40,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROMPT']._serialized_start=160
   _globals['_PROMPT']._serialized_end=271
   _globals['_SAMPLINGPARAMS']._serialized_start=274
-  _globals['_SAMPLINGPARAMS']._serialized_end=465
-  _globals['_PREFILLREQUEST']._serialized_start=468
-  _globals['_PREFILLREQUEST']._serialized_end=598
-  _globals['_PREFILLRESPONSE']._serialized_start=600
-  _globals['_PREFILLRESPONSE']._serialized_end=690
-  _globals['_GENERATEREQUEST']._serialized_start=693
-  _globals['_GENERATEREQUEST']._serialized_end=824
-  _globals['_USAGE']._serialized_start=826
-  _globals['_USAGE']._serialized_end=906
-  _globals['_GENERATEDELTA']._serialized_start=909
-  _globals['_GENERATEDELTA']._serialized_end=1045
-  _globals['_LOOKUPREQUEST']._serialized_start=1047
-  _globals['_LOOKUPREQUEST']._serialized_end=1115
-  _globals['_LOOKUPRESPONSE']._serialized_start=1117
-  _globals['_LOOKUPRESPONSE']._serialized_end=1207
-  _globals['_HEALTHREQUEST']._serialized_start=1209
-  _globals['_HEALTHREQUEST']._serialized_end=1224
-  _globals['_HEALTHRESPONSE']._serialized_start=1226
-  _globals['_HEALTHRESPONSE']._serialized_end=1319
-  _globals['_STATSREQUEST']._serialized_start=1321
-  _globals['_STATSREQUEST']._serialized_end=1335
-  _globals['_STATSRESPONSE']._serialized_start=1338
-  _globals['_STATSRESPONSE']._serialized_end=1521
-  _globals['_PDNODE']._serialized_start=1524
-  _globals['_PDNODE']._serialized_end=1832
+  _globals['_SAMPLINGPARAMS']._serialized_end=487
+  _globals['_PREFILLREQUEST']._serialized_start=490
+  _globals['_PREFILLREQUEST']._serialized_end=620
+  _globals['_PREFILLRESPONSE']._serialized_start=622
+  _globals['_PREFILLRESPONSE']._serialized_end=712
+  _globals['_GENERATEREQUEST']._serialized_start=715
+  _globals['_GENERATEREQUEST']._serialized_end=846
+  _globals['_USAGE']._serialized_start=848
+  _globals['_USAGE']._serialized_end=928
+  _globals['_GENERATEDELTA']._serialized_start=931
+  _globals['_GENERATEDELTA']._serialized_end=1111
+  _globals['_TOPLOGPROBS']._serialized_start=1113
+  _globals['_TOPLOGPROBS']._serialized_end=1160
+  _globals['_LOOKUPREQUEST']._serialized_start=1162
+  _globals['_LOOKUPREQUEST']._serialized_end=1230
+  _globals['_LOOKUPRESPONSE']._serialized_start=1232
+  _globals['_LOOKUPRESPONSE']._serialized_end=1322
+  _globals['_HEALTHREQUEST']._serialized_start=1324
+  _globals['_HEALTHREQUEST']._serialized_end=1339
+  _globals['_HEALTHRESPONSE']._serialized_start=1341
+  _globals['_HEALTHRESPONSE']._serialized_end=1434
+  _globals['_STATSREQUEST']._serialized_start=1436
+  _globals['_STATSREQUEST']._serialized_end=1450
+  _globals['_STATSRESPONSE']._serialized_start=1453
+  _globals['_STATSRESPONSE']._serialized_end=1636
+  _globals['_PDNODE']._serialized_start=1639
+  _globals['_PDNODE']._serialized_end=1947
 # @@protoc_insertion_point(module_scope)

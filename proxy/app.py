@@ -64,11 +64,15 @@ def _client_error(e: grpc.aio.AioRpcError) -> oai.APIError | None:
     return err if err is not None and err.status < 500 else None
 
 
+def _tops(d: pb.GenerateDelta) -> list[list[tuple[str, float]]]:
+    return [list(zip(t.tokens, t.logprobs)) for t in d.top_logprobs]
+
+
 def sampling_to_pb(req: oai.GenerationRequest) -> pb.SamplingParams:
     s = req.sampling
     return pb.SamplingParams(max_tokens=req.max_tokens or 0, temperature=s["temperature"], top_p=s["top_p"],
                              top_k=s["top_k"], seed=s["seed"], stop=s["stop"], ignore_eos=s["ignore_eos"],
-                             logprobs=req.logprobs)
+                             logprobs=req.logprobs, top_logprobs=req.top_logprobs)
 
 
 def prompt_to_pb(req: oai.GenerationRequest) -> pb.Prompt:
@@ -192,14 +196,15 @@ class Proxy:
             builder = oai.ResponseBuilder(req, rid, model)
             if req.stream:
                 return await self._stream(request, builder, first, deltas, t0)
-            text, ids, logprobs, tokens, last = [], [], [], [], first
+            text, ids, logprobs, tokens, tops, last = [], [], [], [], [], first
             async for d in _chain(first, deltas):
                 text.append(d.text)
                 ids.extend(d.token_ids)
                 logprobs.extend(d.logprobs)
                 tokens.extend(d.tokens)
+                tops.extend(_tops(d))
                 last = d
-        whole = oai.Delta("".join(text), ids, logprobs, tokens if req.logprobs else None, last.finish_reason)
+        whole = oai.Delta("".join(text), ids, logprobs, tokens if req.logprobs else None, tops, last.finish_reason)
         usage = _usage(last)
         logger.info("Reqid: %s, done: %d tokens, finish %s, %.1f ms", rid, len(ids), last.finish_reason,
                     (time.perf_counter() - t0) * 1e3)
@@ -218,7 +223,7 @@ class Proxy:
             async for d in _chain(first, deltas):
                 last, n = d, n + len(d.token_ids)
                 delta = oai.Delta(d.text, list(d.token_ids), list(d.logprobs),
-                                  list(d.tokens) if builder.req.logprobs else None, d.finish_reason or None)
+                                  list(d.tokens) if builder.req.logprobs else None, _tops(d), d.finish_reason or None)
                 if delta.text or delta.finish_reason or (delta.token_ids and (builder.req.logprobs or
                                                                              builder.req.return_token_ids)):
                     await response.write(oai.sse_event(builder.chunk(delta)))

@@ -79,6 +79,33 @@ def test_chat_matches_pd_serve_streaming_and_not(cluster, pd_serve):
     assert chunks[-1].usage.prompt_tokens == a.usage.prompt_tokens
 
 
+def _split(obj, values=None):
+    """(obj with every float replaced by None, the floats in order): compares JSON bodies up to fp noise."""
+    values = [] if values is None else values
+    if isinstance(obj, float):
+        values.append(obj)
+        return None, values
+    if isinstance(obj, dict):
+        return {k: _split(v, values)[0] for k, v in obj.items()}, values
+    if isinstance(obj, list):
+        return [_split(v, values)[0] for v in obj], values
+    return obj, values
+
+
+def test_top_logprobs_bodies_match_pd_serve(cluster, pd_serve):
+    cases = [("/v1/completions", {"prompt": PROMPTS[0], "logprobs": 3}),
+             ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 3})]
+    for path, body in cases:
+        body = {**body, "max_tokens": 4, "temperature": 0}
+        (code, got), (_, want) = post(cluster.url, path, body), post(pd_serve.url, path, body)
+        (shape, values), (want_shape, want_values) = _split(got["choices"][0]), _split(want["choices"][0])
+        assert code == 200 and shape == want_shape  # same tokens, texts, offsets and layout
+        assert values == pytest.approx(want_values, abs=1e-4)  # the KV came from another process's forward
+        lp = got["choices"][0]["logprobs"]
+        tops = lp["top_logprobs"] if path == "/v1/completions" else [c["top_logprobs"] for c in lp["content"]]
+        assert len(tops) == 4 and all(1 <= len(top) <= 3 for top in tops)
+
+
 def test_decode_log_shows_hit_and_load_and_kv_hits_reports_it(cluster):
     prefill_log, decode_log = cluster.prefill[0].log_file, cluster.decode[0].log_file
     rids = [f"{cluster.store_name}-cmpl-{i}" for i in range(len(PROMPTS))]

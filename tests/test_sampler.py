@@ -54,3 +54,25 @@ def test_seeded_token_depends_on_seed_and_position_not_batch():
     firsts = {Sampler()(logits, [req(seed=s, n_tokens=10)])[0][0] for s in range(20)}
     positions = {Sampler()(logits, [req(seed=42, n_tokens=n)])[0][0] for n in range(10, 30)}
     assert len(firsts) > 10 and len(positions) > 10
+
+
+def test_top_logprobs_only_for_requests_that_ask_and_match_log_softmax():
+    logits = torch.randn(3, 384, generator=torch.Generator().manual_seed(4))
+    tops = Sampler.top_logprobs(logits, [req(top_logprobs=5), req(), req(top_logprobs=2)])
+    assert set(tops) == {0, 2} and [len(tops[0]), len(tops[2])] == [5, 2]
+    for row, top in tops.items():
+        values, ids = torch.log_softmax(logits[row], -1).topk(len(top))
+        assert [t for t, _ in top] == ids.tolist()
+        torch.testing.assert_close(torch.tensor([lp for _, lp in top]), values)
+    assert Sampler.top_logprobs(logits, [req(logprobs=True)] * 3) == {}
+
+
+def test_top_logprobs_validated_and_imply_logprobs():
+    assert SamplingParams(top_logprobs=3).logprobs and not SamplingParams().logprobs
+    for bad in (-1, 21, True, 2.0):
+        try:
+            SamplingParams(top_logprobs=bad)
+        except ValueError as e:
+            assert "top_logprobs" in str(e)
+        else:
+            raise AssertionError(f"top_logprobs={bad!r} accepted")

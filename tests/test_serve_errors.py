@@ -68,6 +68,8 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, "max_completion_tokens",
      None),
     ({"messages": [{"role": "user", "content": "x" * 2000}]}, "messages", "context_length_exceeded"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs", None),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
 ]
 
 

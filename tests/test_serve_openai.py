@@ -10,7 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+import torch
 
+from engine.protocol import top_by_text
 from tests.serve_helpers import ServerProcess, open_stream, sse_events
 from tests.test_generate import hf_greedy, random_prompt
 
@@ -97,10 +99,66 @@ def test_sampled_token_logprobs(client, model_name):
                                      extra_body={"ignore_eos": True})
     lp = resp.choices[0].logprobs
     assert len(lp.token_logprobs) == 6 and all(x <= 0 for x in lp.token_logprobs)
+    assert lp.top_logprobs is None  # logprobs=0: the sampled token only
     chat = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "abc"}],
                                           max_tokens=6, temperature=0, logprobs=True,
                                           extra_body={"ignore_eos": True})
     assert len(chat.choices[0].logprobs.content) == 6
+    assert all(c.top_logprobs == [] for c in chat.choices[0].logprobs.content)
+
+
+def _hf_top(model_path, prompt_ids: list[int], output_ids: list[int], k: int) -> list[list[tuple[str, float]]]:
+    """HF's k best (token text, logprob) at each generated position: log_softmax of its raw fp32 logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(model_path))
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt_ids + output_ids[:-1]])).logits[0, len(prompt_ids) - 1:]
+    values, ids = torch.log_softmax(logits.float(), -1).topk(k, -1)
+    return [[(tok.decode([t]), v) for t, v in zip(i.tolist(), v.tolist())] for i, v in zip(ids, values)]
+
+
+def _assert_top_matches_hf(got: list[list[tuple[str, float]]], tokens: list[str], logprobs: list[float], hf):
+    assert len(got) == len(tokens) == len(logprobs) == len(hf) > 0
+    for top, token, logprob, ref in zip(got, tokens, logprobs, hf):
+        values = [lp for _, lp in top]
+        assert values == sorted(values, reverse=True)
+        assert top[0] == (token, logprob)  # greedy: the sampled token is the most likely one
+        best, ref_best = top_by_text(top), top_by_text(ref)
+        assert best.keys() == ref_best.keys()
+        assert [best[t] for t in ref_best] == pytest.approx(list(ref_best.values()), abs=1e-4)
+
+
+def test_completion_top_logprobs_match_hf_streaming_and_not(tiny_llama, client, model_name):
+    prompt = random_prompt(30, seed=31)
+    kw = dict(model=model_name, prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
+              extra_body={"return_token_ids": True, "ignore_eos": True})
+    choice = client.completions.create(**kw).choices[0]
+    lp = choice.logprobs
+    assert all(len(top) <= 3 for top in lp.top_logprobs)  # token texts are keys: equal texts merge
+    got = [list(top.items()) for top in lp.top_logprobs]  # JSON object order: best first
+    _assert_top_matches_hf(got, lp.tokens, lp.token_logprobs, _hf_top(tiny_llama, prompt, choice.token_ids, 3))
+    chunks = [c.choices[0].logprobs for c in client.completions.create(**kw, stream=True) if c.choices[0].logprobs]
+    assert [t for c in chunks for t in c.tokens] == lp.tokens
+    assert [x for c in chunks for x in c.token_logprobs] == lp.token_logprobs
+    assert [x for c in chunks for x in c.top_logprobs] == lp.top_logprobs
+    assert [x for c in chunks for x in c.text_offset] == lp.text_offset
+
+
+def test_chat_top_logprobs_match_hf_streaming_and_not(tiny_llama, client, model_name):
+    kw = dict(model=model_name, messages=[{"role": "user", "content": "Count: one two"}], max_tokens=6,
+              temperature=0, logprobs=True, top_logprobs=3, extra_body={"return_token_ids": True, "ignore_eos": True})
+    resp = client.chat.completions.create(**kw)
+    content = resp.choices[0].logprobs.content
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].bytes == list(c.top_logprobs[0].token.encode())
+               for c in content)
+    got = [[(t.token, t.logprob) for t in c.top_logprobs] for c in content]
+    hf = _hf_top(tiny_llama, resp.prompt_token_ids, resp.choices[0].token_ids, 3)
+    _assert_top_matches_hf(got, [c.token for c in content], [c.logprob for c in content], hf)
+    streamed = [e for c in client.chat.completions.create(**kw, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
 
 
 def test_seeded_sampling_is_reproducible(client, model_name):
