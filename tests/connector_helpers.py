@@ -1,10 +1,12 @@
 """Shared pieces of the connector tests: prompts, the HF oracle, engine pairs, log-line parsing."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import random
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -133,3 +135,31 @@ def check_partial_load(producer: LLM, consumer: LLM, mono: LLM, case: tuple, wan
     assert prompt_tokens_computed(consumer) - before == T - N - need
     loads = lines(caplog, LOAD_RE)
     assert [ld[1:] for ld in loads] == ([(retrieved, start, need)] if need else [])
+
+
+def check_salts_never_share(producer: LLM, consumer: LLM, mono: LLM, caplog, seed: int) -> None:
+    """Two cache salts on one store: tenant B misses tenant A's chunks, tenant A hits them; output exact."""
+    full = prompt(300, seed=seed)
+    producer.generate([full], PREFILL, cache_salt="tenant-a")
+    capture(caplog)
+    other = consumer.generate([full], GREEDY, cache_salt="tenant-b")
+    same = consumer.generate([full], GREEDY, cache_salt="tenant-a")
+    assert [lk[3] for lk in lines(caplog, LOOKUP_RE)] == [0, 300]
+    assert token_ids(other) == token_ids(same) == token_ids(mono.generate([full], GREEDY))
+
+
+@contextlib.contextmanager
+def broken_at_load_start(connector, break_store: Callable[[], None]) -> Iterator[None]:
+    """Run `break_store` right after the lookup, as the step that loads begins (then restore the hook)."""
+    original = connector.start_load_kv
+
+    def break_then_load(metadata):
+        if metadata.loads:
+            break_store()
+        original(metadata)
+
+    connector.start_load_kv = break_then_load
+    try:
+        yield
+    finally:
+        connector.start_load_kv = original

@@ -12,7 +12,7 @@ import pytest
 from connectors.lmcache_connector import chunk_hash
 from engine import LLM
 from tests.connector_helpers import (GREEDY, LENGTHS, LOOKUP_RE, PARTIAL_CASES, capture, check_full_handoff,
-                                     check_partial_load, engine_pair, hf_greedy, lines, mono_engine, prompt,
+                                     check_partial_load, check_salts_never_share, engine_pair, hf_greedy, lines, mono_engine, prompt,
                                      prompt_tokens_computed, token_ids)
 from tests.utils import free_port, wait_for_port
 
@@ -92,11 +92,4 @@ def test_lmcache_hit_across_processes_with_other_hash_seeds(tiny_llama, lm_url, 
 
 
 def test_lmcache_cache_salts_never_share_chunks(lm_pair, mono, caplog):
-    producer, consumer = lm_pair
-    full = prompt(300, seed=5)
-    producer.generate([full], GREEDY, cache_salt="tenant-a")
-    capture(caplog)
-    other = consumer.generate([full], GREEDY, cache_salt="tenant-b")
-    same = consumer.generate([full], GREEDY, cache_salt="tenant-a")
-    assert [lk[3] for lk in lines(caplog, LOOKUP_RE)] == [0, 300]
-    assert token_ids(other) == token_ids(same) == token_ids(mono.generate([full], GREEDY))
+    check_salts_never_share(*lm_pair, mono, caplog, seed=5)

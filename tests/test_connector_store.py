@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from engine import LLM
 from tests.connector_helpers import (ENGINE_KW, FALLBACK_RE, GREEDY, LENGTHS, LOOKUP_RE, PARTIAL_CASES, PREFILL,
-                                     SAVE_RE, capture, check_full_handoff, check_partial_load, engine_pair, hf_greedy,
+                                     SAVE_RE, broken_at_load_start, capture, check_full_handoff, check_partial_load,
+                                     check_salts_never_share, engine_pair, hf_greedy,
                                      lines, mono_engine, prompt, prompt_tokens_computed, token_ids)
 from tests.utils import RedisServer
 
@@ -168,19 +169,10 @@ def test_store_deleted_between_prefill_and_decode(file_pair, store_dir, mono, ca
     # deleted after the lookup, while the load is starting: a fallback line and a recompute
     caplog.clear()
     full = prompt(300, seed=43)
-    connector = consumer.engine.connector
-    original = connector.start_load_kv
-
-    def delete_then_load(metadata):
-        if metadata.loads:
-            shutil.rmtree(store_dir)
-        original(metadata)
-
-    connector.start_load_kv = delete_then_load
     try:
-        found = _fault_roundtrip(producer, consumer, mono, full, caplog, lambda: None)
+        with broken_at_load_start(consumer.engine.connector, lambda: shutil.rmtree(store_dir)):
+            found = _fault_roundtrip(producer, consumer, mono, full, caplog, lambda: None)
     finally:
-        connector.start_load_kv = original
         store_dir.mkdir(exist_ok=True)
     assert [(reason, n) for _, reason, n in found] == [("missing", 299)]
 
@@ -203,32 +195,16 @@ def test_frozen_redis_hits_the_load_deadline(redis_pair, redis_module, mono, cap
     """Redis stops answering after the lookup: the load gives up at load_timeout_s and recomputes."""
     producer, consumer = redis_pair
     full = prompt(300, seed=46)
-    connector = consumer.engine.connector
-    original = connector.start_load_kv
-
-    def freeze_then_load(metadata):
-        if metadata.loads:
-            redis_module.proc.send_signal(signal.SIGSTOP)
-        original(metadata)
-
-    connector.start_load_kv = freeze_then_load
     try:
-        found = _fault_roundtrip(producer, consumer, mono, full, caplog, lambda: None)
+        with broken_at_load_start(consumer.engine.connector, lambda: redis_module.proc.send_signal(signal.SIGSTOP)):
+            found = _fault_roundtrip(producer, consumer, mono, full, caplog, lambda: None)
     finally:
-        connector.start_load_kv = original
         redis_module.proc.send_signal(signal.SIGCONT)
     assert [(reason, n) for _, reason, n in found] == [("timeout", 299)]
 
 
 def test_cache_salts_never_share_chunks(file_pair, mono, caplog):
-    producer, consumer = file_pair
-    full = prompt(300, seed=50)
-    producer.generate([full], PREFILL, cache_salt="tenant-a")
-    capture(caplog)
-    other = consumer.generate([full], GREEDY, cache_salt="tenant-b")
-    same = consumer.generate([full], GREEDY, cache_salt="tenant-a")
-    assert [lk[3] for lk in lines(caplog, LOOKUP_RE)] == [0, 300]
-    assert token_ids(other) == token_ids(same) == token_ids(mono.generate([full], GREEDY))
+    check_salts_never_share(*file_pair, mono, caplog, seed=50)
 
 
 def test_two_models_never_share_chunks(file_pair, tiny_qwen2, store_dir, caplog):
