@@ -144,7 +144,8 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         except oai.APIError as e:
             await self._abort(context, e)
         probe = Request("lookup", ids, SamplingParams(max_tokens=1), cache_salt=req.cache_salt)
-        _, local = self.llm.kv_cache_manager.get_computed_blocks(probe)
+        # Hashing a long prompt is CPU work: off the event loop (the pool is only read, never changed).
+        _, local = await asyncio.to_thread(self.llm.kv_cache_manager.get_computed_blocks, probe)
         store = 0
         connector = self.llm.connector
         if connector is not None:

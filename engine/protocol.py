@@ -265,8 +265,9 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
 
 
 def models_list(names: list[str], max_model_len: int, created: int) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "pdserve",
-                                        "max_model_len": max_model_len} for n in names]}
+    """Lists the first (public) name only: the others are accepted aliases, such as the model's path."""
+    return {"object": "list", "data": [{"id": names[0], "object": "model", "created": created,
+                                        "owned_by": "pdserve", "max_model_len": max_model_len}]}
 
 
 def sse_event(obj: dict[str, Any]) -> bytes:

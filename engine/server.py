@@ -130,6 +130,8 @@ class OpenAIServer:
         return encode_prompt(self.tokenizer, req.prompt)
 
     async def prompt_token_ids_of(self, req: oai.GenerationRequest) -> list[int]:
+        if req.kind != oai.CHAT and isinstance(req.prompt, list):  # token ids (every P/D decode request)
+            return req.prompt
         size = sum(len(m["content"]) for m in req.messages) if req.kind == oai.CHAT else len(req.prompt)
         if size < _TOKENIZE_IN_EXECUTOR_CHARS:
             return self._encode(req)
@@ -211,7 +213,7 @@ class OpenAIServer:
     # ------------------------------------------------------------ other endpoints
 
     async def models(self, request: web.Request) -> web.Response:
-        return _json(oai.models_list(self.served_names[:1], self.max_model_len, self.created))
+        return _json(oai.models_list(self.served_names, self.max_model_len, self.created))
 
     async def health(self, request: web.Request) -> web.Response:
         if not self.engine.accepting:
