@@ -81,6 +81,7 @@ class _RequestState:
     pending_load: LoadSpec | None = None
     skip_leading_tokens: int = 0  # chunk-aligned prefix already in the store: never written again
     saved_end: int = 0  # prompt tokens stored (or handed to the worker) so far
+    awaiting_alloc: bool = False  # looked up, not yet admitted: a retry must not ask the store again
 
 
 class ChunkedConnector(KVConnectorBase):
@@ -108,6 +109,9 @@ class ChunkedConnector(KVConnectorBase):
     # ---- scheduler side ----
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         state = self._requests.setdefault(request.request_id, _RequestState())
+        if state.awaiting_alloc and state.plan is not None and state.plan.num_local == num_computed_tokens:
+            # The scheduler retries a request that found no free blocks every step: same answer, no new I/O.
+            return (state.plan.need_to_load if self.role.loads else 0), False
         num_tokens = request.num_prompt_tokens
         try:
             hit = self.lookup_hit(request)
@@ -121,6 +125,7 @@ class ChunkedConnector(KVConnectorBase):
                                self._failure_reason(exc))
         plan = LoadPlan(num_tokens, num_computed_tokens, hit, self.chunk_size)
         state.plan = plan
+        state.awaiting_alloc = True
         if self.role.saves:
             state.skip_leading_tokens = hit
         if not self.role.loads:
@@ -130,7 +135,10 @@ class ChunkedConnector(KVConnectorBase):
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         state = self._requests.get(request.request_id)
-        if state is None or state.plan is None or num_external_tokens <= 0:
+        if state is None:
+            return
+        state.awaiting_alloc = False
+        if state.plan is None or num_external_tokens <= 0:
             return
         plan = state.plan
         if num_external_tokens != plan.need_to_load:

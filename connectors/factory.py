@@ -5,11 +5,11 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from connectors.base import KVConnectorBase
+from kvstore import SCHEMES as STORE_SCHEMES
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
 
-STORE_SCHEMES = ("file", "redis", "rediss")
 LMCACHE_SCHEMES = ("lm",)
 
 

@@ -18,7 +18,7 @@ import torch
 
 import kernels
 from connectors.base import KVConnectorRole
-from connectors.chunk_math import chunk_bounds
+from connectors.chunk_math import chunk_bounds, hit_tokens
 from connectors.chunked import ChunkedConnector, ChunkedConnectorMetadata, InFlightLoad, SaveSpec
 from kvstore import CorruptObject, KVStore, NotFound, StoreTimeout, StoreUnavailable, open_store
 from kvstore.keys import chunk_keys
@@ -62,17 +62,28 @@ class StoreConnector(ChunkedConnector):
         self._loads: list[_Load] = []
         self._load_deadline = 0.0
         self._saves: dict[str, _Save] = {}
+        self._keys: dict[str, list[str]] = {}  # request id -> its prompt's chunk keys
 
     def keys_for(self, token_ids: list[int], cache_salt: str | None) -> list[str]:
         return chunk_keys(self.fingerprint, token_ids, self.chunk_size, cache_salt)
+
+    def _prompt_keys(self, request_id: str, token_ids: list[int], cache_salt: str | None) -> list[str]:
+        """Keys of every chunk of a prompt, hashed once per request: loads and each chunked-prefill
+        save take slices (a chain's prefix keys do not depend on the tokens after them)."""
+        keys = self._keys.get(request_id)
+        if keys is None:
+            keys = self._keys[request_id] = self.keys_for(token_ids, cache_salt)
+        return keys
 
     # ---- scheduler side ----
     def lookup_hit(self, request: Request) -> int:
         keys = self.keys_for(request.prompt_token_ids, request.cache_salt)
         present = self.store.result(self.store.submit(self.store.lookup, keys), self.load_timeout_s)
-        if present == 0:
-            return 0
-        return chunk_bounds(present - 1, request.num_prompt_tokens, self.chunk_size)[1]
+        return hit_tokens(present, request.num_prompt_tokens, self.chunk_size)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._keys.pop(request.request_id, None)
+        return super().request_finished(request, block_ids)
 
     def _failure_reason(self, exc: BaseException) -> str:
         if isinstance(exc, concurrent.futures.TimeoutError):
@@ -91,8 +102,8 @@ class StoreConnector(ChunkedConnector):
             return
         self._load_deadline = time.monotonic() + self.load_timeout_s
         for spec in metadata.loads:
-            keys = self.keys_for(spec.token_ids[:spec.plan.hit], spec.cache_salt)[spec.plan.chunk_range.start:]
-            self._loads.append(_Load(spec, keys=keys))
+            keys = self._prompt_keys(spec.request_id, spec.token_ids, spec.cache_salt)
+            self._loads.append(_Load(spec, keys=keys[spec.plan.chunk_range.start:spec.plan.chunk_range.stop]))
         for layer in range(self.num_layers):  # layer-major, so layer 0 of every request arrives first
             for load in self._loads:
                 load.futures[layer] = self.store.submit(self._load_layer, load, layer)
@@ -100,6 +111,8 @@ class StoreConnector(ChunkedConnector):
     def _load_layer(self, load: _Load, layer: int) -> int:
         """Read one layer's chunks and scatter the rows of tokens [N, N + need) into their slots."""
         plan = load.spec.plan
+        if load.failed:  # an earlier layer already failed: the request recomputes, skip the read
+            return 0
         tensors = self.store.get_layer(layer, load.keys)
         write_start, write_end = plan.write_range
         pieces = []  # (rows of one chunk, where they go in spec.slots)
@@ -139,14 +152,14 @@ class StoreConnector(ChunkedConnector):
             started = time.perf_counter()
             save = self._saves.get(spec.request_id)
             if save is None:
-                keys = self.keys_for(spec.token_ids[:spec.end], spec.cache_salt)[spec.start // self.chunk_size:]
-                save = self._saves[spec.request_id] = _Save(spec, keys)
-            buf = kernels.gather_kv(kv_cache, spec.slots)  # a copy: later steps may reuse the blocks
-            chunks = {}
+                keys = self._prompt_keys(spec.request_id, spec.token_ids, spec.cache_salt)
+                first = spec.start // self.chunk_size
+                save = self._saves[spec.request_id] = _Save(spec, keys[first:-(-spec.end // self.chunk_size)])
+            chunks = {}  # each gather is a contiguous copy: later steps may reuse the blocks
             for i, key in enumerate(save.keys):
                 lo = i * self.chunk_size
-                chunks[key] = buf[:, lo:lo + self.chunk_size].contiguous()
-            save.num_bytes += buf.nbytes
+                chunks[key] = kernels.gather_kv(kv_cache, spec.slots[lo:lo + self.chunk_size])
+            save.num_bytes += sum(c.nbytes for c in chunks.values())
             save.io_seconds += time.perf_counter() - started
             save.futures.append(self.store.submit(self._put_layer, layer_idx, chunks))
 

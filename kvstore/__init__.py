@@ -14,7 +14,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from kvstore.base import ChunkInfo, KVStore, StoreStats, Usage, VerifyReport
 from kvstore.errors import CorruptObject, NotFound, StoreError, StoreTimeout, StoreUnavailable
 
-__all__ = ["open_store", "KVStore", "ChunkInfo", "StoreStats", "Usage", "VerifyReport",
+__all__ = ["open_store", "SCHEMES", "KVStore", "ChunkInfo", "StoreStats", "Usage", "VerifyReport",
            "StoreError", "StoreUnavailable", "StoreTimeout", "CorruptObject", "NotFound"]
 
 
@@ -38,6 +38,7 @@ _QUERY: dict[str, dict[str, Callable[[str], Any]]] = {
     "redis": {"ttl": int, "prefix": str, "max_connections": int},
 }
 _QUERY["rediss"] = _QUERY["redis"]  # TLS
+SCHEMES = tuple(_QUERY)  # URL schemes open_store accepts
 
 
 def open_store(url: str, **options: Any) -> KVStore:

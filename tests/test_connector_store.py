@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from engine import LLM
+from engine.request import Request
 from tests.connector_helpers import (ENGINE_KW, FALLBACK_RE, GREEDY, LENGTHS, LOOKUP_RE, PARTIAL_CASES, PREFILL,
                                      SAVE_RE, broken_at_load_start, capture, check_full_handoff, check_partial_load,
                                      check_salts_never_share, engine_pair, hf_greedy,
@@ -238,3 +239,19 @@ def test_metrics_count_the_handoff_and_export_through_a_server_registry(file_pai
     text = generate_latest(registry).decode()
     assert f"pdserve_kv_loaded_tokens_total {loaded.value('pdserve_kv_loaded_tokens_total')}" in text
     assert "pdserve_kv_load_seconds_bucket" in text and "pdserve_kv_load_bytes_total" in text
+
+
+def test_retried_admission_does_not_ask_the_store_again(file_pair, caplog):
+    """A request that finds no free blocks is retried every step: one lookup and one log line, not one per step."""
+    producer, consumer = file_pair
+    full = prompt(300, seed=60)
+    producer.generate([full], PREFILL)
+    connector = consumer.engine.connector
+    request = Request("retry-1", full, GREEDY)
+    capture(caplog)
+    before = connector.store.stats().lookups
+    assert connector.get_num_new_matched_tokens(request, 0) == (299, False)
+    assert connector.get_num_new_matched_tokens(request, 0) == (299, False)
+    assert connector.store.stats().lookups - before == 1
+    assert len(lines(caplog, LOOKUP_RE)) == 1
+    connector.request_finished(request, [])
