@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -24,7 +23,8 @@ from urllib.parse import urlsplit
 import grpc
 
 from engine import protocol as oai
-from engine.cli import LOG_FORMAT, ArgumentParser, add_engine_args, add_server_args, setup_logging
+from engine.cli import LOG_FORMAT, ArgumentParser, add_engine_args, add_server_args
+from engine.server import StartupError, check_model_dir, run_node, serve
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 
@@ -76,7 +76,11 @@ class NodeServicer(pb_grpc.PDNodeServicer):
     async def _outputs(self, rid: str, req: oai.GenerationRequest, ids: list[int], params: Any,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         """Engine outputs with engine errors mapped to pd-serve's OpenAI errors; aborts when the caller leaves."""
-        from engine.async_engine import EngineOverloadedError, EngineShutdownError, RequestAbortedError
+        from engine.async_engine import (
+            EngineOverloadedError,
+            EngineShutdownError,
+            RequestAbortedError,
+        )
 
         outputs = self.engine.generate(rid, ids, params, req.cache_salt)
         async with contextlib.aclosing(outputs):
@@ -206,10 +210,6 @@ def add_log_file(path: str) -> None:
     logging.getLogger().addHandler(handler)
 
 
-class _StoreCheckError(Exception):
-    pass
-
-
 def check_store(url: str, timeout_s: float = 3.0) -> None:
     """Fail start-up with one line when the store cannot be reached (before loading any weights)."""
     parts = urlsplit(url)
@@ -217,7 +217,7 @@ def check_store(url: str, timeout_s: float = 3.0) -> None:
         try:
             socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 65432), timeout=timeout_s).close()
         except OSError as e:
-            raise _StoreCheckError(f"LMCache server {parts.netloc} unreachable: {e.strerror or e}") from None
+            raise StartupError(f"LMCache server {parts.netloc} unreachable: {e.strerror or e}") from None
         return
     from kvstore import StoreError, open_store
 
@@ -225,13 +225,11 @@ def check_store(url: str, timeout_s: float = 3.0) -> None:
         with open_store(url, timeout=timeout_s, fingerprint="0" * 32) as store:
             store.lookup(["0" * 32])
     except (StoreError, ValueError, OSError) as e:
-        raise _StoreCheckError(f"KV store {url} unusable: {e}") from None
+        raise StartupError(f"KV store {url} unusable: {e}") from None
 
 
-async def run_node(server: Any, servicer: NodeServicer, sock: socket.socket, grpc_host: str, grpc_port: int,
-                   prog: str, shutdown_timeout: float) -> None:
-    from engine.server import StartupError, serve
-
+async def serve_with_grpc(server: Any, servicer: NodeServicer, sock: socket.socket, grpc_host: str,
+                          grpc_port: int, prog: str, shutdown_timeout: float) -> None:
     grpc_server = grpc.aio.server(options=_GRPC_OPTIONS)
     pb_grpc.add_PDNodeServicer_to_server(servicer, grpc_server)
     try:
@@ -249,30 +247,26 @@ async def run_node(server: Any, servicer: NodeServicer, sock: socket.socket, grp
 
 
 def node_main(role: NodeRole, argv: list[str] | None = None) -> int:
-    from engine.server import OpenAIServer, StartupError, listen_socket, check_model_dir, create_async_engine
-
     parser = build_parser(role)
     args = parser.parse_args(argv)
-    prog = parser.prog
     if args.kv_store is None and args.lmcache_config is None:
         args.kv_store = default_kv_store()
-    setup_logging(args.log_level)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
+
+    def preflight() -> None:
         if args.log_file:
-            add_log_file(args.log_file)
+            try:
+                add_log_file(args.log_file)
+            except OSError as e:
+                raise StartupError(f"cannot write log file {args.log_file}: {e.strerror or e}") from None
         if args.model is not None:
             check_model_dir(args.model)  # cheap checks first: the store check imports torch
         if args.kv_store:
             check_store(args.kv_store)
         if args.lmcache_config and not os.access(args.lmcache_config, os.R_OK):
-            raise _StoreCheckError(f"cannot read LMCache config {args.lmcache_config}")
-        sock = listen_socket(args.host, args.port)
-        async_engine, names = create_async_engine(args)
-        server = OpenAIServer(async_engine, names, async_engine.metrics)
-        servicer = NodeServicer(server, role.name)
-        asyncio.run(run_node(server, servicer, sock, args.host, args.grpc_port, prog, args.shutdown_timeout))
-    except (StartupError, _StoreCheckError, OSError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 1
-    return 0
+            raise StartupError(f"cannot read LMCache config {args.lmcache_config}")
+
+    async def run(server: Any, sock: socket.socket) -> None:
+        await serve_with_grpc(server, NodeServicer(server, role.name), sock, args.host, args.grpc_port,
+                              parser.prog, args.shutdown_timeout)
+
+    return run_node(args, parser.prog, preflight=preflight, run=run)

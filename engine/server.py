@@ -19,7 +19,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
@@ -321,21 +321,25 @@ def build_parser(prog: str = "pd-serve",
     return parser
 
 
-def run_node(args: argparse.Namespace, prog: str,
-             setup: Callable[[OpenAIServer], None] | None = None) -> int:
+def run_node(args: argparse.Namespace, prog: str, preflight: Callable[[], None] | None = None,
+             run: Callable[[OpenAIServer, socket.socket], Awaitable[None]] | None = None) -> int:
     """Start a node from parsed args and serve until a signal; the exit status.
 
-    `setup` may add routes or app.on_startup/on_cleanup hooks (e.g. a gRPC server) before it starts.
+    `preflight` runs cheap start-up checks before any weights load (raising StartupError);
+    `run` replaces plain HTTP serving (P/D nodes serve their gRPC control plane beside it).
     """
     setup_logging(args.log_level)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
+        if preflight is not None:
+            preflight()
         sock = listen_socket(args.host, args.port)
         async_engine, names = create_async_engine(args)
         server = OpenAIServer(async_engine, names, async_engine.metrics)
-        if setup is not None:
-            setup(server)
-        asyncio.run(serve(server.app, async_engine, sock, names[0], prog, args.shutdown_timeout))
+        if run is None:
+            asyncio.run(serve(server.app, async_engine, sock, names[0], prog, args.shutdown_timeout))
+        else:
+            asyncio.run(run(server, sock))
     except StartupError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
