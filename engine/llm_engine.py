@@ -71,7 +71,7 @@ class LLMEngine:
             logger.warning("KV cache holds %d tokens, less than the model's %d: max_model_len capped to %d "
                            "(raise kv_cache_memory for longer sequences)", capacity, runner.max_model_len, capacity)
         self.scheduler = Scheduler(config, self.kv_cache_manager, connector, max_model_len=self.max_model_len)
-        self.vocab_size = runner.hf_config.vocab_size
+        self.vocab_size = runner.vocab_size
         self.eos_token_id = _eos_token_id(self.tokenizer, runner.hf_config)
         self._states: dict[str, _OutputState] = {}
         self.num_requests_added = 0
@@ -107,8 +107,6 @@ class LLMEngine:
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[0]!r}")
-        if request_id in self._states:
-            raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, ids, params, eos_token_id=self.eos_token_id, cache_salt=cache_salt)
         self.scheduler.add_request(request)
         self._states[request_id] = _OutputState(request, IncrementalDetokenizer(self.tokenizer, ids))

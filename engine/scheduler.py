@@ -38,7 +38,6 @@ class Scheduler:
         self._delayed_free: dict[str, Request] = {}  # finished, blocks held for an async save
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0
-        self.num_tokens_computed = 0
         self.num_failed_loads = 0
 
     # ---- requests in and out ----
@@ -181,7 +180,6 @@ class Scheduler:
                 continue
             before = request.num_computed_tokens
             request.num_computed_tokens += scheduler_output.num_scheduled_tokens[rid]
-            self.num_tokens_computed += request.num_computed_tokens - before
             self.num_prompt_tokens_computed += max(0, min(request.num_computed_tokens, request.num_prompt_tokens)
                                                    - before)
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
