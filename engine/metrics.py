@@ -60,7 +60,7 @@ class EngineMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = {"model_name": model_name}
         self._model = model_name
-        self.requests = Counter("pdserve_requests", "Finished HTTP generation requests by outcome.",
+        self.requests = Counter("pdserve_requests", "Finished generation requests (HTTP or gRPC) by outcome.",
                                 ["model_name", "outcome"], registry=self.registry)
         for outcome in OUTCOMES:
             self.requests.labels(model_name, outcome)

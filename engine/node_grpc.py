@@ -65,6 +65,9 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         self.role = role
 
     async def _abort(self, context: grpc.aio.ServicerContext, err: oai.APIError) -> None:
+        """Fail the call with pd-serve's error body, counted by outcome like pd-serve counts it."""
+        self.server.metrics.record_outcome("rejected" if err.status == 503 else
+                                           ("invalid" if err.status < 500 else "error"))
         code = _STATUS.get(err.status, grpc.StatusCode.UNAVAILABLE)
         if err.code == "queue_full":
             code = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -83,18 +86,28 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         )
 
         outputs = self.engine.generate(rid, ids, params, req.cache_salt)
+        finish_reason: str | None = None
+        rejected = False  # _abort counts rejections itself
         async with contextlib.aclosing(outputs):
             try:
                 async for out in outputs:
+                    if out.finished:
+                        finish_reason = out.finish_reason
                     yield out
             except EngineOverloadedError as e:
+                rejected = True
                 await self._abort(context, oai.service_unavailable(str(e), "queue_full"))
             except EngineShutdownError as e:
+                rejected = True
                 await self._abort(context, oai.service_unavailable(str(e), "shutting_down"))
             except RequestAbortedError as e:
                 await context.abort(grpc.StatusCode.ABORTED, str(e))
             except ValueError as e:
+                rejected = True
                 await self._abort(context, oai.bad_request(str(e), "messages" if req.kind == oai.CHAT else "prompt"))
+            finally:  # requests by outcome, as pd-serve's HTTP path counts them (caller gone: abort)
+                if not rejected:
+                    self.server.metrics.record_outcome(finish_reason or "abort")
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         t0 = time.perf_counter()
