@@ -24,16 +24,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.builtin_model import make_model  # noqa: E402
+from engine.builtin_model import default_model_path  # noqa: E402
 
 
 def bench_model_path() -> Path:
-    root = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve" / "models")
-    path = root / "bench-llama"
-    if not (path / "model.safetensors").exists():
-        print(f"writing the bench model to {path} ...", flush=True)
-        make_model(path, preset="bench")
-    return path
+    return default_model_path(preset="bench")
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:

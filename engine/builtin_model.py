@@ -131,20 +131,26 @@ def make_model(out_dir: str | os.PathLike, preset: str = "tiny", arch: str = "ll
     return out
 
 
-def default_model_path() -> Path:
-    """The tiny Llama under $PDSERVE_CACHE_DIR (default ~/.cache/pdserve/models), made on first use.
+def cache_dir() -> Path:
+    """pdserve's cache root, $PDSERVE_CACHE_DIR or ~/.cache/pdserve: built-in models under models/,
+    the nodes' default KV store under kvstore/."""
+    return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
+
+
+def default_model_path(preset: str = "tiny") -> Path:
+    """The built-in random-weight Llama of `preset` under cache_dir()/models, made on first use.
 
     Built in a temp dir beside the target and renamed into place, so racing processes never see
     a half-written model (the loser of the rename race discards its copy).
     """
-    root = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve" / "models")
-    target = root / "tiny-random-llama"
+    root = cache_dir() / "models"
+    target = root / f"{preset}-random-llama"
     if (target / "model.safetensors").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-random-llama-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
     try:
-        make_model(tmp, preset="tiny", arch="llama")
+        make_model(tmp, preset=preset, arch="llama")
         os.rename(tmp, target)
     except OSError:
         if not (target / "model.safetensors").exists():

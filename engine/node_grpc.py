@@ -16,7 +16,6 @@ import logging
 import os
 import socket
 import time
-from pathlib import Path
 from typing import Any, AsyncIterator
 from urllib.parse import urlsplit
 
@@ -36,8 +35,9 @@ _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND
 
 def default_kv_store() -> str:
     """file:// store under the user's pdserve cache directory (shared by nodes on one host)."""
-    root = os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve"
-    return (Path(root) / "kvstore").resolve().as_uri()
+    from engine.builtin_model import cache_dir
+
+    return (cache_dir() / "kvstore").resolve().as_uri()
 
 
 def generation_request(prompt: pb.Prompt, params: pb.SamplingParams, cache_salt: str) -> oai.GenerationRequest:

@@ -52,9 +52,10 @@ def test_default_model_path_is_made_once(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     with ThreadPoolExecutor(2) as pool:  # two racing callers both get the complete model
         paths = set(pool.map(lambda _: default_model_path(), range(2)))
-    assert paths == {tmp_path / "tiny-random-llama"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-random-llama"]  # no temp dirs left behind
-    assert (tmp_path / "tiny-random-llama" / "model.safetensors").exists()
+    models = tmp_path / "models"
+    assert paths == {models / "tiny-random-llama"}
+    assert sorted(p.name for p in models.iterdir()) == ["tiny-random-llama"]  # no temp dirs left behind
+    assert (models / "tiny-random-llama" / "model.safetensors").exists()
 
 
 def test_tokenizer_prompt_chat_and_incremental_text(tiny_llama, tmp_path):

@@ -56,7 +56,7 @@ def test_local_cluster_from_fresh_cache_serves_and_stops_cleanly(tmp_path):
         assert curl.group(1) == url + "/v1/completions"
         printed = shlex.split(_read_until(q, r"KV hits: (.*pd-kv-hits .*)$", seen, 5).group(1))
         kv_hits_cmd, logs = printed[0], printed[1:]
-        assert (tmp_path / "cache" / "tiny-random-llama" / "model.safetensors").exists()  # built on first use
+        assert (tmp_path / "cache" / "models" / "tiny-random-llama" / "model.safetensors").exists()  # built on first use
         oai = client(url)
         model = oai.models.list().data[0].id
         resp = oai.completions.create(model=model, prompt="Hello, my name is " * 20, max_tokens=8, temperature=0,
