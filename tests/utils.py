@@ -2,26 +2,15 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
-import time
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from deploy.processes import free_port
+from deploy.processes import wait_for_port as port_open
 
 
 def wait_for_port(port: int, timeout: float = 30.0, host: str = "127.0.0.1") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
+    if not port_open(port, timeout, host):
+        raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
 
 
 class RedisServer:
