@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from engine.node_grpc import NodeRole, node_main
+from serving.node_grpc import NodeRole, node_main
 
 ROLE = NodeRole(name="decode", kv_role="consumer", http_port=8200, grpc_port=50052)
 

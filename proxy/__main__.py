@@ -10,10 +10,10 @@ import sys
 
 from aiohttp import web
 
-from engine.cli import ArgumentParser, setup_logging
-from engine.node_grpc import add_log_file
 from proxy.app import Proxy, ProxyConfig
 from proxy.router import POLICIES
+from serving.cli import ArgumentParser, setup_logging
+from serving.node_grpc import add_log_file
 
 logger = logging.getLogger("proxy")
 

@@ -1,6 +1,6 @@
 """The routing proxy's HTTP side: OpenAI API in, Prefill + Generate over gRPC out.
 
-Validation and response formatting come from engine.protocol, the module pd-serve uses, so
+Validation and response formatting come from serving.protocol, the module pd-serve uses, so
 clients see the same API and the same errors from the proxy as from a single node. Per
 request: pick a prefill node and `Prefill` (KV committed when it returns; retried on the next
 node when one fails), pick a decode node and stream `Generate` back. With no prefill node
@@ -20,10 +20,10 @@ from typing import AsyncIterator
 import grpc
 from aiohttp import web
 
-from engine import protocol as oai
 from protos import pdserve_pb2 as pb
 from proxy.health import HealthMonitor, Node
 from proxy.router import Router
+from serving import protocol as oai
 
 logger = logging.getLogger(__name__)
 

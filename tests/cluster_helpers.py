@@ -88,7 +88,7 @@ def routed(url: str) -> dict[str, int]:
 
 def kv_hits(*logs: Path) -> dict:
     """`pd-kv-hits --json` over node logs, as a real subprocess."""
-    proc = subprocess.run([sys.executable, "-m", "proxy.kv_hits", "--json", *map(str, logs)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "connectors.kv_hits", "--json", *map(str, logs)], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)

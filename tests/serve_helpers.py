@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -16,15 +15,17 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-PD_SERVE = str(Path(sys.executable).parent / "pd-serve")
+from tests.utils import console_script
+
+PD_SERVE = console_script("pd-serve")
 _READY = re.compile(r"ready at (http://[\d.]+:\d+)")
 
 
 class ServerProcess:
     """`pd-serve` with the given arguments; its combined output goes to a log file the tests can read."""
 
-    def __init__(self, *args: str, exe: str = PD_SERVE) -> None:
-        self.argv = [exe, "--port", "0", *args]
+    def __init__(self, *args: str, exe: list[str] = PD_SERVE) -> None:
+        self.argv = [*exe, "--port", "0", *args]
         self.log_path = Path(tempfile.mkstemp(prefix="pd-serve-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
         self.url = ""

@@ -3,18 +3,14 @@ stderr and a non-zero exit, before any weights are loaded."""
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.utils import free_port
-
-BIN = Path(sys.executable).parent
+from tests.utils import console_script, free_port
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / argv[0]), *argv[1:]], capture_output=True, text=True, timeout=60)
+    return subprocess.run([*console_script(argv[0]), *argv[1:]], capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize("argv,code,needle", [

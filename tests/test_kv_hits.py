@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from proxy.kv_hits import KVHitReport, main, parse_line
+from connectors.kv_hits import KVHitReport, main, parse_line
 
 PREFIX = "2025-01-01 10:00:00,123 INFO connectors.store_connector: "
 DECODE_LOG = [
@@ -85,14 +85,14 @@ def test_cli_table_json_and_stdin(tmp_path, capsys):
     assert main(["--json", str(decode)]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [r["request_id"] for r in data["requests"]] == ["cmpl-1", "cmpl-2", "cmpl-3", "cmpl-4"]
-    proc = subprocess.run([sys.executable, "-m", "proxy.kv_hits", "--json", "-"], input="\n".join(LMCACHE_LOG),
+    proc = subprocess.run([sys.executable, "-m", "connectors.kv_hits", "--json", "-"], input="\n".join(LMCACHE_LOG),
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["summary"]["loaded_tokens"] == 256
 
 
 def test_cli_missing_file_is_one_line_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "proxy.kv_hits", str(tmp_path / "nope.log")],
+    proc = subprocess.run([sys.executable, "-m", "connectors.kv_hits", str(tmp_path / "nope.log")],
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode != 0 and proc.stderr.strip().count("\n") == 0 and "cannot read" in proc.stderr
 
@@ -100,7 +100,7 @@ def test_cli_missing_file_is_one_line_error(tmp_path):
 def test_follow_prints_rows_as_lines_arrive(tmp_path):
     log = tmp_path / "decode.log"
     log.write_text(DECODE_LOG[0] + "\n")
-    proc = subprocess.Popen([sys.executable, "-m", "proxy.kv_hits", "--follow", str(log)],
+    proc = subprocess.Popen([sys.executable, "-m", "connectors.kv_hits", "--follow", str(log)],
                             stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().split()[:4] == ["cmpl-1", "600", "288", "512"]

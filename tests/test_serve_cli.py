@@ -10,7 +10,7 @@ from tests.serve_helpers import PD_SERVE
 
 
 def _run(*args: str) -> tuple[int, list[str]]:
-    proc = subprocess.run([PD_SERVE, "--port", "0", *args], capture_output=True, text=True, timeout=120,
+    proc = subprocess.run([*PD_SERVE, "--port", "0", *args], capture_output=True, text=True, timeout=120,
                           env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
     return proc.returncode, (proc.stdout + proc.stderr).strip().splitlines()
 

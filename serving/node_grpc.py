@@ -2,7 +2,7 @@
 
 Shared by both roles; `prefill_node` and `decode_node` only pick defaults (KV role, ports).
 The gRPC servicer runs in the HTTP server's event loop over the same AsyncLLMEngine, and it
-validates through engine.protocol exactly like the HTTP API does, so an error raised here
+validates through serving.protocol exactly like the HTTP API does, so an error raised here
 reaches the proxy's client with the body pd-serve would have sent (the JSON rides in the
 gRPC status details).
 """
@@ -21,11 +21,11 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from engine import protocol as oai
-from engine.cli import LOG_FORMAT, ArgumentParser, add_engine_args, add_server_args
-from engine.server import StartupError, check_model_dir, run_node, serve
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from serving import protocol as oai
+from serving.cli import LOG_FORMAT, ArgumentParser, add_engine_args, add_server_args
+from serving.server import StartupError, check_model_dir, run_node, serve
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class NodeServicer(pb_grpc.PDNodeServicer):
     """Prefill / Generate / Lookup / Health / Stats over the node's OpenAIServer and engine."""
 
     def __init__(self, server: Any, role: str) -> None:
-        self.server = server  # engine.server.OpenAIServer: tokenization is shared with the HTTP API
+        self.server = server  # serving.server.OpenAIServer: tokenization is shared with the HTTP API
         self.engine = server.engine
         self.llm = server.engine.engine
         self.role = role

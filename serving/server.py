@@ -23,12 +23,12 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from engine import protocol as oai
 from engine.async_engine import AsyncLLMEngine, EngineOverloadedError, EngineShutdownError, RequestAbortedError
-from engine.cli import ArgumentParser, add_engine_args, add_server_args, engine_kwargs_from_args, setup_logging
 from engine.config import EngineConfig
-from engine.metrics import CONTENT_TYPE, EngineMetrics
 from engine.tokenizer import apply_chat_template, encode_prompt
+from serving import protocol as oai
+from serving.cli import ArgumentParser, add_engine_args, add_server_args, engine_kwargs_from_args, setup_logging
+from serving.metrics import CONTENT_TYPE, EngineMetrics
 
 logger = logging.getLogger(__name__)
 
