@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m deploy.local_cluster", description=__doc__.split("\n")[0])
     p.add_argument("--store", choices=("file", "redis", "lmcache"), default="file",
                    help="shared KV store (default file: a directory under the log dir)")
+    p.add_argument("--redis-maxmemory", default="1gb",
+                   help="with --store redis: the redis server's memory bound; least recently used chunks are "
+                        "evicted beyond it (default 1gb)")
     p.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
     p.add_argument("--port", type=int, default=8000, help="proxy port (default 8000; 0: any free port)")
     p.add_argument("--policy", default="least-loaded", choices=("round-robin", "least-loaded", "kv-aware"))
@@ -50,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model = str(default_model_path())
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-cluster-"))
     cluster = LocalCluster(ClusterSpec(model=args.model, log_dir=log_dir, store=args.store, policy=args.policy,
+                                       redis_maxmemory=args.redis_maxmemory,
                                        proxy_port=args.port))
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)

@@ -116,6 +116,7 @@ class ClusterSpec:
     log_dir: Path
     kv_store: str | None = None  # file:///..., redis://..., lm://...; None with store="redis"/"lmcache" here
     store: str = "file"  # file | redis | lmcache: redis and lmcache get a server started here
+    redis_maxmemory: str = "1gb"  # the redis started here evicts least recently used chunks beyond this
     num_prefill: int = 1
     num_decode: int = 1
     policy: str = "least-loaded"
@@ -151,7 +152,8 @@ class LocalCluster:
             exe = shutil.which("redis-server")
             if exe is None:
                 raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-            argv = [exe, "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no"]
+            argv = [exe, "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no",
+                    "--maxmemory", self.spec.redis_maxmemory, "--maxmemory-policy", "allkeys-lru"]
             self.store_server = Child("redis", argv, self.spec.log_dir)
             return f"redis://{HOST}:{port}/0"
         if self.spec.store == "lmcache":

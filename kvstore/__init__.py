@@ -3,6 +3,8 @@
 open_store(url, **options) picks the backend from the URL scheme:
     file:///path?max_bytes=64GiB&fsync=0          FileSystemStore (local disk or NFS)
     redis://host:port/db?ttl=3600&prefix=pdkv:    RedisStore (rediss:// for TLS)
+    redis+cluster://host:port[,host:port...]/?ttl=3600&prefix=pdkv:
+                                                  RedisClusterStore (rediss+cluster:// for TLS)
 Common options (URL query or keyword; keywords win): timeout (seconds), io_threads.
 Keywords only: fingerprint, num_layers, dtype, kv_shape (omit all for admin use, as the CLI does).
 """
@@ -38,6 +40,7 @@ _QUERY: dict[str, dict[str, Callable[[str], Any]]] = {
     "redis": {"ttl": int, "prefix": str, "max_connections": int},
 }
 _QUERY["rediss"] = _QUERY["redis"]  # TLS
+_QUERY["redis+cluster"] = _QUERY["rediss+cluster"] = _QUERY["redis"]
 SCHEMES = tuple(_QUERY)  # URL schemes open_store accepts
 
 
@@ -46,7 +49,8 @@ def open_store(url: str, **options: Any) -> KVStore:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in _QUERY:
-        raise ValueError(f"unsupported KV store URL {url!r}: use file:///path or redis[s]://host:port/db")
+        raise ValueError(f"unsupported KV store URL {url!r}: use file:///path, redis[s]://host:port/db or "
+                         "redis[s]+cluster://host:port[,host:port...]/")
     known = {**_COMMON, **_QUERY[scheme]}
     query: dict[str, Any] = {}
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
@@ -63,6 +67,11 @@ def open_store(url: str, **options: Any) -> KVStore:
         if parts.netloc not in ("", "localhost") or not parts.path:
             raise ValueError(f"file store URL must be file:///absolute/path, got {url!r}")
         return FileSystemStore(unquote(parts.path), **query)
+    url = parts._replace(query="").geturl()
+    if scheme.endswith("+cluster"):
+        from kvstore.redis_cluster import RedisClusterStore
+
+        return RedisClusterStore(url, **query)
     from kvstore.redis_store import RedisStore
 
-    return RedisStore(parts._replace(query="").geturl(), **query)
+    return RedisStore(url, **query)

@@ -4,7 +4,9 @@ Data model. A prompt is cut into chunks of C tokens (kvstore.keys.chunk_keys giv
 keys; the last chunk may be partial). Each chunk is stored as one object per layer, holding
 a tensor [2, n_tokens, num_kv_heads, head_dim] (K and V) in the codec format (kvstore.codec),
 plus a commit marker written after all of its layers. A chunk is *present* only once its
-marker exists, so readers never see a chunk whose layers are incomplete.
+marker exists, so readers never see a chunk whose layers are incomplete. Every object is
+bound to the (chunk key, layer) it was written under: one found under another name is
+CorruptObject, never another prompt's KV.
 
 Usage (one store per model: it is opened for one fingerprint, layer count and dtype)::
 
@@ -19,16 +21,45 @@ Usage (one store per model: it is opened for one fingerprint, layer count and dt
     kv = store.get_layer(i, keys[:n])                            # list of [2, n_tok, H, D]
     store.get_layer(i, keys[:n], out=staging)                    # or into reused CPU tensors
 
-Overlapping I/O with compute: `put_layer_async` / `get_layer_async` (or `submit(fn, ...)`
-for anything else) run on the store's thread pool and return concurrent.futures.Future;
-`result(future, timeout)` waits and turns a timeout into StoreTimeout. Wait for every
-put of a chunk before committing it. All methods are thread-safe.
+Batched loads (the decode hot path: all chunks of a prompt, many layers, one call)::
+
+    # staging: per layer one reusable (pinned) buffer [2, T, H, D] holding the chunks in token order
+    out = [[staging[i][:, a:b] for a, b in chunk_token_ranges] for i in range(num_layers)]
+    futures = store.get_layers_async(range(num_layers), keys, out=out)   # one Future per layer
+    for i, fut in enumerate(futures):
+        store.result(fut, remaining_s)       # layer i complete (StoreError / StoreTimeout otherwise)
+        scatter(staging[i][:, lo:hi], slots)  # one copy per layer into paged memory
+
+  get_layers(layers, keys, out=None) -> list[list[Tensor]]  (result[i][j]: layer layers[i] of keys[j])
+      Reads every (layer, chunk) object in one call: one pipelined round trip on redis (on a
+      cluster: one pipeline per node, sent to all nodes before any reply is read).
+  get_layers_async(layers, keys, out=None) -> list[Future]  (future i -> get_layers' row i)
+      One task per layer on the store's I/O pool, queued in `layers` order, so early layers
+      finish first and several layers are read at once (io_threads parallel connections on
+      redis). A future that has not started can be cancel()ed (e.g. after an earlier layer
+      failed: the request recomputes anyway).
+  out[i][j] is the destination of layer layers[i] of chunk keys[j]: a CPU tensor (pinned or not)
+      of the store's dtype and shape [2, n_tokens_j, H, D] whose K half and V half are each
+      contiguous, e.g. a token slice staging[:, a:b] of a [2, T, H, D] buffer. Files are read
+      straight into it (readv, no intermediate copy); redis replies are copied into it. The
+      returned tensors are those `out` tensors. Without `out`, fresh tensors are returned
+      (aliasing the reply bytes on redis: read-only, no copy). Either way every object's
+      header, key binding and xxh3 checksum are checked before its future resolves; an error
+      in any object fails that layer's call/future (NotFound, CorruptObject, ...).
+
+Overlapping other I/O with compute: `submit(fn, ...)` runs anything on the store's thread
+pool and returns a concurrent.futures.Future; `result(future, timeout)` waits and turns a
+timeout into StoreTimeout. Wait for every put of a chunk before committing it. All methods
+are thread-safe.
 
 Errors (kvstore.errors): StoreUnavailable (backend unreachable), StoreTimeout, CorruptObject
 (any validation failure, never garbage data), NotFound (object missing: evicted, expired or
 never written). Every one means "recompute" to a caller. Redis calls are bounded by socket
 timeouts; filesystem calls are plain syscalls, so bound a possibly hung NFS mount by
-waiting on the async variant with a timeout.
+waiting on a submitted call with a timeout.
+
+Bounds: `bounds_warning()` is one line when the store can grow without limit (redis with no
+ttl and no maxmemory, a file store with no max_bytes), else None; nodes log it at start-up.
 
 Administration (any fingerprint, used by the `pd-kvstore` CLI): inventory(), list_chunks(),
 verify(), clear(). stats() returns this process's counters.
@@ -131,33 +162,57 @@ class KVStore(ABC):
             if self.kv_shape is not None and tuple(tensor.shape[2:]) != self.kv_shape:
                 raise ValueError(f"chunk {key} layer {layer}: shape {list(tensor.shape)}, store holds "
                                  f"[2, n, {self.kv_shape[0]}, {self.kv_shape[1]}]")
-            objects.append((key, *codec.encode(tensor, self.fingerprint)))
+            objects.append((key, *codec.encode(tensor, self.fingerprint, key=key, layer=layer)))
         self._guard(self._put, layer, objects)
-        size = sum(len(h) + p.nbytes for _, h, p in objects)
+        size = sum(len(h) + sum(v.nbytes for v in p) for _, h, p in objects)
         self._count(objects_written=len(objects), bytes_written=size, write_seconds=time.perf_counter() - start)
 
     def get_layer(self, layer: int, keys: Sequence[str], out: Sequence[torch.Tensor] | None = None
                   ) -> list[torch.Tensor]:
         """Read and validate layer `layer` of several chunks, in order. NotFound if any is missing.
 
-        With `out` (one preallocated contiguous CPU tensor per key, of the expected dtype and
-        [2, n_tokens, H, D] shape), the bytes land in those tensors and they are returned: a
-        connector reusing staging buffers pays no allocation or page faults per load."""
-        self._bound(layer)
-        keys = list(keys)
+        With `out` (one preallocated CPU tensor per key, of the expected dtype and
+        [2, n_tokens, H, D] shape, each half contiguous), the bytes land in those tensors and
+        they are returned: a connector reusing staging buffers pays no allocation or page
+        faults per load."""
+        return self.get_layers([layer], keys, None if out is None else [out])[0]
+
+    def get_layers(self, layers: Sequence[int], keys: Sequence[str],
+                   out: Sequence[Sequence[torch.Tensor]] | None = None) -> list[list[torch.Tensor]]:
+        """Layers x chunks in one call: result[i][j] is layer layers[i] of chunk keys[j] (see the
+        module docstring for `out` and the round trips)."""
+        layers, keys = list(layers), list(keys)
+        self._check_request(layers, keys, out)
+        return self._read(layers, keys, out)
+
+    def get_layers_async(self, layers: Sequence[int], keys: Sequence[str],
+                         out: Sequence[Sequence[torch.Tensor]] | None = None) -> list[concurrent.futures.Future]:
+        """get_layers in the background, one Future per layer (in `layers` order) resolving to that
+        layer's tensors; bad arguments raise ValueError here, store errors come from the futures."""
+        layers, keys = list(layers), list(keys)
+        self._check_request(layers, keys, out)
+        return [self.submit(self._read_layer, layer, keys, None if out is None else list(out[i]))
+                for i, layer in enumerate(layers)]
+
+    def _read_layer(self, layer: int, keys: list[str], out: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        return self._read([layer], keys, None if out is None else [out])[0]
+
+    def _read(self, layers: list[int], keys: list[str], out: Sequence[Sequence[torch.Tensor]] | None
+              ) -> list[list[torch.Tensor]]:
+        """get_layers after its argument checks."""
+        items = [(layer, key) for layer in layers for key in keys]
         start = time.perf_counter()
         if out is None:
-            buffers = self._guard(self._get, layer, keys)
-            tensors = [self._guard(codec.decode, buf, self.fingerprint, self.dtype, self.kv_shape,
-                                   self.object_name(key, layer)) for key, buf in zip(keys, buffers)]
+            buffers = self._guard(self._get, items)
+            flat = [self._guard(codec.decode, buf, self.fingerprint, self.dtype, self.kv_shape,
+                                self.object_name(key, layer), key=key, layer=layer)
+                    for (layer, key), buf in zip(items, buffers)]
         else:
-            if len(out) != len(keys):
-                raise ValueError(f"{len(keys)} keys but {len(out)} output tensors")
-            tensors = list(out)
-            self._guard(self._get_into, layer, keys, tensors)
-        self._count(objects_read=len(keys), bytes_read=sum(codec.HEADER_SIZE + t.nbytes for t in tensors),
+            flat = [t for row in out for t in row]
+            self._guard(self._get_into, items, flat)
+        self._count(objects_read=len(items), bytes_read=sum(codec.HEADER_SIZE + t.nbytes for t in flat),
                     read_seconds=time.perf_counter() - start)
-        return tensors
+        return [flat[i * len(keys):(i + 1) * len(keys)] for i in range(len(layers))]
 
     def commit(self, keys: Sequence[str], num_layers: int | None = None) -> None:
         """Make chunks visible once all `num_layers` (default: the store's) layers are written.
@@ -178,19 +233,10 @@ class KVStore(ABC):
         self._count(chunks_deleted=deleted)
         return deleted
 
-    # ---- background variants ----
+    # ---- background work ----
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
         """Run fn(*args) on the store's I/O pool (e.g. submit(store.lookup, keys))."""
         return self._pool.submit(fn, *args, **kwargs)
-
-    def put_layer_async(self, layer: int, chunks: Mapping[str, torch.Tensor]) -> concurrent.futures.Future:
-        """put_layer in the background; leave the tensors untouched until the future is done."""
-        return self.submit(self.put_layer, layer, dict(chunks))
-
-    def get_layer_async(self, layer: int, keys: Sequence[str], out: Sequence[torch.Tensor] | None = None
-                        ) -> concurrent.futures.Future:
-        """get_layer in the background; the future's result is the list of tensors."""
-        return self.submit(self.get_layer, layer, list(keys), None if out is None else list(out))
 
     def result(self, future: concurrent.futures.Future, timeout: float | None = None) -> Any:
         """future.result() with the store timeout (default) surfacing as StoreTimeout."""
@@ -198,6 +244,10 @@ class KVStore(ABC):
             return future.result(timeout=self.timeout if timeout is None else timeout)
         except concurrent.futures.TimeoutError as exc:
             raise StoreTimeout(f"store operation took longer than {timeout or self.timeout:.1f}s") from exc
+
+    def bounds_warning(self) -> str | None:
+        """One line saying how this store can grow without limit, or None when it is bounded."""
+        return None
 
     # ---- administration (all fingerprints) ----
     def stats(self) -> StoreStats:
@@ -219,15 +269,15 @@ class KVStore(ABC):
         return usage
 
     def verify(self, fingerprint: str | None = None) -> VerifyReport:
-        """Re-check every object (checksum, header, fingerprint) of one or all fingerprints."""
+        """Re-check every object (header, fingerprint, key binding, checksum) of one or all fingerprints."""
         report = VerifyReport()
         objects = self._iter_objects(fingerprint)
         while (item := self._guard(next, objects, None)) is not None:
-            fp, name, buf = item
+            fp, key, layer, name, buf = item
             report.objects += 1
             report.bytes += len(memoryview(buf).cast("B"))
             try:
-                codec.decode(buf, fp, name=name)
+                codec.decode(buf, fp, name=name, key=key, layer=layer)
             except CorruptObject as exc:
                 report.corrupt.append(str(exc))
         return report
@@ -257,10 +307,27 @@ class KVStore(ABC):
         if layer is not None and (layer < 0 or (self.num_layers is not None and layer >= self.num_layers)):
             raise ValueError(f"layer {layer} out of range for a {self.num_layers}-layer store")
 
-    def _guard(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def _check_request(self, layers: list[int], keys: list[str],
+                       out: Sequence[Sequence[torch.Tensor]] | None) -> None:
+        for layer in layers:
+            self._bound(layer)
+        self._bound()
+        if out is None:
+            return
+        if len(out) != len(layers):
+            raise ValueError(f"{len(layers)} layers but {len(out)} rows of output tensors")
+        for row in out:
+            if len(row) != len(keys):
+                raise ValueError(f"{len(keys)} keys but {len(row)} output tensors")
+            for tensor in row:
+                if self.dtype is not None and tensor.dtype != self.dtype:
+                    raise ValueError(f"output tensor of dtype {tensor.dtype}, store holds {self.dtype}")
+                codec.payload_views(tensor)  # ValueError unless a CPU tensor with contiguous K and V halves
+
+    def _guard(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Call a backend hook; count failures and make sure only StoreError subclasses escape."""
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         except StoreError:
             self._count(errors=1)
             raise
@@ -284,24 +351,27 @@ class KVStore(ABC):
     def _lookup(self, keys: list[str]) -> int: ...
 
     @abstractmethod
-    def _put(self, layer: int, objects: list[tuple[str, bytes, memoryview]]) -> None:
-        """Store (key, header, payload) objects of one layer; each object appears atomically."""
+    def _put(self, layer: int, objects: list[tuple[str, bytes, list[memoryview]]]) -> None:
+        """Store (key, header, payload spans) objects of one layer; each object appears atomically."""
 
     @abstractmethod
-    def _get(self, layer: int, keys: list[str]) -> list[Buffer]:
-        """Raw object bytes in key order; NotFound for a missing one."""
+    def _get(self, items: list[tuple[int, str]]) -> list[Buffer]:
+        """Raw object bytes of (layer, key) items, in order; NotFound for a missing one."""
 
-    def _get_into(self, layer: int, keys: list[str], out: list[torch.Tensor]) -> None:
+    def _get_into(self, items: list[tuple[int, str]], out: list[torch.Tensor]) -> None:
         """Fill preallocated tensors; backends that can read straight into them override this."""
-        for key, buf, tensor in zip(keys, self._get(layer, keys), out):
+        for (layer, key), buf, tensor in zip(items, self._get(items), out):
             name = self.object_name(key, layer)
             view = memoryview(buf).cast("B")
-            target = codec.tensor_bytes(tensor)
-            if view.nbytes != codec.HEADER_SIZE + target.nbytes:
-                raise CorruptObject(f"{name}: {view.nbytes} bytes, expected {codec.HEADER_SIZE} + {target.nbytes} "
+            spans = codec.payload_views(tensor)
+            if view.nbytes != codec.HEADER_SIZE + tensor.nbytes:
+                raise CorruptObject(f"{name}: {view.nbytes} bytes, expected {codec.HEADER_SIZE} + {tensor.nbytes} "
                                     f"for {list(tensor.shape)} {tensor.dtype}")
-            target[:] = view[codec.HEADER_SIZE:]
-            codec.decode_into(view[:codec.HEADER_SIZE], tensor, target, self.fingerprint, name)
+            offset = codec.HEADER_SIZE
+            for span in spans:
+                span[:] = view[offset:offset + span.nbytes]
+                offset += span.nbytes
+            codec.decode_into(view[:codec.HEADER_SIZE], tensor, spans, self.fingerprint, name, key=key, layer=layer)
 
     @abstractmethod
     def _commit(self, keys: list[str], num_layers: int) -> None: ...
@@ -313,8 +383,9 @@ class KVStore(ABC):
     def _chunk_infos(self, fingerprint: str | None) -> Iterator[ChunkInfo]: ...
 
     @abstractmethod
-    def _iter_objects(self, fingerprint: str | None) -> Iterator[tuple[str, str, Buffer]]:
-        """(fingerprint, object name, raw bytes) of every stored layer object."""
+    def _iter_objects(self, fingerprint: str | None) -> Iterator[tuple[str, str, int, str, Buffer]]:
+        """(fingerprint, chunk key, layer, object name, raw bytes) of every stored layer object
+        (key and layer as its name says: verify checks the object's binding against them)."""
 
     @abstractmethod
     def _clear(self, fingerprint: str | None) -> int: ...

@@ -62,9 +62,11 @@ COMMANDS = {"stats": _stats, "ls": _ls, "verify": _verify, "clear": _clear}
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pd-kvstore", description=__doc__.splitlines()[0])
-    parser.add_argument("url", help="file:///path or redis://host:port/db (query options as for open_store)")
+    parser.add_argument("url", help="file:///path, redis://host:port/db or redis+cluster://host:port[,host:port...]/ "
+                        "(query options as for open_store)")
     parser.add_argument("command", choices=COMMANDS, help="stats: counts and bytes per model fingerprint; "
-                        "ls: chunks; verify: re-check every object's checksum; clear: delete everything")
+                        "ls: chunks; verify: re-check every object's checksum and that it lies under its own key; "
+                        "clear: delete everything")
     parser.add_argument("--fingerprint", help="restrict to one model fingerprint")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per store operation (default 5)")
     parser.add_argument("--json", action="store_true", help="machine-readable output (stats, ls)")

@@ -1,15 +1,22 @@
 """The on-store object format: one (chunk, layer) KV tensor as raw bytes behind a 64-byte header.
 
-Layout (little endian):
+Layout (little endian), format version 2:
     0  magic b"PDKV" | 4 version u16 | 6 dtype code u8 | 7 reserved u8
     8  shape [2, n_tokens, num_kv_heads, head_dim] as 4 x u32
-    24 model fingerprint (16 bytes) | 40 payload length u64 | 48 xxh3_64 checksum u64
-    56 zero padding to 64 (keeps the payload 64-byte aligned inside the object)
-    64 payload: the tensor's bytes in C order
+    24 model fingerprint (16 bytes) | 40 payload length u64
+    48 binding u64: xxh3_64 of the chunk key and layer the object was written under
+    56 xxh3_64 checksum u64 of bytes [0, 56) and the payload
+    64 payload: the tensor's bytes in C order (64-byte aligned inside the object)
 
-The checksum covers header bytes [0, 48) and the payload, so a flipped dtype or shape is
-caught as surely as a flipped payload byte. Decoding never unpickles anything: a shared
-store is writable by others, and reading it must not execute code.
+The binding ties an object to its name: a valid object copied or renamed under another
+chunk's key (or another layer) fails the load as corrupt instead of feeding a request
+another prompt's KV. The checksum covers the header too, so a flipped dtype, shape or
+binding is caught as surely as a flipped payload byte. Decoding never unpickles anything:
+a shared store is writable by others, and reading it must not execute code.
+
+Payload views: a tensor [2, n, H, D] whose K half and V half are each contiguous (a whole
+contiguous tensor, or a token slice `staging[:, a:b]` of a larger [2, T, H, D] buffer) is
+written from and read into without a copy, as one or two byte spans (`payload_views`).
 """
 from __future__ import annotations
 
@@ -24,10 +31,11 @@ import xxhash
 from kvstore.errors import CorruptObject
 
 MAGIC = b"PDKV"
-VERSION = 1
+VERSION = 2
 HEADER_SIZE = 64
-_HEAD = struct.Struct("<4sHBB4I16sQ")  # magic .. payload length: the checksummed part (48 bytes)
+_HEAD = struct.Struct("<4sHBB4I16sQQ")  # magic .. binding: the checksummed part (56 bytes)
 _SUM = struct.Struct("<Q")
+_BINDING_OFFSET = 48
 # torch warns once per process when a tensor aliases read-only bytes; decode() documents it.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
@@ -60,38 +68,64 @@ def fingerprint_bytes(fingerprint: str) -> bytes:
     return raw
 
 
-def encode(tensor: torch.Tensor, fingerprint: str) -> tuple[bytes, memoryview]:
-    """(header, payload view) of a [2, n_tokens, kv_heads, head_dim] tensor; the payload is not copied
-    for a contiguous CPU tensor, so file writes can go straight from the tensor (os.writev)."""
+def binding(key: str, layer: int) -> int:
+    """The 64-bit digest that binds an object to the (chunk key, layer) it is stored under."""
+    return xxhash.xxh3_64_intdigest(b"%s\0%d" % (key.encode(), layer))
+
+
+def encode(tensor: torch.Tensor, fingerprint: str, *, key: str, layer: int) -> tuple[bytes, list[memoryview]]:
+    """(header, payload spans) of a [2, n_tokens, kv_heads, head_dim] tensor stored as layer `layer`
+    of chunk `key`. The payload is not copied when the tensor's halves are contiguous, so file
+    writes go straight from the tensor (os.writev)."""
     if tensor.dim() != 4 or tensor.shape[0] != 2:
         raise ValueError(f"KV layer tensor must be [2, n_tokens, kv_heads, head_dim], got {list(tensor.shape)}")
     code = DTYPE_CODES.get(tensor.dtype)
     if code is None:
         raise ValueError(f"unsupported KV dtype {tensor.dtype}")
-    payload = tensor_bytes(tensor.detach().cpu().contiguous())
-    head = _HEAD.pack(MAGIC, VERSION, code, 0, *tensor.shape, fingerprint_bytes(fingerprint), payload.nbytes)
-    checksum = xxhash.xxh3_64(head)
-    checksum.update(payload)
-    header = head + _SUM.pack(checksum.intdigest()) + bytes(HEADER_SIZE - _HEAD.size - _SUM.size)
-    return header, payload
+    tensor = tensor.detach().cpu()
+    try:
+        payload = payload_views(tensor)
+    except ValueError:
+        payload = payload_views(tensor.contiguous())
+    length = sum(v.nbytes for v in payload)
+    head = _HEAD.pack(MAGIC, VERSION, code, 0, *tensor.shape, fingerprint_bytes(fingerprint), length,
+                      binding(key, layer))
+    return head + _SUM.pack(_checksum(head, payload)), payload
 
 
-def encode_bytes(tensor: torch.Tensor, fingerprint: str) -> bytes:
+def encode_bytes(tensor: torch.Tensor, fingerprint: str, *, key: str, layer: int) -> bytes:
     """The whole object as one contiguous value (what a key-value store needs)."""
-    header, payload = encode(tensor, fingerprint)
-    return b"".join((header, payload))
+    header, payload = encode(tensor, fingerprint, key=key, layer=layer)
+    return b"".join((header, *payload))
+
+
+def payload_views(tensor: torch.Tensor) -> list[memoryview]:
+    """The payload bytes of a CPU tensor [2, n, H, D] in C order, without a copy (writable, so reads
+    can land in them): one span for a contiguous tensor, two (K, V) when only each half is."""
+    if tensor.device.type != "cpu":
+        raise ValueError("expected a CPU tensor")
+    if tensor.is_contiguous():
+        return [_bytes_of(tensor)]
+    if tensor.dim() == 4 and tensor.shape[0] == 2 and tensor[0].is_contiguous() and tensor[1].is_contiguous():
+        return [_bytes_of(tensor[0]), _bytes_of(tensor[1])]
+    raise ValueError("expected a CPU tensor whose K and V halves are each contiguous")
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (writable: reads can land in it)."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError("expected a contiguous CPU tensor")
-    return memoryview(tensor.view(-1).view(torch.uint8).numpy())
+    return _bytes_of(tensor)
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
 def decode(buf: bytes | bytearray | memoryview, fingerprint: str, dtype: torch.dtype | None = None,
-           kv_shape: Sequence[int] | None = None, name: str = "object") -> torch.Tensor:
-    """Validate everything and return the [2, n, H, D] tensor; raises CorruptObject on any mismatch.
+           kv_shape: Sequence[int] | None = None, name: str = "object", *, key: str, layer: int) -> torch.Tensor:
+    """Validate everything (including that the object belongs to layer `layer` of chunk `key`) and
+    return the [2, n, H, D] tensor; raises CorruptObject on any mismatch.
 
     The buffer becomes the tensor's storage without a copy. A read-only one (bytes from
     redis) is aliased too: the result is for reading (scatter into paged memory), never for
@@ -100,29 +134,37 @@ def decode(buf: bytes | bytearray | memoryview, fingerprint: str, dtype: torch.d
     view = memoryview(buf).cast("B")
     if view.nbytes < HEADER_SIZE:
         raise CorruptObject(f"{name}: {view.nbytes} bytes is shorter than the {HEADER_SIZE}-byte header")
-    found, shape = _check(view[:HEADER_SIZE], view[HEADER_SIZE:], fingerprint, dtype, kv_shape, name)
+    found, shape = _check(view[:HEADER_SIZE], [view[HEADER_SIZE:]], fingerprint, dtype, kv_shape, name, key, layer)
     if view.nbytes == HEADER_SIZE:
         return torch.empty(shape, dtype=found)
     return torch.frombuffer(view, dtype=found, offset=HEADER_SIZE).view(shape)
 
 
-def decode_into(header: bytes | bytearray | memoryview, out: torch.Tensor, payload: memoryview, fingerprint: str,
-                name: str = "object") -> None:
+def decode_into(header: bytes | bytearray | memoryview, out: torch.Tensor, payload: list[memoryview],
+                fingerprint: str, name: str = "object", *, key: str, layer: int) -> None:
     """Validate an object whose payload was already read into `out` (a preallocated tensor of the
-    expected dtype and shape; `payload` is tensor_bytes(out)); CorruptObject if the header
-    disagrees with `out` or the checksum fails."""
+    expected dtype and shape; `payload` is payload_views(out)); CorruptObject if the header
+    disagrees with `out`, belongs to another key or layer, or the checksum fails."""
     view = memoryview(header).cast("B")
     if view.nbytes < HEADER_SIZE:
         raise CorruptObject(f"{name}: {view.nbytes} bytes is shorter than the {HEADER_SIZE}-byte header")
-    _, shape = _check(view[:HEADER_SIZE], payload, fingerprint, out.dtype, out.shape[2:], name)
+    _, shape = _check(view[:HEADER_SIZE], payload, fingerprint, out.dtype, out.shape[2:], name, key, layer)
     if shape != tuple(out.shape):
         raise CorruptObject(f"{name}: shape {list(shape)}, expected {list(out.shape)}")
 
 
-def _check(header: memoryview, payload: memoryview, fingerprint: str, dtype: torch.dtype | None,
-           kv_shape: Sequence[int] | None, name: str) -> tuple[torch.dtype, tuple[int, int, int, int]]:
+def _checksum(head: bytes | memoryview, payload: list[memoryview]) -> int:
+    checksum = xxhash.xxh3_64(head)
+    for span in payload:
+        checksum.update(span)
+    return checksum.intdigest()
+
+
+def _check(header: memoryview, payload: list[memoryview], fingerprint: str, dtype: torch.dtype | None,
+           kv_shape: Sequence[int] | None, name: str, key: str, layer: int
+           ) -> tuple[torch.dtype, tuple[int, int, int, int]]:
     """Validate header fields against the expectations and the checksum over header + payload."""
-    magic, version, code, _, two, n_tokens, heads, head_dim, fp, length = _HEAD.unpack_from(header)
+    magic, version, code, _, two, n_tokens, heads, head_dim, fp, length, bound = _HEAD.unpack_from(header)
     if magic != MAGIC:
         raise CorruptObject(f"{name}: bad magic {magic!r}")
     if version != VERSION:
@@ -137,11 +179,12 @@ def _check(header: memoryview, payload: memoryview, fingerprint: str, dtype: tor
     shape = (two, n_tokens, heads, head_dim)
     if two != 2 or (kv_shape is not None and (heads, head_dim) != tuple(kv_shape)):
         raise CorruptObject(f"{name}: shape {list(shape)}, expected [2, n, *{list(kv_shape or [])}]")
-    if length != two * n_tokens * heads * head_dim * found.itemsize or payload.nbytes != length:
-        raise CorruptObject(f"{name}: {HEADER_SIZE + payload.nbytes} bytes, header says {HEADER_SIZE} + {length} "
+    size = sum(v.nbytes for v in payload)
+    if length != two * n_tokens * heads * head_dim * found.itemsize or size != length:
+        raise CorruptObject(f"{name}: {HEADER_SIZE + size} bytes, header says {HEADER_SIZE} + {length} "
                             f"for shape {list(shape)} {found}")
-    checksum = xxhash.xxh3_64(header[:_HEAD.size])
-    checksum.update(payload)
-    if checksum.intdigest() != _SUM.unpack_from(header, _HEAD.size)[0]:
+    if _checksum(header[:_HEAD.size], payload) != _SUM.unpack_from(header, _HEAD.size)[0]:
         raise CorruptObject(f"{name}: checksum mismatch")
+    if bound != binding(key, layer):  # after the checksum: a damaged object is reported as damaged
+        raise CorruptObject(f"{name}: a valid object of another chunk or layer, stored under the wrong key")
     return found, shape

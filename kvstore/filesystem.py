@@ -6,10 +6,15 @@ and renamed into place, so readers see whole objects only and concurrent writers
 same chunk simply replace each other's identical bytes. Removal renames the chunk
 directory away first (one atomic step), then deletes it.
 
-max_bytes bounds the bytes of layer objects under <root> (all fingerprints): every commit
-scans the committed chunks (one stat per chunk) and evicts whole chunks, least recently
-used first. The LRU clock is the marker's mtime, set at commit and refreshed whenever a
-reader loads layer 0, so it works across processes and machines with no index to keep.
+max_bytes bounds the bytes of committed layer objects under <root> (all fingerprints):
+each commit evicts whole chunks, least recently used first, until the total fits. The totals
+and the LRU order come from a ledger that every bounded store process appends to and replays
+incrementally (kvstore.fs_ledger), so a commit costs O(log n) however many chunks the store
+holds. The LRU clock is the marker's mtime, set at commit and refreshed whenever a reader
+loads layer 0, so reads stay ledger-free and it works across processes and machines. Give
+every process of one directory the same max_bytes: a store opened without it does not keep
+the ledger (its chunks are counted at the next reconciling walk, every 10 minutes in the
+background, which also removes chunks that dead writers left half-written).
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ import torch
 from kvstore import codec
 from kvstore.base import Buffer, ChunkInfo, KVStore
 from kvstore.errors import CorruptObject, NotFound, StoreError, StoreTimeout, StoreUnavailable
+from kvstore import fs_ledger
+from kvstore.fs_ledger import ChunkLedger
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +56,9 @@ class FileSystemStore(KVStore):
         self._root = str(self.root)
         self.max_bytes = max_bytes
         self.fsync = fsync
-        self._sizes: dict[str, int] = {}  # marker path -> chunk bytes (immutable once committed)
-        self._evict_lock = threading.Lock()
+        self._ledger = ChunkLedger(self._root, self._walk_committed, self._marker_size) if max_bytes is not None \
+            else None
+        self._reconciling: threading.Thread | None = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -66,6 +74,12 @@ class FileSystemStore(KVStore):
 
     def object_name(self, key: str, layer: int) -> str:
         return f"{self._chunk_dir(key)}/{layer}.kv"
+
+    def bounds_warning(self) -> str | None:
+        if self.max_bytes is not None:
+            return None
+        return (f"KV store {self.root} has no max_bytes: it grows until the disk is full "
+                f"(add ?max_bytes=<size> to the file:// URL)")
 
     # ---- hooks ----
     def _translate(self, exc: Exception) -> StoreError:
@@ -83,40 +97,40 @@ class FileSystemStore(KVStore):
                 return i
         return len(keys)
 
-    def _put(self, layer: int, objects: list[tuple[str, bytes, memoryview]]) -> None:
+    def _put(self, layer: int, objects: list[tuple[str, bytes, list[memoryview]]]) -> None:
         for key, header, payload in objects:
-            self._write_atomic(self._chunk_dir(key), f"{layer}.kv", (header, payload))
+            self._write_atomic(self._chunk_dir(key), f"{layer}.kv", (header, *payload))
 
-    def _get(self, layer: int, keys: list[str]) -> list[Buffer]:
+    def _get(self, items: list[tuple[int, str]]) -> list[Buffer]:
         buffers = []
-        for key in keys:
+        for layer, key in items:
             chunk = self._chunk_dir(key)
             buffers.append(_read_file(f"{chunk}/{layer}.kv"))
             if layer == 0:
                 self._touch(f"{chunk}/{MARKER}")
         return buffers
 
-    def _get_into(self, layer: int, keys: list[str], out: list[torch.Tensor]) -> None:
-        for key, tensor in zip(keys, out):
+    def _get_into(self, items: list[tuple[int, str]], out: list[torch.Tensor]) -> None:
+        header = bytearray(codec.HEADER_SIZE)
+        for (layer, key), tensor in zip(items, out):
             chunk = self._chunk_dir(key)
             path = f"{chunk}/{layer}.kv"
-            target = codec.tensor_bytes(tensor)
-            header = bytearray(codec.HEADER_SIZE)
+            spans = codec.payload_views(tensor)
             fd = os.open(path, os.O_RDONLY)
             try:
                 size = os.fstat(fd).st_size
-                if size != codec.HEADER_SIZE + target.nbytes:
-                    raise CorruptObject(f"{path}: {size} bytes, expected {codec.HEADER_SIZE} + {target.nbytes} "
+                if size != codec.HEADER_SIZE + tensor.nbytes:
+                    raise CorruptObject(f"{path}: {size} bytes, expected {codec.HEADER_SIZE} + {tensor.nbytes} "
                                         f"for {list(tensor.shape)} {tensor.dtype}")
-                _read_exact(fd, [memoryview(header), target], path)
+                _read_exact(fd, [memoryview(header), *spans], path)
             finally:
                 os.close(fd)
-            codec.decode_into(header, tensor, target, self.fingerprint, path)
+            codec.decode_into(header, tensor, spans, self.fingerprint, path, key=key, layer=layer)
             if layer == 0:
                 self._touch(f"{chunk}/{MARKER}")
 
     def _commit(self, keys: list[str], num_layers: int) -> None:
-        incomplete = []
+        incomplete, committed = [], []
         for key in keys:
             chunk = self._chunk_dir(key)
             try:
@@ -126,17 +140,31 @@ class FileSystemStore(KVStore):
                 continue
             try:  # no directory re-creation here: a marker must never appear in an evicted, empty chunk
                 self._write_atomic(chunk, MARKER, (_MARKER.pack(_MARKER_MAGIC, 1, num_layers, size),), create=False)
+                clock = self._touch(os.path.join(chunk, MARKER))
             except FileNotFoundError:
                 incomplete.append(key)
                 continue
-            self._touch(os.path.join(chunk, MARKER))
-        if self.max_bytes is not None:
-            self._enforce_bound()
+            committed.append((f"{self.fingerprint}/{key}", size, clock))
+        if self._ledger is not None:
+            with self._ledger.locked() as ledger:
+                ledger.add(committed)
+                self._evict(ledger)
+                ledger.maybe_compact()
+                due = ledger.reconcile_due()
+            if due and not (self._reconciling and self._reconciling.is_alive()):
+                self._reconciling = threading.Thread(target=self._reconcile_quietly, name="kvstore-reconcile",
+                                                     daemon=True)
+                self._reconciling.start()
         if incomplete:
             raise NotFound(f"{len(incomplete)} chunk(s) miss layers and stay invisible: {incomplete[0]}...")
 
     def _delete(self, keys: list[str]) -> int:
-        return sum(self._remove_dir(self._chunk_dir(key)) for key in keys)
+        removed = sum(self._remove_dir(self._chunk_dir(key)) for key in keys)
+        if self._ledger is not None:
+            rels = [f"{self.fingerprint}/{key}" for key in keys]
+            with self._ledger.locked() as ledger:
+                ledger.remove([rel for rel in rels if rel in ledger.sizes])
+        return removed
 
     def _chunk_infos(self, fingerprint: str | None) -> Iterator[ChunkInfo]:
         for fp, chunk in self._chunks(fingerprint):
@@ -153,13 +181,15 @@ class FileSystemStore(KVStore):
                 continue
             yield info
 
-    def _iter_objects(self, fingerprint: str | None) -> Iterator[tuple[str, str, Buffer]]:
+    def _iter_objects(self, fingerprint: str | None) -> Iterator[tuple[str, str, int, str, Buffer]]:
         for fp, chunk in self._chunks(fingerprint):
+            key = os.path.basename(chunk)
             for name in sorted(_list_visible(chunk)):
                 if name.endswith(".kv"):
                     path = os.path.join(chunk, name)
+                    layer = int(name[:-3]) if name[:-3].isdigit() else -1  # -1: no layer binds to it
                     try:
-                        yield fp, path, _read_file(path)
+                        yield fp, key, layer, path, _read_file(path)
                     except FileNotFoundError:  # evicted while we walked
                         continue
 
@@ -167,7 +197,15 @@ class FileSystemStore(KVStore):
         removed = sum(info.objects for info in self._chunk_infos(fingerprint))
         for fp in self._fingerprints(fingerprint):
             self._remove_dir(os.path.join(self.root, fp))
+        for name in fs_ledger.FILES:  # bounded stores rebuild the ledger with one walk
+            _unlink_quietly(os.path.join(self.root, name))
         return removed
+
+    def _close(self) -> None:
+        if self._reconciling is not None:
+            self._reconciling.join()
+        if self._ledger is not None:
+            self._ledger.close()
 
     # ---- internals ----
     def _write_atomic(self, directory: str, name: str, parts: tuple[Buffer, ...], create: bool = True) -> None:
@@ -193,13 +231,15 @@ class FileSystemStore(KVStore):
                 _unlink_quietly(tmp)
                 raise
 
-    def _touch(self, marker: str) -> None:
-        """Advance the chunk's LRU clock (explicit ns: coarse filesystem clocks would tie)."""
+    def _touch(self, marker: str) -> int:
+        """Advance the chunk's LRU clock (explicit ns: coarse filesystem clocks would tie); returns it
+        as the filesystem stored it (0 if the marker is gone)."""
         now = time.time_ns()
         try:
             os.utime(marker, ns=(now, now))
+            return os.stat(marker).st_mtime_ns
         except OSError:  # not committed yet, or evicted: nothing to refresh
-            pass
+            return 0
 
     def _remove_dir(self, path: str) -> bool:
         """Rename away (atomic disappearance), then delete; False if it was already gone."""
@@ -226,32 +266,64 @@ class FileSystemStore(KVStore):
                 for key in _list_visible(prefix_dir):
                     yield fp, os.path.join(prefix_dir, key)
 
-    def _enforce_bound(self) -> None:
-        """Evict least recently used chunks until the committed bytes fit in max_bytes."""
-        with self._evict_lock:
-            now = time.time()
-            chunks = []  # (lru clock, chunk dir, bytes)
-            for _, chunk in self._chunks(None):
-                marker = os.path.join(chunk, MARKER)
-                try:
-                    mtime = os.stat(marker).st_mtime_ns
-                    size = self._sizes.get(marker)
-                    if size is None:
-                        size = self._sizes[marker] = _marker_bytes(marker)
-                except FileNotFoundError:
-                    if _age(chunk, now) > ORPHAN_GRACE_S:
-                        self._remove_dir(chunk)
-                    continue
-                chunks.append((mtime, chunk, size))
-            total = sum(size for _, _, size in chunks)
-            for _, chunk, size in sorted(chunks):
-                if total <= self.max_bytes:
-                    break
-                if self._remove_dir(chunk):
-                    logger.info("evicted chunk %s (%d bytes) to keep %s under max_bytes=%d",
-                                os.path.basename(chunk), size, self.root, self.max_bytes)
-                self._sizes.pop(os.path.join(chunk, MARKER), None)
-                total -= size
+    def _evict(self, ledger: ChunkLedger) -> None:
+        """Evict least recently used chunks until the committed bytes fit in max_bytes (ledger locked)."""
+        while ledger.total > self.max_bytes and (head := ledger.oldest()) is not None:
+            clock, rel = head
+            fp, _, key = rel.partition("/")
+            chunk = self._chunk_dir(key, fp)
+            try:
+                mtime = os.stat(f"{chunk}/{MARKER}").st_mtime_ns
+            except FileNotFoundError:  # deleted behind the ledger's back
+                ledger.remove([rel])
+                continue
+            if mtime > clock:  # read since: put it back with its real clock
+                ledger.refresh(rel, mtime)
+                continue
+            size = ledger.sizes[rel]
+            if self._remove_dir(chunk):
+                logger.info("evicted chunk %s (%d bytes) to keep %s under max_bytes=%d", key, size, self.root,
+                            self.max_bytes)
+            ledger.remove([rel])
+
+    def reconcile(self) -> tuple[int, int]:
+        """Walk the tree and fix the max_bytes ledger against it (runs in the background every
+        fs_ledger.RECONCILE_S); removes chunks a dead writer left half-written. Returns (added, dropped)."""
+        if self._ledger is None:
+            raise ValueError("reconcile applies to stores opened with max_bytes")
+        added, dropped = self._ledger.reconcile()
+        if added or dropped:
+            logger.info("KV store %s: ledger reconciled with the disk (%d chunk(s) added, %d dropped)", self.root,
+                        added, dropped)
+        with self._ledger.locked() as ledger:
+            self._evict(ledger)
+        return added, dropped
+
+    def _reconcile_quietly(self) -> None:
+        try:
+            self.reconcile()
+        except Exception as exc:  # a background chore: the next one retries
+            logger.warning("KV store %s: reconciling the max_bytes ledger failed: %s", self.root, exc)
+
+    def _walk_committed(self) -> Iterator[tuple[str, int]]:
+        """(fingerprint/key, LRU clock) of every committed chunk on disk; removes uncommitted chunks
+        untouched for ORPHAN_GRACE_S (their writer died)."""
+        now = time.time()
+        for fp, chunk in self._chunks(None):
+            try:
+                clock = os.stat(os.path.join(chunk, MARKER)).st_mtime_ns
+            except FileNotFoundError:
+                if _age(chunk, now) > ORPHAN_GRACE_S:
+                    self._remove_dir(chunk)
+                continue
+            yield f"{fp}/{os.path.basename(chunk)}", clock
+
+    def _marker_size(self, rel: str) -> int | None:
+        fp, _, key = rel.partition("/")
+        try:
+            return _marker_bytes(f"{self._chunk_dir(key, fp)}/{MARKER}")
+        except FileNotFoundError:
+            return None
 
 
 def _read_file(path: str) -> bytearray:

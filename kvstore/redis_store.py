@@ -1,10 +1,11 @@
 """redis://host:port/db backend: pipelined batched GET/SET of binary values through a connection pool.
 
 Keys: <prefix><fingerprint>:{<chunk key>}:<layer> for layer objects and ...:c for the commit
-marker. The hash tag {<chunk key>} keeps all of a chunk on one Redis Cluster shard, so the
-multi-key EXISTS/DEL of one chunk stays legal there. Eviction is Redis's own job (ttl here,
-or maxmemory-policy allkeys-lru on the server); a layer evicted before its marker reads as
-NotFound, which callers treat like any other miss.
+marker. The hash tag {<chunk key>} keeps all of a chunk in one Redis Cluster hash slot
+(kvstore.redis_cluster), so the multi-key EXISTS/DEL of one chunk stays legal there and a
+chunk is committed or absent as a whole. Eviction is Redis's own job (ttl here, or
+maxmemory-policy allkeys-lru on the server; `bounds_warning` says when there is neither); a
+layer evicted before its marker reads as NotFound, which callers treat like any other miss.
 
 Every socket operation is bounded by `timeout`; a broken connection is retried once at
 once (that is what reconnects a pooled connection after a Redis restart), so a dead server
@@ -21,13 +22,17 @@ from redis.retry import Retry
 from kvstore.base import Buffer, ChunkInfo, KVStore
 from kvstore.errors import NotFound, StoreError, StoreTimeout, StoreUnavailable
 
+# Replies that mean "this shard cannot serve right now" (a cluster mid-failover): an outage, not a bug.
+_OUTAGE = (redis.ConnectionError, redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
+           redis.exceptions.ReadOnlyError, redis.exceptions.SlotNotCoveredError)
+
 MARKER = "c"
 _SCAN_BATCH = 256
 _GET_BATCH = 16  # objects per pipelined GET when walking everything (bounds memory: ~16 MiB per batch)
 
 
 class RedisStore(KVStore):
-    _io_errors = (redis.RedisError,)
+    _io_errors = (redis.RedisError, redis.exceptions.RedisClusterException)
 
     def __init__(self, url: str, *, ttl: int | None = None, prefix: str = "pdkv:", max_connections: int = 16,
                  **kwargs: Any) -> None:
@@ -37,10 +42,19 @@ class RedisStore(KVStore):
         self.url = url
         self.ttl = ttl
         self.prefix = prefix
+        self.max_connections = max_connections
+        self._client = self._connect()
+
+    def _connect(self) -> Any:
+        """The client (connects lazily: a store opened during an outage works once redis is back)."""
         pool = redis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=self.timeout, socket_timeout=self.timeout,
+            self.url, max_connections=self.max_connections, timeout=self.timeout, socket_timeout=self.timeout,
             socket_connect_timeout=self.timeout, retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)))
-        self._redis = redis.Redis(connection_pool=pool)
+        return redis.Redis(connection_pool=pool)
+
+    @property
+    def _redis(self) -> Any:
+        return self._client
 
     # ---- keys ----
     def _key(self, key: str, suffix: str | int, fingerprint: str | None = None) -> str:
@@ -61,9 +75,31 @@ class RedisStore(KVStore):
         where = self.url
         if isinstance(exc, redis.TimeoutError):
             return StoreTimeout(f"redis {where} did not answer within {self.timeout:.1f}s")
-        if isinstance(exc, redis.ConnectionError):
+        if isinstance(exc, _OUTAGE) or "cannot be connected" in str(exc):  # the latter: no cluster node answers
             return StoreUnavailable(f"redis {where} unreachable: {exc}")
         return StoreError(f"redis {where}: {exc}")
+
+    def bounds_warning(self) -> str | None:
+        if self.ttl is not None:
+            return None
+        try:
+            infos = self._guard(self._memory_infos)
+        except StoreError:  # unreachable or INFO not allowed: nothing to say
+            return None
+        unbounded = [i for i in infos if int(i.get("maxmemory", 0)) == 0]
+        if unbounded:
+            return (f"KV store {self.url} is unbounded: no ttl and redis maxmemory 0, so it grows with every "
+                    f"prompt (start redis with --maxmemory <bytes> --maxmemory-policy allkeys-lru, or add ?ttl=<s>)")
+        stuck = sorted({str(i.get("maxmemory_policy")) for i in infos
+                        if not str(i.get("maxmemory_policy", "")).startswith("allkeys")})
+        if stuck:
+            return (f"KV store {self.url}: redis maxmemory-policy {','.join(stuck)} never evicts our keys (no ttl), "
+                    f"so saves fail once redis is full (use allkeys-lru, or add ?ttl=<s>)")
+        return None
+
+    def _memory_infos(self) -> list[dict[str, Any]]:
+        """INFO memory of every server holding our keys."""
+        return [self._redis.info("memory")]
 
     def _lookup(self, keys: list[str]) -> int:
         pipe = self._redis.pipeline(transaction=False)
@@ -72,20 +108,21 @@ class RedisStore(KVStore):
         found = pipe.execute()
         return next((i for i, hit in enumerate(found) if not hit), len(keys))
 
-    def _put(self, layer: int, objects: list[tuple[str, bytes, memoryview]]) -> None:
+    def _put(self, layer: int, objects: list[tuple[str, bytes, list[memoryview]]]) -> None:
         pipe = self._redis.pipeline(transaction=False)
         for key, header, payload in objects:
-            pipe.set(self._key(key, layer), b"".join((header, payload)), ex=self.ttl)
+            pipe.set(self._key(key, layer), b"".join((header, *payload)), ex=self.ttl)
         pipe.execute()
 
-    def _get(self, layer: int, keys: list[str]) -> list[Buffer]:
+    def _get(self, items: list[tuple[int, str]]) -> list[Buffer]:
         pipe = self._redis.pipeline(transaction=False)
-        for key in keys:
+        for layer, key in items:
             pipe.get(self._key(key, layer))
         values = pipe.execute()
-        missing = [key for key, value in zip(keys, values) if value is None]
+        missing = [item for item, value in zip(items, values) if value is None]
         if missing:
-            raise NotFound(f"{len(missing)} object(s) missing, e.g. {self._key(missing[0], layer)}")
+            layer, key = missing[0]
+            raise NotFound(f"{len(missing)} object(s) missing, e.g. {self._key(key, layer)}")
         return values
 
     def _commit(self, keys: list[str], num_layers: int) -> None:
@@ -110,7 +147,8 @@ class RedisStore(KVStore):
         for key, marker in zip(keys, markers):
             layers = self.num_layers or (int(marker) if marker else 0)
             if layers:
-                pipe.unlink(*(self._key(key, i) for i in range(layers)))
+                # one chunk's keys share a slot; the raw command, as cluster pipelines refuse unlink(*keys)
+                pipe.execute_command("UNLINK", *(self._key(key, i) for i in range(layers)))
         pipe.execute()
         return sum(marker is not None for marker in markers)
 
@@ -129,14 +167,14 @@ class RedisStore(KVStore):
                     info.bytes += size
         yield from chunks.values()
 
-    def _iter_objects(self, fingerprint: str | None) -> Iterator[tuple[str, str, Buffer]]:
+    def _iter_objects(self, fingerprint: str | None) -> Iterator[tuple[str, str, int, str, Buffer]]:
         for batch in self._scan_batches(fingerprint, _GET_BATCH, layers_only=True):
             pipe = self._redis.pipeline(transaction=False)
             for raw, _ in batch:
                 pipe.get(raw)
-            for (raw, (fp, _, _)), value in zip(batch, pipe.execute()):
+            for (raw, (fp, key, suffix)), value in zip(batch, pipe.execute()):
                 if value is not None:  # expired while we walked
-                    yield fp, raw.decode(), value
+                    yield fp, key, int(suffix) if suffix.isdigit() else -1, raw.decode(errors="replace"), value
 
     def _clear(self, fingerprint: str | None) -> int:
         removed = 0

@@ -1,4 +1,4 @@
-"""Session fixtures: tiny random checkpoints and a real redis-server."""
+"""Session fixtures: tiny random checkpoints, a real redis-server and a real Redis Cluster."""
 from __future__ import annotations
 
 import os
@@ -12,6 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # run in the interpreter whatever the test order. CPU tensors still take the torch path.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tests.redis_cluster import RedisClusterServer  # noqa: E402
 from tests.utils import RedisServer  # noqa: E402
 
 
@@ -39,3 +40,18 @@ def redis_server():
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_session():
+    cluster = RedisClusterServer(masters=3)
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture()
+def redis_cluster(redis_cluster_session):
+    """A 3-master Redis Cluster (started once per session: ~2 s), emptied for each test."""
+    redis_cluster_session.flushall()
+    return redis_cluster_session

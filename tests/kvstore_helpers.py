@@ -1,13 +1,14 @@
 """Helpers for the kvstore tests: deterministic chunks, store factories, and a writer process.
 
-Run as `python -m tests.kvstore_helpers URL FINGERPRINT NUM_LAYERS ROUNDS [STOP_AFTER_LAYER]`
-to write the standard chunks from a separate process: it prints "ready" once started, waits
-for a line on stdin (so several writers start together), then writes ROUNDS times over,
-committing each round; with STOP_AFTER_LAYER it writes layers [0, STOP_AFTER_LAYER), prints
-"stopped" and waits to be killed.
+Run as `python -m tests.kvstore_helpers URL FINGERPRINT NUM_LAYERS ROUNDS [STOP_AFTER_LAYER]
+[--seed N --tokens T]` to write the standard chunks (make_chunks(T, NUM_LAYERS, seed=N)) from a
+separate process: it prints "ready" once started, waits for a line on stdin (so several writers
+start together), then writes ROUNDS times over, committing each round; with STOP_AFTER_LAYER it
+writes layers [0, STOP_AFTER_LAYER), prints "stopped" and waits to be killed.
 """
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import time
@@ -49,28 +50,36 @@ def open_test_store(url: str, num_layers: int, dtype: torch.dtype = torch.float3
                       timeout=timeout, **options)
 
 
-def spawn_writer(url: str, num_layers: int, rounds: int, stop_after: int | None = None) -> subprocess.Popen:
-    args = [PYTHON, "-m", "tests.kvstore_helpers", url, FP, str(num_layers), str(rounds)]
-    if stop_after is not None:
-        args.append(str(stop_after))
-    proc = subprocess.Popen(args, cwd=Path(__file__).resolve().parents[1], stdin=subprocess.PIPE,
+def spawn_writer(url: str, num_layers: int, rounds: int, stop_after: int | None = None, seed: int = 0,
+                 tokens: int = 100) -> subprocess.Popen:
+    args = [PYTHON, "-m", "tests.kvstore_helpers", url, FP, str(num_layers), str(rounds),
+            *([] if stop_after is None else [str(stop_after)]), "--seed", str(seed), "--tokens", str(tokens)]
+    return subprocess.Popen(args, cwd=Path(__file__).resolve().parents[1], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    return proc
 
 
 def start(writers: list[subprocess.Popen]) -> None:
-    """Release writers that wait after "ready", all at once."""
+    """Wait until every writer is ready (they start in parallel), then release them all at once."""
+    for proc in writers:
+        assert proc.stdout.readline().strip() == "ready"
     for proc in writers:
         proc.stdin.write("go\n")
         proc.stdin.flush()
 
 
 def main() -> None:
-    url, fingerprint, num_layers, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    stop_after = int(sys.argv[5]) if len(sys.argv) > 5 else None
-    keys, layers = make_chunks(100, num_layers)
-    store = open_test_store(url, num_layers, fingerprint=fingerprint)
+    parser = argparse.ArgumentParser()
+    for name in ("url", "fingerprint"):
+        parser.add_argument(name)
+    for name in ("num_layers", "rounds"):
+        parser.add_argument(name, type=int)
+    parser.add_argument("stop_after", type=int, nargs="?")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokens", type=int, default=100)
+    args = parser.parse_args()
+    url, num_layers, rounds, stop_after = args.url, args.num_layers, args.rounds, args.stop_after
+    keys, layers = make_chunks(args.tokens, num_layers, seed=args.seed)
+    store = open_test_store(url, num_layers, fingerprint=args.fingerprint)
     print("ready", flush=True)
     sys.stdin.readline()
     if stop_after is not None:

@@ -57,6 +57,18 @@ def test_file_store_stats_ls_verify_clear(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == {}
 
 
+def test_verify_reports_an_object_under_another_chunks_key(tmp_path, capsys):
+    url = f"file://{tmp_path}"
+    _fill(url)
+    objects = sorted((tmp_path / FP).rglob("0.kv"), key=lambda p: p.stat().st_size)
+    first, second = objects[-2:]  # layer 0 of the two full 16-token chunks (the third has 8 tokens)
+    second.write_bytes(first.read_bytes())
+    assert main([url, "verify", "--fingerprint", FP]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"CORRUPT {second}: a valid object of another chunk or layer, stored under the wrong key",
+        f"verified 6 object(s), {sum(p.stat().st_size for p in (tmp_path / FP).rglob('*.kv'))} bytes: 1 corrupt"]
+
+
 def test_redis_store_stats_and_verify(redis_server, capsys):
     _fill(redis_server.url)
     assert main([redis_server.url, "stats", "--json"]) == 0

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvstore import CorruptObject, NotFound, StoreUnavailable, open_store
-from tests.kvstore_helpers import FP, OTHER_FP, make_chunks, open_test_store, write_all
+from tests.kvstore_helpers import FP, OTHER_FP, make_chunks, open_test_store, spawn_writer, start, write_all
 
 
 def _object_path(root: Path, key: str, layer: int, fingerprint: str = FP) -> Path:
@@ -51,6 +52,24 @@ def test_object_of_another_model_under_our_name_is_corrupt(tmp_path):
     assert store.lookup(keys) == 1
     with pytest.raises(CorruptObject, match="written for model"):
         store.get_layer(0, keys)
+
+
+def test_valid_object_under_another_key_or_layer_is_corrupt_and_verify_reports_it(tmp_path):
+    keys, layers = make_chunks(48, 2)  # three full chunks: every object has the same shape and size
+    store = open_test_store(f"file://{tmp_path}", 2)
+    write_all(store, keys, layers)
+    misplaced = _object_path(tmp_path, keys[2], 1)
+    shutil.copy(_object_path(tmp_path, keys[0], 1), misplaced)  # another chunk's layer 1
+    swapped = _object_path(tmp_path, keys[1], 0)
+    shutil.copy(_object_path(tmp_path, keys[1], 1), swapped)  # the same chunk's other layer
+    with pytest.raises(CorruptObject, match="another chunk or layer"):
+        store.get_layer(1, keys)
+    with pytest.raises(CorruptObject, match="another chunk or layer"):
+        store.get_layer(0, keys[1:2], out=[torch.empty_like(layers[0][keys[1]])])
+    assert len(store.get_layer(1, keys[:2])) == 2  # the objects left in place still read
+    report = store.verify()
+    reason = "a valid object of another chunk or layer, stored under the wrong key"
+    assert report.objects == 6 and sorted(report.corrupt) == sorted(f"{p}: {reason}" for p in (misplaced, swapped))
 
 
 def test_layout_has_no_temp_files_and_missing_objects_are_not_found(tmp_path):
@@ -107,3 +126,89 @@ def test_deleted_store_directory_is_an_outage_not_a_miss(tmp_path):
         store.lookup(keys)
     write_all(store, keys, layers)  # a producer's next save recreates the tree
     assert store.lookup(keys) == len(keys)
+
+
+def _committed_bytes(root: Path) -> int:
+    """Bytes of the layer objects of committed chunks, from the disk itself."""
+    return sum(p.stat().st_size for marker in root.rglob("commit") for p in marker.parent.glob("*.kv"))
+
+
+def test_eviction_replays_a_ledger_instead_of_walking_the_tree(tmp_path):
+    keys, layers = make_chunks(16 * 300, 1)  # 300 chunks
+    chunk_bytes = 64 + layers[0][keys[0]].nbytes
+    filler = open_test_store(f"file://{tmp_path}?max_bytes=1GiB", 1)
+    for i in range(0, 250, 50):  # 250 chunks in, nothing to evict yet
+        filler.put_layer(0, {k: layers[0][k] for k in keys[i:i + 50]})
+        filler.commit(keys[i:i + 50])
+    assert filler._ledger.disk_scans == 1  # the ledger's birth: one walk of an empty tree
+    bounded = open_test_store(f"file://{tmp_path}?max_bytes={200 * chunk_bytes}", 1)  # a second process's view
+    hot = keys[0]
+    for key in keys[250:]:
+        bounded.get_layer(0, [hot])  # a reader keeps the oldest chunk recently used
+        bounded.put_layer(0, {key: layers[0][key]})
+        bounded.commit([key])
+        assert _committed_bytes(tmp_path) <= bounded.max_bytes
+    assert bounded._ledger.disk_scans == 0  # 50 commits and 100 evictions, not one walk of the tree
+    present = [k for k in keys if bounded.lookup([k])]
+    assert present == [hot, *keys[-199:]]  # exact LRU: the read chunk survived, the oldest others went
+    assert bounded._ledger.total == _committed_bytes(tmp_path) == 200 * chunk_bytes
+    with filler._ledger.locked() as ledger:  # the first process catches up from the ledger too
+        assert ledger.total == bounded._ledger.total and set(ledger.sizes) == {f"{FP}/{k}" for k in present}
+
+
+def test_ledger_operations_stay_cheap_at_100k_chunks(tmp_path):
+    from kvstore.fs_ledger import ChunkLedger
+
+    def ledger() -> ChunkLedger:
+        return ChunkLedger(str(tmp_path), walk=lambda: iter(()), size_of=lambda rel: None)
+
+    with ledger().locked() as first:
+        first.add([(f"{FP}/{i:032x}", 1000, i) for i in range(100_000)])
+    other = ledger()
+    started = time.perf_counter()
+    with other.locked() as view:  # another process replays 100k lines once...
+        assert view.total == 100_000_000 and len(view.sizes) == 100_000
+    for i in range(2000):  # ...then each commit costs one append and one eviction
+        with other.locked() as view:
+            view.add([(f"{FP}/{100_000 + i:032x}", 1000, 100_000 + i)])
+            clock, rel = view.oldest()
+            assert clock == i
+            view.remove([rel])
+    assert time.perf_counter() - started < 20  # ~1 s here; one walk per commit would be hours
+    assert other.disk_scans == 0 and other.total == 100_000_000
+
+
+def test_bound_holds_with_writer_processes_sharing_the_directory(tmp_path):
+    keys, layers = make_chunks(100, 2)
+    chunk_bytes = 2 * (64 + layers[0][keys[0]].nbytes)
+    url = f"file://{tmp_path}?max_bytes={10 * chunk_bytes}"
+    writers = [spawn_writer(url, 2, rounds=1, seed=seed, tokens=16 * 12) for seed in (1, 2)]  # 24 chunks
+    start(writers)
+    assert [w.wait() for w in writers] == [0, 0]
+    assert _committed_bytes(tmp_path) <= 10 * chunk_bytes
+    with open_test_store(url, 2) as store:
+        with store._ledger.locked() as ledger:
+            assert ledger.total == _committed_bytes(tmp_path) == 10 * chunk_bytes  # evicted down to the bound
+        present = [k for seed in (1, 2) for k in make_chunks(16 * 12, 2, seed=seed)[0] if store.lookup([k])]
+        assert len(present) == 10 and store.verify().corrupt == []
+        for i in range(2):
+            assert len(store.get_layer(i, present)) == 10  # whole chunks only
+
+
+def test_reconcile_counts_chunks_of_unbounded_stores_and_removes_dead_writers_leftovers(tmp_path):
+    keys, layers = make_chunks(16 * 6, 1)
+    chunk_bytes = 64 + layers[0][keys[0]].nbytes
+    bounded = open_test_store(f"file://{tmp_path}?max_bytes={4 * chunk_bytes}", 1)
+    write_all(bounded, keys[:2], [{k: layers[0][k] for k in keys[:2]}])
+    unbounded = open_test_store(f"file://{tmp_path}", 1)  # misconfigured peer: no ledger lines
+    write_all(unbounded, keys[2:], [{k: layers[0][k] for k in keys[2:]}])
+    orphan = tmp_path / FP / "zz" / "zzzz-dead-writer"
+    orphan.mkdir(parents=True)
+    (orphan / "0.kv").write_bytes(b"x" * 10)
+    old = time.time() - 3600
+    os.utime(orphan, (old, old))
+    assert bounded.reconcile() == (4, 0)
+    assert not orphan.exists()
+    assert _committed_bytes(tmp_path) == bounded._ledger.total == 4 * chunk_bytes  # evicted down to the bound
+    assert [bool(bounded.lookup([k])) for k in keys] == [False, False, True, True, True, True]
+    assert "no max_bytes" in unbounded.bounds_warning() and bounded.bounds_warning() is None

@@ -10,6 +10,7 @@ import torch
 
 from kvstore import CorruptObject, StoreTimeout, StoreUnavailable
 from tests.kvstore_helpers import FP, OTHER_FP, make_chunks, open_test_store, write_all
+from tests.utils import wait_for_port
 
 
 def test_outage_is_unavailable_within_the_timeout_and_the_same_store_recovers(redis_server):
@@ -76,3 +77,44 @@ def test_damaged_or_foreign_values_are_corrupt(redis_server):
     client.set(name, client.get(f"pdkv:{OTHER_FP}:{{{keys[0]}}}:0"))
     with pytest.raises(CorruptObject, match="written for model"):
         store.get_layer(0, keys)
+
+
+def test_valid_value_under_another_chunks_key_is_corrupt(redis_server):
+    keys, layers = make_chunks(32, 1)
+    store = open_test_store(redis_server.url, 1)
+    write_all(store, keys, layers)
+    client = redis.Redis(port=redis_server.port)
+    client.set(f"pdkv:{FP}:{{{keys[1]}}}:0", client.get(f"pdkv:{FP}:{{{keys[0]}}}:0"))
+    with pytest.raises(CorruptObject, match="another chunk or layer"):
+        store.get_layers([0], keys)
+    assert store.verify().corrupt == [f"pdkv:{FP}:{{{keys[1]}}}:0: a valid object of another chunk or layer, "
+                                      "stored under the wrong key"]
+
+
+def test_bounds_warning_says_when_redis_can_grow_without_limit(redis_server):
+    client = redis.Redis(port=redis_server.port)
+    with open_test_store(redis_server.url, 1) as store:
+        assert "unbounded" in store.bounds_warning() and "maxmemory" in store.bounds_warning()
+        client.config_set("maxmemory", "64mb")  # bounded, but the default policy refuses writes when full
+        assert "noeviction" in store.bounds_warning()
+        client.config_set("maxmemory-policy", "allkeys-lru")
+        assert store.bounds_warning() is None
+        client.config_set("maxmemory", "0")
+    with open_test_store(redis_server.url + "?ttl=60", 1) as store:
+        assert store.bounds_warning() is None
+
+
+def test_make_serve_starts_a_bounded_redis(tmp_path):
+    from deploy.processes import ClusterSpec, LocalCluster
+    from kvstore import open_store
+
+    cluster = LocalCluster(ClusterSpec(model="unused", log_dir=tmp_path, store="redis", redis_maxmemory="64mb"))
+    cluster.store_server.start()  # only the redis-server of `make serve ARGS="--store redis"`
+    try:
+        wait_for_port(int(cluster.kv_store.rsplit(":", 1)[1].split("/")[0]))
+        with open_store(cluster.kv_store, timeout=10) as store:
+            assert store.bounds_warning() is None
+            info = store._redis.info("memory")
+            assert (info["maxmemory"], info["maxmemory_policy"]) == (64 * 2**20, "allkeys-lru")
+    finally:
+        cluster.store_server.stop()

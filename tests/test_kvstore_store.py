@@ -1,4 +1,4 @@
-"""Behaviour both backends share, each against the real thing (a directory, a redis-server)."""
+"""Behaviour every backend shares, each against the real thing (a directory, a redis-server, a Redis Cluster)."""
 from __future__ import annotations
 
 import signal
@@ -13,11 +13,24 @@ from tests.kvstore_helpers import FP, make_chunks, open_test_store, spawn_writer
 LAYERS = 3
 
 
-@pytest.fixture(params=["file", "redis"])
-def url(request, tmp_path):
+def _url(request, tmp_path) -> str:
     if request.param == "file":
         return f"file://{tmp_path}/store"
+    if request.param == "cluster":
+        return request.getfixturevalue("redis_cluster").url
     return request.getfixturevalue("redis_server").url
+
+
+@pytest.fixture(params=["file", "redis", "cluster"])
+def url(request, tmp_path):
+    return _url(request, tmp_path)
+
+
+@pytest.fixture(params=["file", "redis"])
+def process_url(request, tmp_path):
+    """The writer-process tests (slow: a Python process each) on the two protocols; the cluster adds no
+    cross-process path of its own (same keys, same commit, one hash slot per chunk)."""
+    return _url(request, tmp_path)
 
 
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -90,13 +103,42 @@ def test_commit_without_every_layer_keeps_the_chunk_invisible(url):
 def test_async_variants_overlap_and_return_the_same_data(url):
     keys, layers = make_chunks(48, LAYERS, torch.bfloat16)
     with open_test_store(url, LAYERS, torch.bfloat16) as store:
-        puts = [store.put_layer_async(i, layers[i]) for i in range(LAYERS)]
+        puts = [store.submit(store.put_layer, i, layers[i]) for i in range(LAYERS)]
         for fut in puts:
             store.result(fut)
         store.result(store.submit(store.commit, keys))
-        gets = [store.get_layer_async(i, keys) for i in range(LAYERS)]
+        gets = store.get_layers_async(range(LAYERS), keys)
         for i, fut in enumerate(gets):
             assert all(_same_bytes(g, layers[i][k]) for g, k in zip(store.result(fut), keys))
+
+
+def test_batched_load_lands_every_layer_in_one_staging_buffer_per_layer(url):
+    """The decode hot path: all chunks of a prompt, every layer, read into token slices of reused buffers."""
+    keys, layers = make_chunks(40, LAYERS, torch.bfloat16)  # chunks of 16, 16 and 8 tokens
+    bounds = [(0, 16), (16, 32), (32, 40)]
+    with open_test_store(url, LAYERS, torch.bfloat16) as store:
+        write_all(store, keys, layers)
+        staging = [torch.full((2, 40, *layers[0][keys[0]].shape[2:]), 7.0, dtype=torch.bfloat16)
+                   for _ in range(LAYERS)]
+        out = [[buf[:, a:b] for a, b in bounds] for buf in staging]
+        before = store.stats().objects_read
+        futures = store.get_layers_async(range(LAYERS), keys, out=out)
+        for i, fut in enumerate(futures):
+            got = store.result(fut)
+            assert all(g is o for g, o in zip(got, out[i]))
+            assert torch.equal(staging[i], torch.cat([layers[i][k] for k in keys], dim=1))
+        assert store.stats().objects_read - before == LAYERS * len(keys)
+        rows = store.get_layers([2, 0], keys)  # synchronous, fresh tensors, rows in the order asked
+        assert all(_same_bytes(g, layers[i][k]) for i, row in zip((2, 0), rows) for g, k in zip(row, keys))
+        with pytest.raises(ValueError, match="rows of output"):
+            store.get_layers_async(range(LAYERS), keys, out=out[:1])
+        with pytest.raises(ValueError, match="out of range"):
+            store.get_layers([0, LAYERS], keys)
+        store.delete(keys[1:2])
+        futures = store.get_layers_async(range(LAYERS), keys, out=out)
+        for fut in futures:
+            with pytest.raises(NotFound):
+                store.result(fut)
 
 
 def test_foreign_model_or_dtype_is_corrupt_not_garbage(url):
@@ -110,7 +152,8 @@ def test_foreign_model_or_dtype_is_corrupt_not_garbage(url):
         assert wrong_dtype.stats().errors == 1
 
 
-def test_concurrent_writer_processes_leave_a_valid_store(url):
+def test_concurrent_writer_processes_leave_a_valid_store(process_url):
+    url = process_url
     keys, layers = make_chunks(100, LAYERS)  # what the writer processes write
     writers = [spawn_writer(url, LAYERS, rounds=12) for _ in range(2)]
     start(writers)
@@ -129,7 +172,8 @@ def test_concurrent_writer_processes_leave_a_valid_store(url):
         assert all(c.committed and c.objects == LAYERS for c in store.list_chunks(FP))
 
 
-def test_writer_killed_between_layers_leaves_nothing_visible(url):
+def test_writer_killed_between_layers_leaves_nothing_visible(process_url):
+    url = process_url
     keys, layers = make_chunks(100, LAYERS)
     writer = spawn_writer(url, LAYERS, rounds=1, stop_after=2)
     start([writer])
