@@ -237,8 +237,11 @@ def check_store(url: str, timeout_s: float = 3.0) -> None:
     try:  # one real round trip: redis connects lazily
         with open_store(url, timeout=timeout_s, fingerprint="0" * 32) as store:
             store.lookup(["0" * 32])
+            unbounded = store.bounds_warning()
     except (StoreError, ValueError, OSError) as e:
         raise StartupError(f"KV store {url} unusable: {e}") from None
+    if unbounded:
+        logger.warning(unbounded)
 
 
 async def serve_with_grpc(server: Any, servicer: NodeServicer, sock: socket.socket, grpc_host: str,

@@ -1,6 +1,7 @@
 """redis:// specifics against a real redis-server: outages, key layout, ttl, damaged values."""
 from __future__ import annotations
 
+import logging
 import signal
 import time
 
@@ -118,3 +119,13 @@ def test_make_serve_starts_a_bounded_redis(tmp_path):
             assert (info["maxmemory"], info["maxmemory_policy"]) == (64 * 2**20, "allkeys-lru")
     finally:
         cluster.store_server.stop()
+
+
+def test_node_start_up_check_warns_once_about_an_unbounded_store(redis_server, tmp_path, caplog):
+    from serving.node_grpc import check_store
+
+    caplog.set_level(logging.WARNING)
+    for url in (redis_server.url, redis_server.url + "?ttl=60", f"file://{tmp_path}?max_bytes=1GiB"):
+        check_store(url)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith(f"KV store {redis_server.url} is unbounded")
