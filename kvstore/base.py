@@ -58,8 +58,10 @@ never written). Every one means "recompute" to a caller. Redis calls are bounded
 timeouts; filesystem calls are plain syscalls, so bound a possibly hung NFS mount by
 waiting on a submitted call with a timeout.
 
-Bounds: `bounds_warning()` is one line when the store can grow without limit (redis with no
-ttl and no maxmemory, a file store with no max_bytes), else None; nodes log it at start-up.
+Bounds: `bounds_warning()` is one line when a shared store can grow without limit (redis with
+no ttl and no maxmemory, or a policy that never evicts our keys), else None; nodes log it at
+start-up. (A file store without max_bytes grows until its disk is full; it is the nodes' quiet
+default: pass ?max_bytes= to bound it.)
 
 Administration (any fingerprint, used by the `pd-kvstore` CLI): inventory(), list_chunks(),
 verify(), clear(). stats() returns this process's counters.

@@ -75,12 +75,6 @@ class FileSystemStore(KVStore):
     def object_name(self, key: str, layer: int) -> str:
         return f"{self._chunk_dir(key)}/{layer}.kv"
 
-    def bounds_warning(self) -> str | None:
-        if self.max_bytes is not None:
-            return None
-        return (f"KV store {self.root} has no max_bytes: it grows until the disk is full "
-                f"(add ?max_bytes=<size> to the file:// URL)")
-
     # ---- hooks ----
     def _translate(self, exc: Exception) -> StoreError:
         if isinstance(exc, FileNotFoundError):
@@ -197,7 +191,7 @@ class FileSystemStore(KVStore):
         removed = sum(info.objects for info in self._chunk_infos(fingerprint))
         for fp in self._fingerprints(fingerprint):
             self._remove_dir(os.path.join(self.root, fp))
-        for name in fs_ledger.FILES:  # bounded stores rebuild the ledger with one walk
+        for name in (fs_ledger.LEDGER, fs_ledger.WALKED):  # bounded stores rebuild the ledger with one walk
             _unlink_quietly(os.path.join(self.root, name))
         return removed
 

@@ -38,7 +38,6 @@ from typing import Callable, Iterable, Iterator
 LEDGER = ".ledger"
 LOCK = ".ledger.lock"
 WALKED = ".ledger.walked"  # its mtime: when some process last started a reconciling walk
-FILES = (LEDGER, LOCK, WALKED)
 COMPACT_SLACK = 4096  # lines beyond 2x the live chunks before a rewrite
 RECONCILE_S = 600.0
 

@@ -211,4 +211,3 @@ def test_reconcile_counts_chunks_of_unbounded_stores_and_removes_dead_writers_le
     assert not orphan.exists()
     assert _committed_bytes(tmp_path) == bounded._ledger.total == 4 * chunk_bytes  # evicted down to the bound
     assert [bool(bounded.lookup([k])) for k in keys] == [False, False, True, True, True, True]
-    assert "no max_bytes" in unbounded.bounds_warning() and bounded.bounds_warning() is None
