@@ -6,7 +6,7 @@ SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test serve install redis-server protos clean
+.PHONY: test serve bench-pd install redis-server protos clean
 
 install: $(STAMP)
 
@@ -26,6 +26,11 @@ test: install redis-server
 
 serve: install
 	$(PY) -m deploy.local_cluster $(ARGS)
+
+# pd-serve vs P/D (file store) vs P/D (redis) on multi-round QA with the bench model; results under
+# bench-results/. ARGS="--quick" for a small smoke run; other ARGS go to pd-bench (bench/pd_matrix.py).
+bench-pd: install redis-server
+	$(PY) -m bench.pd_matrix $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
