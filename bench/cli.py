@@ -188,8 +188,10 @@ def run(args: argparse.Namespace) -> int:
                       time_scale=getattr(args, "time_scale", 1.0), seed=args.seed,
                       request_timeout_s=args.request_timeout, metrics_interval_s=args.metrics_interval,
                       progress=args.progress, warmup=args.warmup)
-    urls = args.metrics_url or [scrape.metrics_url(base_url)]
-    scraper = None if urls == ["none"] else scrape.Scraper(urls)
+    if args.metrics_url == ["none"]:
+        scraper = None
+    else:
+        scraper = scrape.Scraper(args.metrics_url or [scrape.metrics_url(base_url)], quiet=not args.metrics_url)
     result = asyncio.run(Runner(workload, base_url, opts, load, scraper).run())
 
     requests = [r.to_json() for r in result.records]

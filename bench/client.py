@@ -120,10 +120,11 @@ async def send(http: aiohttp.ClientSession, base_url: str, session: Session, tur
                     if n == 0:
                         continue
                     streamed += n
-                    if rec.ttft is None:
+                    if rec.ttft is None:  # tokens arriving with the first one have no gap before them
                         rec.ttft = now - t0
-                        n -= 1
-                    rec.itl += [(now - last) / n] * n if n else []
+                        rec.itl += [0.0] * (n - 1)
+                    else:
+                        rec.itl += [(now - last) / n] * n
                     last = now
             rec.e2e = time.perf_counter() - t0
             rec.output_tokens = streamed if reported is None else reported

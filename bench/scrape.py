@@ -44,10 +44,11 @@ def metrics_url(base_url: str) -> str:
 class Scraper:
     """Scrapes a fixed set of URLs; `snapshot()` is the sum over those that answer."""
 
-    def __init__(self, urls: list[str], timeout_s: float = 5.0) -> None:
+    def __init__(self, urls: list[str], timeout_s: float = 5.0, quiet: bool = False) -> None:
+        """`quiet`: the URLs are a guess (the endpoint's own /metrics), so one that fails is no news."""
         self.urls = list(urls)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._warned: set[str] = set()
+        self._warned: set[str] = set(urls) if quiet else set()
 
     async def _one(self, http: aiohttp.ClientSession, url: str) -> dict[str, float] | None:
         try:
