@@ -4,7 +4,7 @@ Token arrival times come from the SSE chunks. With `return_token_ids` (pdserve a
 the ids of each chunk) a chunk's token count is exact; otherwise each chunk with text counts
 as one token (what most servers send). A chunk carrying k tokens contributes k inter-token
 gaps of equal share of the time since the previous chunk, the rule the servers' own ITL
-histograms use (engine/metrics.py), so client and server ITL percentiles are comparable.
+histograms use (serving/metrics.py), so client and server ITL percentiles are comparable.
 """
 from __future__ import annotations
 

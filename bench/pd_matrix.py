@@ -49,7 +49,7 @@ def pd_serve(model: str, log_dir: Path, node_args: list[str], timeout_s: float) 
     """A monolithic pd-serve; yields (base URL, its /metrics URL)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    child = Child("pd-serve", python_module("engine.server", "--model", model, "--host", HOST, "--port", str(port),
+    child = Child("pd-serve", python_module("serving.server", "--model", model, "--host", HOST, "--port", str(port),
                                             *node_args), log_dir)
     url = f"http://{HOST}:{port}"
     child.start()

@@ -13,6 +13,7 @@ import pytest
 
 from bench import cli, plots, schema, stats
 from tests.cluster_helpers import start_cluster
+from tests.utils import console_script
 
 BASE = ["--no-progress", "--ignore-eos", "--no-plots"]
 
@@ -120,7 +121,7 @@ def test_replay_trace(cluster, tiny_llama, runs, tmp_path):
              {"timestamp": 100.6, "session": "s1", "prompt": "second turn", "max_tokens": 3}]
     trace.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
     # Through the console entry point, as a user runs it.
-    proc = subprocess.run([sys.executable, "-m", "bench", "replay", str(trace), *BASE, "--api", "completions",
+    proc = subprocess.run([*console_script("pd-bench"), "replay", str(trace), *BASE, "--api", "completions",
                            "--base-url", cluster.url, "--tokenizer", str(tiny_llama), "--output-dir", str(runs),
                            "--label", "replay", "--metrics-url", "none"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
