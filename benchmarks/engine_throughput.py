@@ -36,16 +36,18 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 259) for _ in range(length)] for _ in range(n)]
 
 
-def run_ours(llm: LLM, batch: list[list[int]], output_len: int) -> float:
+def run_ours(llm: LLM, batch: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+    """(wall seconds, output token ids per prompt) of one greedy LLM.generate over the batch."""
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     outs = llm.generate(batch, params)
     elapsed = time.perf_counter() - start
     assert all(len(o.token_ids) == output_len for o in outs)
-    return elapsed
+    return elapsed, [list(o.token_ids) for o in outs]
 
 
-def run_hf(model, batch: list[list[int]], output_len: int) -> float:
+def run_hf(model, batch: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+    """(wall seconds, output token ids per prompt) of one greedy batched HF generate."""
     input_ids = torch.tensor(batch)  # equal lengths: no padding needed
     start = time.perf_counter()
     with torch.inference_mode():
@@ -53,7 +55,7 @@ def run_hf(model, batch: list[list[int]], output_len: int) -> float:
                              max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=0)
     elapsed = time.perf_counter() - start
     assert out.shape == (len(batch), input_ids.shape[1] + output_len)
-    return elapsed
+    return elapsed, out[:, input_ids.shape[1]:].tolist()
 
 
 def main() -> None:
@@ -83,9 +85,9 @@ def main() -> None:
     # Interleaved and best-of: the machine is shared, so each side gets the same chances.
     ours, hf = float("inf"), float("inf")
     for r in range(args.repeats):
-        ours = min(ours, run_ours(llm, batch, args.output_len))
+        ours = min(ours, run_ours(llm, batch, args.output_len)[0])
         print(f"[run {r}] pdserve engine {ours:.2f} s", flush=True)
-        hf = min(hf, run_hf(model, batch, args.output_len))
+        hf = min(hf, run_hf(model, batch, args.output_len)[0])
         print(f"[run {r}] HF generate {hf:.2f} s", flush=True)
     print(f"pdserve engine:  {ours:7.2f} s, {total_out / ours:8.1f} output tokens/s")
     print(f"HF generate:     {hf:7.2f} s, {total_out / hf:8.1f} output tokens/s (dtype {model.dtype})")

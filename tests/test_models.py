@@ -211,3 +211,20 @@ def test_sharded_safetensors_index(tmp_path, tiny_qwen2):
     (sharded / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ValueError, match="model-00002-of-00002"):
         make_runner(sharded)
+
+
+def test_bf16_linear_is_a_bf16_gemm_with_fp32_accumulation():
+    """Packed bf16 weights (oneDNN's bf16 path, or fp32 compute on CPUs without bf16 instructions)
+    give the fp32 product of the bf16 inputs, rounded to bf16."""
+    from engine.models.linear import Linear
+
+    g = torch.Generator().manual_seed(0)
+    lin = Linear(64, 48, True, torch.bfloat16)
+    lin.weight.data.copy_(torch.randn(48, 64, generator=g))
+    lin.bias.data.copy_(torch.randn(48, generator=g))
+    w, b = lin.weight.detach().float().clone(), lin.bias.detach().float().clone()
+    lin.pack()
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    y = lin(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), (x.float() @ w.T + b).to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2)
