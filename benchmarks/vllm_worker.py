@@ -19,10 +19,12 @@ def main() -> None:
     job_path, result_path = sys.argv[1], sys.argv[2]
     with open(job_path) as f:
         job = json.load(f)
-    # CPU KV cache size in GiB (vLLM's own knob), and no core pinning: the machine is shared with
-    # the other engines of the comparison, which run one after another, not side by side.
+    # CPU KV cache size in GiB (vLLM's own knob). No core pinning ("nobind"): vLLM's "auto" keeps
+    # cores back for its front-end process, and the other engines of the comparison get every core
+    # (they run one after another, not side by side); its engine process then uses torch's default
+    # thread count, all cores, like pdserve and HF.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_cache_gib", 2)))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "all")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
