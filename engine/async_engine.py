@@ -40,6 +40,7 @@ class _Stream:
     arrival: float = field(default_factory=time.monotonic)
     last_token_time: float = 0.0
     started: bool = False  # produced its first token (or finished)
+    num_open_choices: int = 1  # n: the stream ends when every choice has finished
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
@@ -94,7 +95,8 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request until it finishes. Closing the iterator early aborts the request.
+        """Outputs of one request until it finishes (each of its n choices, told apart by `index`).
+        Closing the iterator early aborts the request.
 
         Raises EngineShutdownError / EngineOverloadedError before the first output, ValueError
         when the engine rejects the request, RequestAbortedError when the server aborts it.
@@ -106,7 +108,7 @@ class AsyncLLMEngine:
                                         f"(limit {self.max_waiting_requests}); retry later")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        stream = _Stream(request_id, len(prompt_token_ids))
+        stream = _Stream(request_id, len(prompt_token_ids), num_open_choices=params.n)
         self._streams[request_id] = stream
         self._num_unstarted += 1
         self._commands.put(("add", request_id, prompt_token_ids, params, cache_salt))
@@ -117,7 +119,9 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     finished = True  # the engine already dropped it
                     raise item
-                finished = item.finished
+                if item.finished:
+                    stream.num_open_choices -= 1
+                finished = stream.num_open_choices == 0
                 yield item
                 if finished:
                     return
@@ -221,7 +225,8 @@ class AsyncLLMEngine:
                 continue
             finally:
                 self._step_started = None
-            live.difference_update(o.request_id for o in outputs if o.finished)
+            live.difference_update(o.request_id for o in outputs
+                                   if o.finished and not self.engine.has_request(o.request_id))
             self._post(self._dispatch, outputs, self.engine.get_stats())
 
     def _handle_commands(self, live: set[str], block: bool) -> bool:

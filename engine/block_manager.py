@@ -106,6 +106,32 @@ class KVCacheManager:
             self.pool.register(blocks[i], hashes[i])
         self.num_cached_blocks[request.request_id] = end
 
+    def fork(self, parent: Request, child: Request) -> tuple[int, int] | None | bool:
+        """Give `child` the parent's computed prompt: its full blocks shared (one more reference
+        each), its partial last block copied into a new block the child owns.
+
+        Returns the (source, destination) block ids to copy, None when nothing needs copying,
+        or False when no block is free for the copy (nothing changed then).
+        """
+        num_tokens = parent.num_computed_tokens
+        blocks = self.req_to_blocks[parent.request_id]
+        num_full = num_tokens // self.block_size
+        partial = num_tokens % self.block_size != 0
+        if partial and self.pool.num_free_blocks < 1:
+            return False
+        shared = blocks[:num_full]
+        self.pool.touch(shared)
+        owned = list(shared)
+        copy = None
+        if partial:
+            new = self.pool.take_new(1)[0]
+            owned.append(new)
+            copy = (blocks[num_full].block_id, new.block_id)
+        self.req_to_blocks[child.request_id] = owned
+        self.num_cached_blocks[child.request_id] = min(self.num_cached_blocks.get(parent.request_id, 0), num_full)
+        child.block_hashes = list(self.block_hashes(parent)[:num_full])
+        return copy
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its prefix outlives its tail in the LRU."""
         blocks = self.req_to_blocks.pop(request.request_id, [])

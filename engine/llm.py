@@ -1,15 +1,22 @@
-"""The offline API: `LLM(model_path, **options).generate(prompts, sampling_params)`."""
+"""The offline API: `LLM(model_path, **options).generate(prompts, sampling_params)` and `.chat(messages)`.
+
+Like vLLM's offline API it prints its log lines (engine start-up, KV hits and loads, ...)
+without the caller configuring logging; PDSERVE_CONFIGURE_LOGGING=0 turns that off
+(engine.logging_setup).
+"""
 from __future__ import annotations
 
 import itertools
 from typing import Any, Sequence
 
 from engine.llm_engine import LLMEngine
+from engine.logging_setup import configure_default_logging
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import encode_prompt
+from engine.tokenizer import apply_chat_template, encode_prompt
 
 Prompt = str | Sequence[int]
+Messages = list[dict[str, Any]]
 
 
 def _is_token_ids(prompt: Any) -> bool:
@@ -20,36 +27,58 @@ class LLM:
     """Runs a batch of prompts to completion through one LLMEngine (continuous batching inside)."""
 
     def __init__(self, model: str, **kwargs: Any) -> None:
+        configure_default_logging()
         self.engine = LLMEngine.from_kwargs(model, **kwargs)
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  cache_salt: str | None = None) -> list[RequestOutput]:
-        """One finished RequestOutput per prompt, in order. A prompt is a string or a list of token ids."""
+        """Finished RequestOutputs in prompt order. A prompt is a string or a list of token ids.
+
+        With n > 1 a prompt gives n outputs in a row (its choices, `index` 0..n-1), so the list
+        is ordered like the choices of an OpenAI completions response.
+        """
         batch = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
+        return self._run([self._tokenize(p) for p in batch], sampling_params, cache_salt)
+
+    def chat(self, messages: Messages | Sequence[Messages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, cache_salt: str | None = None) -> list[RequestOutput]:
+        """Generate replies to conversations (lists of {"role", "content"} messages) with the
+        model's chat template; one conversation or a list of them, answered as `generate` does."""
+        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
+            conversations = [messages]
+        else:
+            conversations = list(messages)
+        tokenizer = self.engine.tokenizer
+        token_ids = [apply_chat_template(tokenizer, list(c), add_generation_prompt) for c in conversations]
+        return self._run(token_ids, sampling_params, cache_salt)
+
+    def _run(self, token_ids: list[list[int]], sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+             cache_salt: str | None) -> list[RequestOutput]:
         if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(batch):
-                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(batch)} prompts")
+            if len(sampling_params) != len(token_ids):
+                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(token_ids)} prompts")
             params = list(sampling_params)
         else:
-            params = [sampling_params or SamplingParams()] * len(batch)
-        token_ids = [self._tokenize(p) for p in batch]
-        request_ids = [f"gen-{next(self._ids)}" for _ in batch]
+            params = [sampling_params or SamplingParams()] * len(token_ids)
+        request_ids = [f"gen-{next(self._ids)}" for _ in token_ids]
+        wanted = [(rid, i) for rid, p in zip(request_ids, params) for i in range(p.n)]
         try:
             for rid, ids, p in zip(request_ids, token_ids, params):
                 self.engine.add_request(rid, ids, p, cache_salt=cache_salt)
-            results: dict[str, RequestOutput] = {}
-            while len(results) < len(batch):
+            results: dict[tuple[str, int], RequestOutput] = {}
+            while len(results) < len(wanted):
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError("the engine finished without completing every request (aborted elsewhere?)")
                 for out in self.engine.step():
                     if out.finished:
-                        results[out.request_id] = out
+                        results[(out.request_id, out.index)] = out
         except BaseException:
             self.engine.abort_request(request_ids)
             raise
-        return [results[rid] for rid in request_ids]
+        return [results[key] for key in wanted]
 
     def _tokenize(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):

@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any
 from engine.block_manager import KVCacheManager
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from engine.outputs import EngineStats, RequestOutput
+from engine.outputs import EngineStats, Logprob, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import ModelRunnerOutput
+from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ class _OutputState:
     text: str = ""
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # built once the prompt is done
 
 
 def _eos_token_id(tokenizer: Any, hf_config: Any) -> int | None:
@@ -73,7 +75,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv_cache_manager, connector, max_model_len=self.max_model_len)
         self.vocab_size = runner.vocab_size
         self.eos_token_id = _eos_token_id(self.tokenizer, runner.hf_config)
-        self._states: dict[str, _OutputState] = {}
+        self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_id)
+        self._states: dict[str, _OutputState] = {}  # engine request id (one per choice) -> output state
+        self._groups: dict[str, list[str]] = {}  # the caller's request id -> its choices' engine ids
         self.num_requests_added = 0
         self.num_requests_finished = 0
         self.num_generation_tokens = 0
@@ -95,10 +99,16 @@ class LLMEngine:
     # ---- requests ----
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     cache_salt: str | None = None) -> None:
-        """Queue a request; ValueError with a clear message when it can never run."""
+        """Queue a request; ValueError with a clear message when it can never run.
+
+        With n > 1 it becomes n engine requests (choice 0 keeps `request_id`, choice i is
+        `{i}_{request_id}` as in vLLM); their outputs carry `request_id` and their `index`.
+        """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
         ids = list(prompt_token_ids)
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -107,16 +117,37 @@ class LLMEngine:
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[0]!r}")
-        request = Request(request_id, ids, params, eos_token_id=self.eos_token_id, cache_salt=cache_salt)
-        self.scheduler.add_request(request)
-        self._states[request_id] = _OutputState(request, IncrementalDetokenizer(self.tokenizer, ids))
+        out_of_vocab = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
+        if out_of_vocab:
+            raise ValueError(f"logit_bias token id {out_of_vocab[0]} is outside the vocabulary [0, {self.vocab_size})")
+        grammar = params.structured_outputs
+        if grammar is not None:
+            self.structured_output.compile(grammar)  # ValueError for an invalid spec, before anything is queued
+        choices = [Request(request_id if i == 0 else f"{i}_{request_id}", ids, params if params.n == 1 else
+                           params.for_choice(i), eos_token_id=self.eos_token_id, cache_salt=cache_salt,
+                           parent_id=request_id, index=i) for i in range(params.n)]
+        for choice in choices:
+            choice.grammar = self.structured_output.request_grammar(grammar)
+        choices[0].forks = choices[1:]
+        self.scheduler.add_request(choices[0])
+        for choice in choices:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            self._states[choice.request_id] = _OutputState(choice, detokenizer)
+        self._groups[request_id] = [c.request_id for c in choices]
         self.num_requests_added += 1
-        logger.info("Reqid: %s, added: prompt %d tokens, max_tokens %d", request_id, len(ids), params.max_tokens)
+        logger.info("Reqid: %s, added: prompt %d tokens, max_tokens %d%s", request_id, len(ids), params.max_tokens,
+                    f", n {params.n} (the prompt is computed once)" if params.n > 1 else "")
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
-        """Abort running or waiting requests (unknown ids are ignored); their final outputs."""
-        done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        """Abort running or waiting requests, all their choices (unknown ids are ignored); their final outputs."""
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        choice_ids = [c for rid in ids for c in self._groups.get(rid, [rid])]
+        done = self.scheduler.finish_requests(choice_ids, RequestStatus.FINISHED_ABORTED)
         return [self._make_output(r) for r in done]
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether some choice of `request_id` is still queued or running."""
+        return request_id in self._groups
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -133,12 +164,18 @@ class LLMEngine:
 
     def _make_output(self, request: Request) -> RequestOutput:
         state = self._states[request.request_id]
+        params = request.sampling_params
         new_ids = request.output_token_ids[state.num_sent_tokens:]
         if new_ids and state.first_token is None:
             state.first_token = time.monotonic()
         self.num_generation_tokens += len(new_ids)
-        state.text += state.detokenizer.add_tokens(new_ids)
-        self._check_stop_strings(state)
+        text_ids = new_ids
+        if (new_ids and request.status == RequestStatus.FINISHED_STOPPED and not params.include_stop_str_in_output
+                and not isinstance(request.stop_reason, str)):
+            text_ids = new_ids[:-1]  # EOS or a stop_token_id ended it: that token is not part of the text (vLLM)
+        checked = len(state.text)
+        state.text += state.detokenizer.add_tokens(text_ids)
+        self._check_stop_strings(state, checked)
         if request.is_finished:
             if not isinstance(request.stop_reason, str):
                 state.text += state.detokenizer.flush()
@@ -146,11 +183,11 @@ class LLMEngine:
         else:  # hold back text that may still become a stop string
             visible = max(state.num_sent_chars, len(state.text) - self._stop_holdback(request))
         out = RequestOutput(
-            request_id=request.request_id,
+            request_id=request.parent_id,
             prompt_token_ids=request.prompt_token_ids,
             new_token_ids=new_ids,
             new_text=state.text[state.num_sent_chars:visible],
-            new_logprobs=request.output_logprobs[state.num_sent_tokens:] if request.sampling_params.logprobs else [],
+            new_logprobs=request.output_logprobs[state.num_sent_tokens:] if params.logprobs else [],
             token_ids=list(request.output_token_ids),
             text=state.text[:visible],
             finished=request.is_finished,
@@ -158,6 +195,8 @@ class LLMEngine:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             stop_reason=request.stop_reason,
             new_top_logprobs=request.output_top_logprobs[state.num_sent_tokens:],
+            index=request.index,
+            prompt_logprobs=self._prompt_logprobs(state),
         )
         state.num_sent_tokens = len(request.output_token_ids)
         state.num_sent_chars = visible
@@ -165,21 +204,47 @@ class LLMEngine:
             self._finish(state)
         return out
 
+    def _prompt_logprobs(self, state: _OutputState) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's prompt_logprobs: None for the first token, then {token id: Logprob} with the prompt
+        token itself plus the `prompt_logprobs` most likely tokens at that position."""
+        request = state.request
+        if not request.needs_prompt_logprobs or len(request.prompt_logprobs) < request.num_prompt_tokens - 1:
+            return None
+        if state.prompt_logprobs is None:
+            decode = self.tokenizer.decode
+            out: list[dict[int, Logprob] | None] = [None]
+            for token, (logprob, rank, top) in zip(request.prompt_token_ids[1:], request.prompt_logprobs):
+                entry = {token: Logprob(logprob, rank, decode([token]))}
+                for r, (t, lp) in enumerate(top, 1):
+                    entry.setdefault(t, Logprob(lp, r, decode([t])))
+                out.append(entry)
+            state.prompt_logprobs = out
+        return state.prompt_logprobs
+
     @staticmethod
     def _stop_holdback(request: Request) -> int:
+        """Characters held back while running: 0 when the stop string is part of the output anyway."""
+        if request.sampling_params.include_stop_str_in_output:
+            return 0
         return max((len(s) for s in request.sampling_params.stop), default=1) - 1
 
-    def _check_stop_strings(self, state: _OutputState) -> None:
-        """Stop strings match on detokenized text; the output text ends right before the match."""
+    def _check_stop_strings(self, state: _OutputState, checked: int) -> None:
+        """Stop strings match on detokenized text (once more than min_tokens were generated); the
+        output ends right before the match, or right after it with include_stop_str_in_output.
+
+        `checked` is the text length already searched: a new match must end beyond it.
+        """
         request = state.request
-        if not request.sampling_params.stop or request.status == RequestStatus.FINISHED_ABORTED:
+        params = request.sampling_params
+        if (not params.stop or request.status == RequestStatus.FINISHED_ABORTED
+                or request.num_output_tokens <= params.min_tokens):
             return
-        start = max(0, state.num_sent_chars - self._stop_holdback(request))
-        hits = [(idx, s) for s in request.sampling_params.stop if (idx := state.text.find(s, start)) >= 0]
+        start = max(0, checked - max(len(s) for s in params.stop) + 1)
+        hits = [(idx, s) for s in params.stop if (idx := state.text.find(s, start)) >= 0]
         if not hits:
             return
         idx, stop = min(hits)
-        state.text = state.text[:idx]
+        state.text = state.text[:idx + len(stop) if params.include_stop_str_in_output else idx]
         if request.is_finished:  # max_tokens or eos on the same token: the stop string still wins
             request.status = RequestStatus.FINISHED_STOPPED
         else:
@@ -189,11 +254,16 @@ class LLMEngine:
     def _finish(self, state: _OutputState) -> None:
         request = state.request
         del self._states[request.request_id]
-        self.num_requests_finished += 1
+        group = self._groups[request.parent_id]
+        group.remove(request.request_id)
+        if not group:
+            del self._groups[request.parent_id]
+            self.num_requests_finished += 1
         now = time.monotonic()
         ttft = (state.first_token - state.arrival) * 1000 if state.first_token else float("nan")
-        logger.info("Reqid: %s, finished (%s): prompt %d tokens (%d cached), output %d tokens, %.1f ms "
-                    "(first token %.1f ms), %d preemptions", request.request_id, request.finish_reason,
+        choice = f" choice {request.index}" if request.index else ""
+        logger.info("Reqid: %s,%s finished (%s): prompt %d tokens (%d cached), output %d tokens, %.1f ms "
+                    "(first token %.1f ms), %d preemptions", request.request_id, choice, request.finish_reason,
                     request.num_prompt_tokens, max(request.num_cached_tokens, 0), request.num_output_tokens,
                     (now - state.arrival) * 1000, ttft, request.num_preemptions)
 

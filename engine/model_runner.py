@@ -1,6 +1,7 @@
 """Model runner: owns the weights and the paged KV tensors, runs one scheduled step, samples."""
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -10,6 +11,7 @@ from engine.attention import AttentionMetadata, ForwardContext, set_forward_cont
 from engine.config import EngineConfig
 from engine.loader import iterate_weights
 from engine.models import build_model
+from engine.prompt_logprobs import compute_prompt_logprobs
 from engine.sampler import Sampler
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from kvstore.keys import model_fingerprint
@@ -133,6 +135,8 @@ class ModelRunner:
         if not so.scheduled_requests:
             return ModelRunnerOutput()
         input_ids, positions, meta, sample_rows = self.prepare_inputs(so)
+        if so.blocks_to_copy:  # before anything writes this step (the connector's loads included)
+            self.copy_blocks(so.blocks_to_copy)
         connector = self.connector
         if connector is not None:
             connector.start_load_kv(so.kv_connector_metadata)
@@ -148,14 +152,37 @@ class ModelRunner:
         reqs = [so.scheduled_requests[b] for b in sample_rows]
         keep = [i for i, r in enumerate(reqs) if r.request_id not in failed]
         output = ModelRunnerOutput(failed_load_req_ids=failed)
+        if any(r.needs_prompt_logprobs for r in so.scheduled_requests):
+            self._prompt_logprobs(so, hidden, output)
         if keep:
             last_rows = meta.query_start_loc[1:].long()[[sample_rows[i] for i in keep]] - 1
             logits = self.model.compute_logits(hidden[last_rows])
             kept = [reqs[i] for i in keep]
+            # Choice 0 of an n > 1 request finishing its prompt: its forks sample from the same logits.
+            forked = [(row, f) for row, r in enumerate(kept) for f in r.forks]
+            if forked:
+                logits = torch.cat([logits, logits[[row for row, _ in forked]]])
+                kept += [f for _, f in forked]
             tokens, logprobs = self.sampler(logits, kept)
-            for i, token, logprob in zip(keep, tokens, logprobs):
-                output.sampled_token_ids[reqs[i].request_id] = token
-                output.logprobs[reqs[i].request_id] = logprob
+            for req, token, logprob in zip(kept, tokens, logprobs):
+                output.sampled_token_ids[req.request_id] = token
+                output.logprobs[req.request_id] = logprob
             for row, top in self.sampler.top_logprobs(logits, kept).items():
                 output.top_logprobs[kept[row].request_id] = top
         return output
+
+    def _prompt_logprobs(self, so: SchedulerOutput, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+        """Logprobs of the prompt tokens this step computed (such requests never load KV, so none failed)."""
+        reqs = so.scheduled_requests
+        num_new = [so.num_scheduled_tokens[r.request_id] for r in reqs]
+        query_starts = list(itertools.accumulate(num_new, initial=0))[:-1]
+        output.prompt_logprobs.update(compute_prompt_logprobs(
+            self.model.compute_logits, hidden, reqs, [r.num_computed_tokens for r in reqs], num_new, query_starts))
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks (every layer, K and V) from source to destination ids, on the device."""
+        device = self.kv_caches[0].device
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long).to(device, non_blocking=True)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long).to(device, non_blocking=True)
+        for kv in self.kv_caches:
+            kv.index_copy_(1, dst, kv.index_select(1, src))

@@ -5,11 +5,22 @@ from dataclasses import dataclass, field
 
 
 @dataclass
-class RequestOutput:
-    """One request after a step: the delta of this step plus everything so far.
+class Logprob:
+    """One token's log-probability at one position (vLLM's Logprob); rank 1 is the most likely token."""
 
-    `text` excludes a matched stop string; while a request runs, text that could still turn
-    out to be the start of a stop string is held back from `new_text`.
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One choice of a request after a step: the delta of this step plus everything so far.
+
+    `text` excludes a matched stop string (unless include_stop_str_in_output); while a request
+    runs, text that could still turn out to be the start of a stop string is held back from
+    `new_text`. With n > 1 each choice reports separately under the same `request_id`, told
+    apart by `index`; `finished` is that choice's.
     """
 
     request_id: str
@@ -25,6 +36,10 @@ class RequestOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     # Per new token, its `top_logprobs` most likely (token id, logprob), best first; [] unless asked.
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    index: int = 0  # which of the request's n choices
+    # With prompt_logprobs, once the prompt is computed: None for the first prompt token, then
+    # {token id: Logprob} holding the prompt token and the most likely tokens at that position.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

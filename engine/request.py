@@ -2,10 +2,17 @@
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured_output import RequestGrammar
+
+logger = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.IntEnum):
@@ -54,9 +61,20 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # n > 1: the client's request id and this sequence's choice index (the request id otherwise, 0).
+    parent_id: str | None = None
+    index: int = 0
+    # n > 1, on choice 0 until its prompt is computed: the other choices, which then fork from it
+    # (share its prompt blocks, take their first token from the same logits) instead of prefilling.
+    forks: list[Request] = field(default_factory=list)
+    grammar: RequestGrammar | None = None  # structured outputs: the allowed next tokens
+    # With prompt_logprobs: for prompt tokens 1..T-1, (logprob, rank, top (token id, logprob) list).
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        if self.parent_id is None:
+            self.parent_id = self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -78,10 +96,20 @@ class Request:
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
 
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Every prompt position's logits are needed: no prefix-cache hit or KV load can stand in."""
+        return self.sampling_params.prompt_logprobs is not None
+
     def append_output_token(self, token_id: int, logprob: float | None = None,
                             top_logprobs: list[tuple[int, float]] | None = None) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            # Only possible when every allowed token was also forbidden (e.g. min_tokens vs a complete grammar).
+            logger.error("Reqid: %s, token %d is outside its grammar; the output is no longer constrained",
+                         self.request_id, token_id)
+            self.grammar = None
         if logprob is not None:
             self.output_logprobs.append(logprob)
         if top_logprobs is not None:

@@ -1,4 +1,8 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds; logprobs of the chosen and top tokens."""
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds; logprobs of the chosen and top tokens.
+
+Grammar masks, min_tokens, logit_bias and penalties are applied first (engine.logits_processors);
+logprobs are always those of the raw logits.
+"""
 from __future__ import annotations
 
 import struct
@@ -6,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.logits_processors import process_logits
 from engine.request import Request
 from kvstore.keys import digest
 
@@ -30,6 +35,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int], list[float]]:
         """logits [num_reqs, vocab] float32 (raw) -> (token ids, logprob of each under the raw logits)."""
         logprobs = torch.log_softmax(logits, dim=-1)
+        logits = process_logits(logits, requests)
         tokens = logits.argmax(dim=-1)  # greedy rows: exactly argmax, no noise involved
         rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if rows:
@@ -41,7 +47,12 @@ class Sampler:
         vocab = logits.shape[1]
         params = [r.sampling_params for r in requests]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        sorted_logits, order = (logits / temperature[:, None]).sort(dim=-1, descending=True)
+        scaled = logits / temperature[:, None]
+        if any(p.min_p > 0 for p in params):  # drop tokens below min_p x the top probability (before top-k/top-p)
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+            probs = scaled.softmax(dim=-1)
+            scaled = scaled.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab)
         top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
         sorted_logits.masked_fill_(ranks[None, :] >= top_k[:, None], float("-inf"))

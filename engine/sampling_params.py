@@ -1,50 +1,193 @@
-"""Sampling parameters of one request, validated at construction so bad values fail early."""
+"""Sampling parameters of one request, validated at construction so bad values fail early.
+
+Names and meanings follow vLLM's SamplingParams (and its StructuredOutputsParams), so that a
+vLLM user's offline script and request bodies carry over unchanged.
+"""
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_LOGIT_BIAS = 100.0  # OpenAI's limit on each logit_bias value
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def parse_logit_bias(bias: Any) -> dict[int, float] | None:
+    """OpenAI's logit_bias ({"token id": bias}, keys may be JSON strings) as {int: float}; ValueError if bad."""
+    if not bias:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError("logit_bias must map token ids to numbers")
+    out: dict[int, float] = {}
+    for token, value in bias.items():
+        try:
+            if isinstance(token, (bool, float)):
+                raise ValueError
+            tid = int(token)  # JSON object keys arrive as strings
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {token!r}") from None
+        if tid < 0:
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+        if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {tid}")
+        out[tid] = float(value)
+    return out
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's StructuredOutputsParams); exactly one kind is set.
+
+    `json` is a JSON schema (dict or JSON text), `regex` a regular expression, `choice` a list of
+    allowed strings, `grammar` an EBNF grammar (xgrammar's dialect, root rule `root`), and
+    `json_object=True` any JSON object. `disable_any_whitespace` makes JSON compact.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)]
+        if len(kinds) != 1:
+            raise ValueError("structured outputs need exactly one of json, regex, choice, grammar or json_object"
+                             + (f"; got {', '.join(kinds)}" if kinds else ""))
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("structured outputs json must be a JSON schema (an object or its JSON text)")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError("structured outputs regex must be a string")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError("structured outputs grammar must be a string")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured outputs choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", list(self.choice))
+        if self.json_object not in (None, True, False):
+            raise ValueError("structured outputs json_object must be a boolean")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k))
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """A hashable identity (the compiled-grammar cache key); JSON schemas are canonicalised."""
+        spec: Any = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except ValueError:
+                pass  # invalid: compiling it reports why
+        if self.kind == "json" and isinstance(spec, dict):
+            spec = json.dumps(spec, sort_keys=True, separators=(",", ":"))
+        elif self.kind == "choice":
+            spec = json.dumps(spec)
+        elif self.kind == "json_object":
+            spec = ""
+        return self.kind, spec, self.disable_any_whitespace
 
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens and when to stop (names follow vLLM's SamplingParams)."""
+    """How to pick tokens and when to stop (names and semantics follow vLLM's SamplingParams)."""
 
+    n: int = 1  # output sequences per prompt; they share the prompt's KV (computed once)
     max_tokens: int = 16
+    min_tokens: int = 0  # EOS and stop_token_ids are masked (and stop strings ignored) before this many
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
-    seed: int | None = None
+    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
+    seed: int | None = None  # choice i of n > 1 uses seed + i
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt+output tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
     logprobs: bool = False  # report the sampled token's logprob
     top_logprobs: int = 0  # also report this many most likely tokens per position (implies logprobs)
+    prompt_logprobs: int | None = None  # per prompt token: its logprob, rank, and this many top tokens
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
         if not 0.0 <= float(self.temperature) <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not 0.0 < float(self.top_p) <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+        self.logit_bias = parse_logit_bias(self.logit_bias)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
-        if not isinstance(self.top_logprobs, int) or isinstance(self.top_logprobs, bool) or \
-                not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {self.prompt_logprobs!r}")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams")
         self.logprobs = bool(self.logprobs or self.top_logprobs)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def prefill_only(self) -> SamplingParams:
+        """A P/D prefill node's params: compute the prompt's KV and one token that is thrown away
+        (decode samples the real ones), so nothing that shapes the output is worth doing there."""
+        return dataclasses.replace(self, n=1, max_tokens=1, min_tokens=0, structured_outputs=None,
+                                   prompt_logprobs=None, logprobs=False, top_logprobs=0, presence_penalty=0.0,
+                                   frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None)
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The params of choice `index` of an n > 1 request: n=1 and, when seeded, seed + index (as vLLM)."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)

@@ -36,17 +36,25 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last schedule(), for the runner
         self._delayed_free: dict[str, Request] = {}  # finished, blocks held for an async save
+        self._fork_parents: dict[str, Request] = {}  # n > 1: choice id -> choice 0, until it forks
+        self._blocks_to_copy: list[tuple[int, int]] = []  # forks' partial prompt blocks, for the next step
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0
         self.num_failed_loads = 0
 
     # ---- requests in and out ----
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        """Queue `request`; its forks (n > 1) are known (abortable) now, scheduled once it has its prompt's KV."""
+        for r in [request, *request.forks]:
+            if r.request_id in self.requests:
+                raise ValueError(f"request id {r.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        for fork in request.forks:
+            fork.status = RequestStatus.WAITING
+            self.requests[fork.request_id] = fork
+            self._fork_parents[fork.request_id] = request
 
     def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> list[Request]:
         """Finish (stop string) or abort requests from outside; unknown ids are ignored."""
@@ -55,6 +63,12 @@ class Scheduler:
         for request_id in ids:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
+                continue
+            if request_id in self._fork_parents:  # never scheduled: nothing to free
+                self._fork_parents.pop(request_id).forks.remove(request)
+                request.status = status
+                del self.requests[request_id]
+                done.append(request)
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
@@ -121,8 +135,10 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
+            blocks_to_copy=self._blocks_to_copy,
         )
         self.finished_req_ids = set()
+        self._blocks_to_copy = []
         if self.connector is not None:  # connector hook: the step's loads and saves
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
@@ -137,9 +153,12 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> int | None:
         """Prefix lookup + allocation for a waiting request; its new-token count, or None if no room."""
         kv = self.kv_cache_manager
-        computed_blocks, num_local = kv.get_computed_blocks(request)
+        # prompt_logprobs need every prompt position's logits: no prefix-cache hit, no KV load
+        full_prompt = request.needs_prompt_logprobs
+        computed_blocks, num_local = ([], 0) if full_prompt else kv.get_computed_blocks(request)
         num_external = 0
-        if self.connector is not None:  # connector hook: what the store adds beyond the local hit
+        if self.connector is not None and not (full_prompt and self.connector.role.loads):
+            # connector hook: what the store adds beyond the local hit
             num_external, _ = self.connector.get_num_new_matched_tokens(request, num_local)
             num_external = max(0, min(num_external, request.num_tokens - 1 - num_local))  # last token: computed
             # The layer-wise load runs inside the same forward pass, so async loads need no special path.
@@ -183,16 +202,55 @@ class Scheduler:
             self.num_prompt_tokens_computed += max(0, min(request.num_computed_tokens, request.num_prompt_tokens)
                                                    - before)
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            if rid in runner_output.prompt_logprobs:
+                first, entries = runner_output.prompt_logprobs[rid]
+                if first == len(request.prompt_logprobs) + 1:
+                    request.prompt_logprobs.extend(entries)
             token = runner_output.sampled_token_ids.get(rid)
             if token is None:  # a prefill chunk that did not reach the end of the prompt
                 continue
+            forks = self._fork(request, runner_output) if request.forks else []
             request.append_output_token(token, runner_output.logprobs.get(rid), runner_output.top_logprobs.get(rid))
             if self._check_stop(request, token):
                 self.running.remove(request)
                 self._free_request(request)
             updated.append(request)
+            updated.extend(forks)
         self._free_finished_saves()
         return updated
+
+    def _fork(self, parent: Request, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Choice 0 of an n > 1 request computed its prompt: start the other choices from it.
+
+        Each shares the prompt's full blocks, gets a copy of the partial last block, and takes the
+        token the runner sampled for it from the same logits, so the prompt is computed (or loaded)
+        once. A choice that finds no free block or no free sequence slot waits as if preempted,
+        and is recomputed later (its prompt then mostly from the prefix cache).
+        """
+        forks, parent.forks = parent.forks, []
+        for fork in forks:
+            del self._fork_parents[fork.request_id]
+            rid = fork.request_id
+            fork.num_cached_tokens = parent.num_cached_tokens
+            fork.prompt_logprobs = parent.prompt_logprobs
+            token = runner_output.sampled_token_ids[rid]
+            fork.append_output_token(token, runner_output.logprobs.get(rid), runner_output.top_logprobs.get(rid))
+            if self._check_stop(fork, token):  # done at its first token: needs no blocks at all
+                self._free_request(fork)
+                continue
+            copy = self.kv_cache_manager.fork(parent, fork) if len(self.running) < self.config.max_num_seqs else False
+            if copy is False:
+                fork.status = RequestStatus.PREEMPTED
+                self.waiting.appendleft(fork)
+                logger.info("Reqid: %s, choice %d waits for room: its prompt is recomputed later",
+                            fork.request_id, fork.index)
+                continue
+            if copy is not None:
+                self._blocks_to_copy.append(copy)
+            fork.num_computed_tokens = parent.num_computed_tokens
+            fork.status = RequestStatus.RUNNING
+            self.running.append(fork)
+        return forks
 
     def _rewind_failed_load(self, request: Request) -> None:
         """External KV did not arrive: recompute from the local hit (the blocks stay allocated)."""
@@ -219,6 +277,10 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         """Finished or aborted: tell the connector, then free the blocks unless it still saves from them."""
         self.finished_req_ids.add(request.request_id)
+        for fork in request.forks:  # choice 0 ended before its prompt was done: the others prefill alone
+            del self._fork_parents[fork.request_id]
+            self.waiting.append(fork)
+        request.forks = []
         delay = False
         if self.connector is not None:  # connector hook: the request is done
             delay, _ = self.connector.request_finished(

@@ -24,6 +24,9 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)  # finished/aborted since the last step
     preempted_req_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: Any = None  # built by the connector's build_connector_meta
+    # (source, destination) block ids to copy before this step's forward pass: the partial last
+    # prompt block of a choice forked from choice 0 of an n > 1 request (full blocks are shared).
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -33,6 +36,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, float] = field(default_factory=dict)
     top_logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # only requests that asked
+    # prompt_logprobs requests: (first prompt token index covered, [(logprob, rank, top list)] per token)
+    prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
     # Requests whose external KV failed to load this step: their sampled token (if any) is
     # discarded and the scheduler rewinds them to the locally computed prefix to recompute.
     failed_load_req_ids: set[str] = field(default_factory=set)

@@ -1,0 +1,38 @@
+"""Default logging for the offline API: log lines appear without the caller configuring anything.
+
+vLLM's offline `LLM` prints its lines (start-up, progress, KV transfer) out of the box; ours
+does the same for pdserve's packages when the process has not configured logging itself (the
+root logger has no handlers), so an application's own setup always wins. Set
+PDSERVE_CONFIGURE_LOGGING=0 to leave logging alone entirely. Servers call their own setup.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+ENV_SWITCH = "PDSERVE_CONFIGURE_LOGGING"
+PACKAGES = ("engine", "connectors", "kvstore", "kernels")
+
+
+def configure_default_logging(level: int = logging.INFO) -> bool:
+    """Give pdserve's package loggers a stdout handler (as vLLM does) unless logging is configured
+    or switched off; True if it did. Calling it again changes nothing."""
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if logging.getLogger().handlers:
+        return False
+    configured = False
+    for name in PACKAGES:
+        logger = logging.getLogger(name)
+        if any(getattr(h, "_pdserve_default", False) for h in logger.handlers):
+            continue
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        handler._pdserve_default = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = False  # an application that configures the root later gets no duplicates
+        configured = True
+    return configured

@@ -1,0 +1,77 @@
+"""The offline API's vLLM conveniences: LLM.chat, stop-token text rules, min_tokens, and log lines by default."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.tokenizer import apply_chat_template
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama), dtype="float32", kv_cache_memory="16MiB")
+
+
+def test_chat_is_generate_over_the_chat_template(llm):
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    ids = apply_chat_template(llm.engine.tokenizer, MESSAGES)
+    chat = llm.chat(MESSAGES, params)
+    assert len(chat) == 1 and chat[0].prompt_token_ids == ids
+    assert chat[0].token_ids == llm.generate([ids], params)[0].token_ids
+    two = llm.chat([MESSAGES, MESSAGES[1:]], params)
+    assert [o.token_ids for o in two][0] == chat[0].token_ids and len(two) == 2
+
+
+def test_min_tokens_then_eos_and_its_text(llm):
+    """A +100 bias on EOS would end at once; min_tokens holds it off. The EOS text is not output
+    unless include_stop_str_in_output (and then only with skip_special_tokens=False)."""
+    eos = llm.engine.eos_token_id
+    base = dict(max_tokens=10, temperature=0.0, logit_bias={eos: 100.0}, min_tokens=3)
+    out = llm.generate("abc", SamplingParams(**base))[0]
+    assert len(out.token_ids) == 4 and out.token_ids[-1] == eos and out.finish_reason == "stop"
+    shown = llm.generate("abc", SamplingParams(**base, skip_special_tokens=False, include_stop_str_in_output=True))[0]
+    hidden = llm.generate("abc", SamplingParams(**base, skip_special_tokens=False))[0]
+    assert shown.text == hidden.text + "</s>" and "</s>" not in hidden.text
+    assert out.text in hidden.text and len(out.text) <= len(hidden.text)  # special tokens shown, not skipped
+
+
+def test_stop_strings_include_stop_str_in_output(llm):
+    full = llm.generate("The quick brown fox", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    i = next(i for i, c in enumerate(full.text) if i > 2 and c.isprintable() and c != "\ufffd")
+    stop = full.text[i]
+    cut = llm.generate("The quick brown fox", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                             stop=[stop], include_stop_str_in_output=True))[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[:full.text.index(stop) + 1]
+    late = llm.generate("The quick brown fox", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                              stop=[stop], min_tokens=24))[0]
+    assert late.finish_reason == "length"  # stop strings are not checked before min_tokens
+
+
+def run_offline(script: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.getcwd(), **env})
+
+
+def test_offline_api_prints_its_log_lines_kv_transfer_included(tiny_llama, tmp_path):
+    store = (tmp_path / "store").as_uri()
+    script = f"""
+from engine import LLM, SamplingParams
+p = SamplingParams(max_tokens=2, temperature=0.0)
+prompt = list(range(3, 43))
+LLM({str(tiny_llama)!r}, kv_store={store!r}, kv_role="producer", chunk_size=16).generate([prompt], p)
+LLM({str(tiny_llama)!r}, kv_store={store!r}, kv_role="consumer", chunk_size=16).generate([prompt], p)
+"""
+    shown = run_offline(script, {})
+    assert shown.returncode == 0, shown.stderr
+    for line in ("engine ready", "Reqid: gen-0, Stored 40 tokens", "KV hit tokens: 40, need to load: 39",
+                 "Reqid: gen-0, Retrieved 40 tokens", "Reqid: gen-0, finished (length)"):
+        assert line in shown.stdout, (line, shown.stdout)
+    quiet = run_offline(script.split("LLM(")[0] + f"LLM({str(tiny_llama)!r}).generate([prompt], p)",
+                        {"PDSERVE_CONFIGURE_LOGGING": "0"})
+    assert quiet.returncode == 0 and "Reqid" not in quiet.stdout + quiet.stderr
