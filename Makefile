@@ -6,7 +6,7 @@ SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test serve bench-pd bench-vllm install redis-server protos clean
+.PHONY: test serve bench-pd bench-vllm install redis-server container-tools protos clean
 
 install: $(STAMP)
 
@@ -21,7 +21,12 @@ redis-server:
 	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -qq && \
 	  $(SUDO) apt-get install -y -qq --no-install-recommends redis-server; }
 
-test: install redis-server
+# podman (+ runc, debootstrap for a local base image): tests/test_deploy_image.py builds deploy/Dockerfile.
+container-tools:
+	@command -v podman >/dev/null && command -v runc >/dev/null && command -v debootstrap >/dev/null || \
+	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq podman runc debootstrap; }
+
+test: install redis-server container-tools
 	$(PY) -m pytest -q tests
 
 serve: install

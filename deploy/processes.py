@@ -14,12 +14,27 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 HOST = "127.0.0.1"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def console_script(name: str) -> list[str]:
+    """argv that runs the console script `name` as this checkout's pyproject.toml declares it.
+
+    The venv's bin/ wrappers are written at install time and go stale when an entry point moves;
+    this runs the declared `module:function` on the code under test, with argv[0] set to `name`.
+    """
+    with open(REPO / "pyproject.toml", "rb") as f:
+        target = tomllib.load(f)["project"]["scripts"][name]
+    module, func = target.split(":")
+    code = f"import sys; sys.argv[0] = {name!r}; from {module} import {func}; sys.exit({func}())"
+    return [sys.executable, "-c", code]
 
 
 def free_port() -> int:

@@ -3,28 +3,9 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
-import tomllib
-from pathlib import Path
 
-from deploy.processes import free_port
+from deploy.processes import console_script, free_port  # noqa: F401  (re-exported for the tests)
 from deploy.processes import wait_for_port as port_open
-
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def console_script(name: str) -> list[str]:
-    """argv that runs the console script `name` as this checkout's pyproject.toml declares it.
-
-    The venv's bin/ wrappers are written at install time and go stale when an entry point moves;
-    this runs the declared `module:function` on the code under test, with argv[0] set to `name`.
-    """
-    with open(REPO / "pyproject.toml", "rb") as f:
-        target = tomllib.load(f)["project"]["scripts"][name]
-    module, func = target.split(":")
-    code = f"import sys; sys.argv[0] = {name!r}; from {module} import {func}; sys.exit({func}())"
-    return [sys.executable, "-c", code]
 
 
 def wait_for_port(port: int, timeout: float = 30.0, host: str = "127.0.0.1") -> None:

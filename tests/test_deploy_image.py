@@ -1,0 +1,104 @@
+"""deploy/Dockerfile builds with podman and its image serves: the entry points installed in it start,
+load the built-in model and answer a request.
+
+No container registry is reachable here, so the Dockerfile's BASE is a Debian bookworm root file
+system made with debootstrap from the Debian mirror apt uses (python3 3.11 + venv, like the default
+python:3.11-slim), imported once into podman's store and reused. pip inside the build uses this
+host's pip settings (index, wheel directories, CA bundle), mounted read-only. Two quirks of this
+machine, harmless elsewhere: crun refuses its hybrid cgroup layout (runc does not), and containers
+cannot raise resource limits (no CAP_SYS_RESOURCE), so they get limits below the current ones.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deploy.processes import REPO, free_port
+
+BASE = "localhost/pdserve-base:bookworm"
+IMAGE = "localhost/pdserve:test"
+PODMAN = ["podman", "--runtime", "runc"]
+LIMITS = ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1000:1000"]
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+
+
+def _run(argv: list[str], timeout_s: float, **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, **kw)
+    assert proc.returncode == 0, f"{' '.join(argv[:6])} ... exited {proc.returncode}:\n{proc.stdout[-3000:]}" \
+                                 f"\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _base_image() -> None:
+    if subprocess.run(PODMAN + ["image", "exists", BASE]).returncode == 0:
+        return
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as root:
+        _run(["debootstrap", "--variant=minbase", "--include=python3,python3-venv", "bookworm", root,
+              DEBIAN_MIRROR], 900)
+        tar = subprocess.Popen(["tar", "-C", root, "-c", "."], stdout=subprocess.PIPE)
+        _run(PODMAN + ["import", "-", BASE], 300, stdin=tar.stdout)
+        assert tar.wait() == 0
+
+
+def _pip_build_args() -> tuple[list[str], list[str]]:
+    """(--build-arg ..., -v ...) carrying this host's pip settings into the build."""
+    config = _run([sys.executable, "-m", "pip", "config", "list"], 60).stdout
+    settings = {}
+    for line in config.splitlines():
+        key, _, value = line.partition("=")
+        settings[key.rsplit(".", 1)[-1]] = value.strip("'")
+    args, mounts, paths = [], [], set()
+    for key in ("index-url", "extra-index-url", "find-links"):
+        if settings.get(key):
+            args += ["--build-arg", f"PIP_{key.upper().replace('-', '_')}={settings[key]}"]
+            for value in settings[key].split():
+                if not value.startswith("http"):  # a local index's files lie beside its simple/ directory
+                    path = Path(value.removeprefix("file://").rstrip("/"))
+                    paths.add(str(path.parent if key != "find-links" and path.name == "simple" else path))
+    if settings.get("cert"):
+        args += ["--build-arg", "PIP_CERT=/run/pip-cert.pem"]
+        mounts += ["-v", f"{settings['cert']}:/run/pip-cert.pem:ro"]
+    for path in sorted(p for p in paths if Path(p).exists()):
+        mounts += ["-v", f"{path}:{path}:ro"]
+    return args, mounts
+
+
+@pytest.mark.timeout(3600)  # the first build installs torch and every dependency; later ones reuse the layers
+def test_podman_builds_the_image_and_it_serves():
+    _base_image()
+    args, mounts = _pip_build_args()
+    _run(PODMAN + ["build", "--network", "host", *LIMITS, *mounts, "--build-arg", f"BASE={BASE}",
+                   "--build-arg", "TORCH_PIP_ARGS=", *args, "-t", IMAGE, "-f", "deploy/Dockerfile", "."],
+         3000, cwd=REPO)
+    for command in ("pd-prefill", "pd-decode", "pd-proxy", "pd-kvstore"):
+        out = _run(PODMAN + ["run", "--rm", *LIMITS, IMAGE, command, "--help"], 120).stdout
+        assert f"usage: {command}" in out
+    port = free_port()
+    name = f"pdserve-test-{port}"
+    _run(PODMAN + ["run", "-d", "--name", name, "--network", "host", *LIMITS, IMAGE, "pd-serve", "--host",
+                   "127.0.0.1", "--port", str(port), "--kv-cache-memory", "64MiB"], 120)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            state = _run(PODMAN + ["inspect", "-f", "{{.State.Running}}", name], 30).stdout.strip()
+            logs = subprocess.run(PODMAN + ["logs", name], capture_output=True, text=True).stderr
+            assert state == "true" and time.monotonic() < deadline, f"pd-serve in the image did not start:\n{logs}"
+            time.sleep(1)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        user = _run(PODMAN + ["exec", name, "id", "-u"], 30).stdout.strip()
+        assert user == "10001"  # not root
+    finally:
+        subprocess.run(PODMAN + ["rm", "-f", "-t", "5", name], capture_output=True, timeout=60)
