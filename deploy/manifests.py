@@ -176,16 +176,18 @@ def load_kubernetes(path: Path) -> list[dict]:
 
 
 def _container_env(container: dict, objects: dict[tuple[str, str], dict]) -> dict[str, str]:
-    def data(kind: str, name: str) -> dict[str, str]:
+    def data(kind: str, name: str, optional: bool = False) -> dict[str, str]:
         obj = objects.get((kind, name))
         if obj is None:
+            if optional:
+                return {}
             raise DeployFileError(f"container {container['name']} needs {kind} {name}, not in the files")
         return {k: str(v) for k, v in (obj.get("data") or obj.get("stringData") or {}).items()}
 
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         ref = source.get("configMapRef") or source.get("secretRef")
-        env.update(data("ConfigMap" if "configMapRef" in source else "Secret", ref["name"]))
+        env.update(data("ConfigMap" if "configMapRef" in source else "Secret", ref["name"], ref.get("optional", False)))
     for var in container.get("env", []):
         if "value" in var:
             env[var["name"]] = expand(str(var["value"]), env)
@@ -195,7 +197,8 @@ def _container_env(container: dict, objects: dict[tuple[str, str], dict]) -> dic
             env[var["name"]] = HOST if ref["fieldRef"]["fieldPath"].endswith("IP") else "pdserve-local"
         else:
             key_ref = ref.get("configMapKeyRef") or ref["secretKeyRef"]
-            values = data("ConfigMap" if "configMapKeyRef" in ref else "Secret", key_ref["name"])
+            values = data("ConfigMap" if "configMapKeyRef" in ref else "Secret", key_ref["name"],
+                          key_ref.get("optional", False))
             if key_ref["key"] in values:
                 env[var["name"]] = values[key_ref["key"]]
             elif not key_ref.get("optional"):

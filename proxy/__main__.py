@@ -12,6 +12,7 @@ from aiohttp import web
 
 from proxy.app import Proxy, ProxyConfig
 from proxy.router import POLICIES
+from serving.auth import add_proxy_security_args, proxy_security
 from serving.cli import ArgumentParser, setup_logging
 from serving.node_grpc import add_log_file
 
@@ -43,6 +44,7 @@ def build_parser() -> ArgumentParser:
                    help="prompts shorter than N tokens skip the prefill node (default 0: never)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between node health checks")
+    add_proxy_security_args(p)
     p.add_argument("--log-file", default=None, help="also write the log here")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
@@ -74,9 +76,15 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             print(f"pd-proxy: error: cannot write log file {args.log_file}: {e.strerror or e}", file=sys.stderr)
             return 1
+    security = proxy_security(args)
+    try:
+        security.check(server=False)
+    except ValueError as e:
+        print(f"pd-proxy: error: {e}", file=sys.stderr)
+        return 1
     config = ProxyConfig(prefill=args.prefill, decode=args.decode, policy=args.policy,
                          local_prefill_threshold=args.local_prefill_threshold, api_key=args.api_key,
-                         health_interval_s=args.health_interval)
+                         health_interval_s=args.health_interval, grpc_security=security)
     try:
         sock = socket.create_server((args.host, args.port))
     except OSError as e:

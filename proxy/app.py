@@ -14,7 +14,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import grpc
@@ -24,6 +24,7 @@ from protos import pdserve_pb2 as pb
 from proxy.health import HealthMonitor, Node
 from proxy.router import Router
 from serving import protocol as oai
+from serving.auth import GrpcSecurity, check_http_api_key
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class ProxyConfig:
     local_prefill_threshold: int = 0  # prompts shorter than this many tokens skip the prefill node
     api_key: str | None = None
     health_interval_s: float = 1.0
+    grpc_security: GrpcSecurity = field(default_factory=GrpcSecurity)  # TLS / key towards the nodes
     prefill_timeout_s: float = 600.0
 
 
@@ -96,8 +98,8 @@ def prompt_size_bound(req: oai.GenerationRequest) -> int:
 class Proxy:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.prefill = Router([Node(a, "prefill") for a in config.prefill], config.policy)
-        self.decode = Router([Node(a, "decode") for a in config.decode], config.policy)
+        self.prefill = Router([Node(a, "prefill", config.grpc_security) for a in config.prefill], config.policy)
+        self.decode = Router([Node(a, "decode", config.grpc_security) for a in config.decode], config.policy)
         self.monitor = HealthMonitor(self.prefill.nodes + self.decode.nodes, config.health_interval_s)
         self.created = int(time.time())
 
@@ -132,9 +134,7 @@ class Proxy:
                 rid = uuid.uuid4().hex
                 raise oai.bad_request("X-Request-Id must be 1-128 printable ASCII characters without spaces")
             request["rid"] = rid
-            if self.config.api_key and request.path.startswith("/v1/") and \
-                    request.headers.get("Authorization") != f"Bearer {self.config.api_key}":
-                raise oai.APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+            check_http_api_key(request, self.config.api_key)
             response = await handler(request)
         except oai.APIError as e:
             logger.info("Reqid: %s, %d %s: %s", rid, e.status, e.code or e.type, e.message)

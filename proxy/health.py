@@ -14,6 +14,8 @@ import grpc
 
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from serving.auth import GrpcSecurity, secure_channel
+from serving.node_grpc import KEEPALIVE_CLIENT_OPTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +26,7 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
+    *KEEPALIVE_CLIENT_OPTIONS,  # a silent (partitioned) node fails its calls within ~10 s
 ]
 
 
@@ -47,9 +50,10 @@ class NodeLoad:
 class Node:
     """One prefill or decode instance reached over gRPC."""
 
-    def __init__(self, address: str, role: str) -> None:
+    def __init__(self, address: str, role: str, security: GrpcSecurity = GrpcSecurity()) -> None:
         self.address = address
         self.role = role
+        self.security = security
         self.channel: grpc.aio.Channel | None = None
         self.stub: pb_grpc.PDNodeStub | None = None
         self.healthy = False
@@ -61,7 +65,7 @@ class Node:
 
     def connect(self) -> None:
         """Open the channel; inside the running event loop, which grpc.aio binds it to."""
-        self.channel = grpc.aio.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+        self.channel = secure_channel(self.address, self.security, _CHANNEL_OPTIONS)
         self.stub = pb_grpc.PDNodeStub(self.channel)
 
     def mark_down(self, reason: str) -> None:

@@ -24,12 +24,29 @@ import grpc
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from serving import protocol as oai
+from serving.auth import (
+    GrpcSecurity,
+    add_node_security_args,
+    http_api_key_middleware,
+    node_interceptors,
+    node_security,
+)
 from serving.cli import LOG_FORMAT, ArgumentParser, add_engine_args, add_server_args
 from serving.server import StartupError, check_model_dir, run_node, serve
 
 logger = logging.getLogger(__name__)
 
-_GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+# Across hosts a dead peer is silent (a partition or a power cut sends no RST): HTTP/2 keepalive pings
+# every 5 s, unanswered for 5 s, fail the connection and every call on it (UNAVAILABLE) instead of
+# leaving a Prefill or a stream waiting forever. The proxy's channels ping (KEEPALIVE_CLIENT_OPTIONS);
+# nodes must accept pings that often, even between calls.
+KEEPALIVE_CLIENT_OPTIONS = [("grpc.keepalive_time_ms", 5000), ("grpc.keepalive_timeout_ms", 5000),
+                            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+_KEEPALIVE_SERVER_OPTIONS = [("grpc.keepalive_permit_without_calls", 1),
+                             ("grpc.http2.min_recv_ping_interval_without_data_ms", 4000),
+                             ("grpc.http2.max_ping_strikes", 0)]
+_GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+                 *_KEEPALIVE_SERVER_OPTIONS]
 _STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND}
 
 
@@ -212,6 +229,7 @@ def build_parser(role: NodeRole) -> ArgumentParser:
     g.add_argument("--kv-load-timeout", dest="load_timeout_s", type=float, default=None,
                    help="seconds to wait for the store before recomputing (default 10)")
     g.add_argument("--log-file", default=None, help="also write the log here (for pd-kv-hits)")
+    add_node_security_args(parser)
     add_engine_args(parser)
     return parser
 
@@ -245,13 +263,20 @@ def check_store(url: str, timeout_s: float = 3.0) -> None:
 
 
 async def serve_with_grpc(server: Any, servicer: NodeServicer, sock: socket.socket, grpc_host: str,
-                          grpc_port: int, prog: str, shutdown_timeout: float) -> None:
-    grpc_server = grpc.aio.server(options=_GRPC_OPTIONS)
+                          grpc_port: int, prog: str, shutdown_timeout: float,
+                          security: GrpcSecurity = GrpcSecurity()) -> None:
+    grpc_server = grpc.aio.server(options=_GRPC_OPTIONS, interceptors=node_interceptors(security))
     pb_grpc.add_PDNodeServicer_to_server(servicer, grpc_server)
+    credentials = security.server_credentials()
     try:
-        bound = grpc_server.add_insecure_port(f"{grpc_host}:{grpc_port}")
+        address = f"{grpc_host}:{grpc_port}"
+        bound = grpc_server.add_insecure_port(address) if credentials is None else \
+            grpc_server.add_secure_port(address, credentials)
     except RuntimeError as e:
         raise StartupError(f"cannot listen on {grpc_host}:{grpc_port} (gRPC): {e}") from None
+    if security.api_key:
+        server.app.middlewares.append(http_api_key_middleware(security.api_key))
+    logger.log(*security.describe_server(f"{grpc_host}:{bound}"))
     await grpc_server.start()
     try:
         await serve(server.app, server.engine, sock, server.served_names[0],
@@ -268,7 +293,13 @@ def node_main(role: NodeRole, argv: list[str] | None = None) -> int:
     if args.kv_store is None and args.lmcache_config is None:
         args.kv_store = default_kv_store()
 
+    security = node_security(args)
+
     def preflight() -> None:
+        try:
+            security.check(server=True)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
         if args.log_file:
             try:
                 add_log_file(args.log_file)
@@ -283,6 +314,6 @@ def node_main(role: NodeRole, argv: list[str] | None = None) -> int:
 
     async def run(server: Any, sock: socket.socket) -> None:
         await serve_with_grpc(server, NodeServicer(server, role.name), sock, args.host, args.grpc_port,
-                              parser.prog, args.shutdown_timeout)
+                              parser.prog, args.shutdown_timeout, security)
 
     return run_node(args, parser.prog, preflight=preflight, run=run)

@@ -84,7 +84,7 @@ def _redis_keys(port: int) -> int:
     return int(out.stdout.strip())
 
 
-def _rehearse(steps, tmp_path: Path, proxy: str, redis: str) -> None:
+def _rehearse(steps, tmp_path: Path, proxy: str, redis: str, security_line: str) -> None:
     """Run every step until up, then one exact request through the proxy whose KV went through Redis."""
     rehearsal = Rehearsal(steps, tmp_path / "logs", {"PDSERVE_CACHE_DIR": str(tmp_path / "cache")})
     rehearsal.start(timeout_s=500)  # a loaded 2-core machine; about 30 s when quiet
@@ -102,15 +102,18 @@ def _rehearse(steps, tmp_path: Path, proxy: str, redis: str) -> None:
         decode_logs = "".join((tmp_path / "logs" / f"{s.name}.out").read_text() for s in steps
                               if s.source[0] == "pd-decode")
         assert "KV hit tokens: 300" in decode_logs, decode_logs[-2000:]
+        assert security_line in decode_logs  # TLS and the key are optional in the files
     finally:
         rehearsal.stop()
 
 
 def test_compose_command_lines_run_until_healthy(tmp_path):
-    _rehearse(compose_steps(COMPOSE, tmp_path / "work"), tmp_path, "compose-proxy", "compose-redis")
+    """With PDSERVE_NODE_API_KEY set, as an operator would: nodes require the key, the proxy sends it."""
+    steps = compose_steps(COMPOSE, tmp_path / "work", {"PDSERVE_NODE_API_KEY": "compose-key"})
+    _rehearse(steps, tmp_path, "compose-proxy", "compose-redis", "API key required, but sent in clear text")
 
 
 def test_kubernetes_command_lines_run_until_ready(tmp_path):
     steps = kubernetes_steps(KUBERNETES, tmp_path / "work")
     assert sum(s.source[0] in NODES for s in steps) == 4  # both replicas of both StatefulSets
-    _rehearse(steps, tmp_path, "pdserve-proxy-proxy", "pdserve-redis-0-redis")
+    _rehearse(steps, tmp_path, "pdserve-proxy-proxy", "pdserve-redis-0-redis", "is plaintext and unauthenticated")
