@@ -14,7 +14,7 @@ import grpc
 
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from serving.auth import GrpcSecurity, secure_channel
+from serving.auth import GrpcSecurity, node_channel
 from serving.node_grpc import KEEPALIVE_CLIENT_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class Node:
 
     def connect(self) -> None:
         """Open the channel; inside the running event loop, which grpc.aio binds it to."""
-        self.channel = secure_channel(self.address, self.security, _CHANNEL_OPTIONS)
+        self.channel = node_channel(self.address, self.security, _CHANNEL_OPTIONS)
         self.stub = pb_grpc.PDNodeStub(self.channel)
 
     def mark_down(self, reason: str) -> None:

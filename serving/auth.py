@@ -212,7 +212,7 @@ def proxy_security(args: argparse.Namespace) -> GrpcSecurity:
                         args.grpc_tls_server_name)
 
 
-def secure_channel(address: str, security: GrpcSecurity, options: list[tuple[str, Any]]) -> grpc.aio.Channel:
+def node_channel(address: str, security: GrpcSecurity, options: list[tuple[str, Any]]) -> grpc.aio.Channel:
     """The proxy's channel to one node: TLS when configured, the API key on every call when set."""
     interceptors = [_UnaryUnaryApiKey(security.api_key), _UnaryStreamApiKey(security.api_key)] \
         if security.api_key else None
