@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -84,6 +85,18 @@ def _redis_keys(port: int) -> int:
     return int(out.stdout.strip())
 
 
+def _wait_all_nodes_in_rotation(url: str, steps, timeout_s: float = 60.0) -> None:
+    """The proxy is ready with one healthy decode node; this request must go through a prefill node."""
+    want = {role: sum(s.source[0] == f"pd-{role}" for s in steps) for role in ("prefill", "decode")}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = httpx.get(url + "/health", timeout=10).json()
+        if all(got[role] == n for role, n in want.items()):
+            return
+        assert time.monotonic() < deadline, f"nodes in the proxy's rotation: {got}, want {want}"
+        time.sleep(0.2)
+
+
 def _rehearse(steps, tmp_path: Path, proxy: str, redis: str, security_line: str) -> None:
     """Run every step until up, then one exact request through the proxy whose KV went through Redis."""
     rehearsal = Rehearsal(steps, tmp_path / "logs", {"PDSERVE_CACHE_DIR": str(tmp_path / "cache")})
@@ -91,6 +104,7 @@ def _rehearse(steps, tmp_path: Path, proxy: str, redis: str, security_line: str)
     try:
         by_name = {s.name: s for s in steps}
         url = f"http://127.0.0.1:{by_name[proxy].ports[8000]}"
+        _wait_all_nodes_in_rotation(url, steps)
         prompt = [(7 * i) % 250 + 3 for i in range(300)]  # one full 256-token chunk and a partial one
         r = httpx.post(url + "/v1/completions", timeout=120, json={
             "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True})
