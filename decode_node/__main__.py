@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from serving.node_grpc import NodeRole, node_main
+from serving.node import NodeRole, node_main
 
 ROLE = NodeRole(name="decode", kv_role="consumer", http_port=8200, grpc_port=50052)
 

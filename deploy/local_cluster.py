@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from deploy.processes import ClusterSpec, LocalCluster
+from proxy.router import DEFAULT_POLICY, POLICIES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "evicted beyond it (default 1gb)")
     p.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
     p.add_argument("--port", type=int, default=8000, help="proxy port (default 8000; 0: any free port)")
-    p.add_argument("--policy", default="least-loaded", choices=("round-robin", "least-loaded", "kv-aware"))
+    p.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICIES)
     p.add_argument("--log-dir", default=None, help="where logs go (default: a new temp directory)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for the cluster to be healthy")
     return p

@@ -20,6 +20,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from proxy.router import DEFAULT_POLICY
+
 HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parent.parent
 
@@ -134,7 +136,7 @@ class ClusterSpec:
     redis_maxmemory: str = "1gb"  # the redis started here evicts least recently used chunks beyond this
     num_prefill: int = 1
     num_decode: int = 1
-    policy: str = "least-loaded"
+    policy: str = DEFAULT_POLICY
     proxy_port: int = 0  # 0: a free port
     node_args: list[str] = field(default_factory=list)  # engine options for every node
     proxy_args: list[str] = field(default_factory=list)

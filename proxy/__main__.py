@@ -3,20 +3,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
-import signal
-import socket
 import sys
 
-from aiohttp import web
-
 from proxy.app import Proxy, ProxyConfig
-from proxy.router import POLICIES
+from proxy.router import DEFAULT_POLICY, POLICIES
 from serving.auth import add_proxy_security_args, proxy_security
-from serving.cli import ArgumentParser, setup_logging
-from serving.node_grpc import add_log_file
-
-logger = logging.getLogger("proxy")
+from serving.cli import ArgumentParser, add_log_file, setup_logging
+from serving.errors import StartupError
+from serving.http import listen_socket, serve_app
 
 
 def _addresses(text: str) -> list[str]:
@@ -39,7 +33,8 @@ def build_parser() -> ArgumentParser:
                    help="gRPC addresses of the decode nodes")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    p.add_argument("--policy", choices=POLICIES, default="least-loaded", help="routing policy (default least-loaded)")
+    p.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY,
+                   help=f"routing policy (default {DEFAULT_POLICY})")
     p.add_argument("--local-prefill-threshold", type=int, default=0, metavar="N",
                    help="prompts shorter than N tokens skip the prefill node (default 0: never)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
@@ -48,23 +43,6 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--log-file", default=None, help="also write the log here")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
-
-
-async def _serve(app: web.Application, sock: socket.socket, config: ProxyConfig) -> None:
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-    await runner.setup()
-    await web.SockSite(runner, sock).start()
-    host, port = sock.getsockname()[:2]
-    logger.info("pd-proxy ready at http://%s:%d (policy %s, prefill %s, decode %s)", host, port, config.policy,
-                ",".join(config.prefill) or "-", ",".join(config.decode))
-    await stop.wait()
-    logger.info("pd-proxy shutting down")
-    await runner.cleanup()
-    logger.info("pd-proxy stopped")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,12 +64,12 @@ def main(argv: list[str] | None = None) -> int:
                          local_prefill_threshold=args.local_prefill_threshold, api_key=args.api_key,
                          health_interval_s=args.health_interval, grpc_security=security)
     try:
-        sock = socket.create_server((args.host, args.port))
-    except OSError as e:
-        print(f"pd-proxy: error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        sock = listen_socket(args.host, args.port)
+    except StartupError as e:
+        print(f"pd-proxy: error: {e}", file=sys.stderr)
         return 1
-    sock.setblocking(False)
-    asyncio.run(_serve(Proxy(config).app(), sock, config))
+    asyncio.run(serve_app(Proxy(config).app(), sock, "pd-proxy", lambda: (
+        f"(policy {config.policy}, prefill {','.join(config.prefill) or '-'}, decode {','.join(config.decode)})")))
     return 0
 
 

@@ -10,10 +10,8 @@ and prefills locally.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -22,9 +20,13 @@ from aiohttp import web
 
 from protos import pdserve_pb2 as pb
 from proxy.health import HealthMonitor, Node
-from proxy.router import Router
+from proxy.router import DEFAULT_POLICY, Router
+from serving import errors
 from serving import protocol as oai
-from serving.auth import GrpcSecurity, check_http_api_key
+from serving.auth import GrpcSecurity
+from serving.http import api_middleware
+from serving.sse import SSEStream
+from serving.wire import delta_from_pb, prompt_to_pb, sampling_to_pb, token_ids_to_pb, usage_from_pb
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ _UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, 
 class ProxyConfig:
     prefill: list[str]
     decode: list[str]
-    policy: str = "least-loaded"
+    policy: str = DEFAULT_POLICY
     local_prefill_threshold: int = 0  # prompts shorter than this many tokens skip the prefill node
     api_key: str | None = None
     health_interval_s: float = 1.0
@@ -44,47 +46,10 @@ class ProxyConfig:
     prefill_timeout_s: float = 600.0
 
 
-_HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
-                grpc.StatusCode.RESOURCE_EXHAUSTED: 503, grpc.StatusCode.UNAVAILABLE: 503}
-
-
-def api_error_from_rpc(e: grpc.aio.AioRpcError) -> oai.APIError | None:
-    """The OpenAI error a node reported (its JSON body rides in the status details), else None."""
-    status = _HTTP_STATUS.get(e.code())
-    try:
-        err = json.loads(e.details() or "")["error"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    if status is None or not isinstance(err, dict) or "message" not in err:
-        return None
-    return oai.APIError(status, err["message"], type=err.get("type"), param=err.get("param"), code=err.get("code"))
-
-
 def _client_error(e: grpc.aio.AioRpcError) -> oai.APIError | None:
     """A 4xx the node raised: the request itself is bad, so no other node will take it either."""
-    err = api_error_from_rpc(e)
+    err = errors.from_rpc_error(e)
     return err if err is not None and err.status < 500 else None
-
-
-def _tops(d: pb.GenerateDelta) -> list[list[tuple[str, float]]]:
-    return [list(zip(t.tokens, t.logprobs)) for t in d.top_logprobs]
-
-
-def sampling_to_pb(req: oai.GenerationRequest) -> pb.SamplingParams:
-    s = req.sampling
-    return pb.SamplingParams(max_tokens=req.max_tokens or 0, temperature=s["temperature"], top_p=s["top_p"],
-                             top_k=s["top_k"], seed=s["seed"], stop=s["stop"], ignore_eos=s["ignore_eos"],
-                             logprobs=req.logprobs, top_logprobs=req.top_logprobs)
-
-
-def prompt_to_pb(req: oai.GenerationRequest) -> pb.Prompt:
-    if req.kind == oai.CHAT:
-        return pb.Prompt(chat=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in req.messages]))
-    if isinstance(req.prompt, str):
-        return pb.Prompt(text=req.prompt)
-    if max(req.prompt) >= 2**32:  # the wire type; the node's vocabulary check covers the rest
-        raise oai.bad_request(f"prompt token ids must be below 2^32; got {max(req.prompt)}", "prompt")
-    return pb.Prompt(token_ids=pb.TokenIds(ids=req.prompt))
 
 
 def prompt_size_bound(req: oai.GenerationRequest) -> int:
@@ -116,7 +81,7 @@ class Proxy:
             await node.close()
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=64 << 20)
+        app = web.Application(middlewares=[api_middleware(api_key=self.config.api_key)], client_max_size=64 << 20)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -125,30 +90,6 @@ class Proxy:
         app.on_startup.append(self.start)
         app.on_cleanup.append(self.stop)
         return app
-
-    @web.middleware
-    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
-        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        try:
-            if not oai.REQUEST_ID_RE.fullmatch(rid):  # pd-serve's rule: the id goes into every log line
-                rid = uuid.uuid4().hex
-                raise oai.bad_request("X-Request-Id must be 1-128 printable ASCII characters without spaces")
-            request["rid"] = rid
-            check_http_api_key(request, self.config.api_key)
-            response = await handler(request)
-        except oai.APIError as e:
-            logger.info("Reqid: %s, %d %s: %s", rid, e.status, e.code or e.type, e.message)
-            response = web.json_response(e.body(), status=e.status)
-        except web.HTTPException as e:  # unknown route / method / body too large, from aiohttp itself
-            body = oai.error_body(e.reason, "invalid_request_error", None, str(e.status))
-            response = web.json_response(body, status=e.status)
-        except Exception:  # a bug here must still answer in OpenAI's shape, never with a traceback
-            logger.exception("Reqid: %s, %s %s failed", rid, request.method, request.path)
-            response = web.json_response(oai.error_body("internal server error", "server_error", None,
-                                                        "internal_error"), status=500)
-        if not response.prepared:
-            response.headers["X-Request-Id"] = rid
-        return response
 
     # ------------------------------------------------------------ simple endpoints
     def _model_names(self) -> tuple[list[str], int]:
@@ -181,7 +122,7 @@ class Proxy:
         return await self._generate(request, oai.CHAT)
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
-        rid = request["rid"]
+        rid = request["request_id"]
         t0 = time.perf_counter()
         req = oai.parse_request(kind, await request.read())
         names, max_model_len = self._model_names()
@@ -190,54 +131,41 @@ class Proxy:
         token_ids = await self._prefill(rid, req, prompt)
         if token_ids is not None:  # the same 400 as pd-serve before any decoding starts
             req.sampling_params(len(token_ids), max_model_len)
-            prompt = pb.Prompt(token_ids=pb.TokenIds(ids=token_ids))
+            prompt = token_ids_to_pb(token_ids)
         async with contextlib.aclosing(self._decode(rid, req, prompt)) as deltas:  # closing cancels the RPC
             first = await anext(deltas)  # errors before the first token are still plain HTTP errors
             builder = oai.ResponseBuilder(req, rid, model)
             if req.stream:
                 return await self._stream(request, builder, first, deltas, t0)
-            text, ids, logprobs, tokens, tops, last = [], [], [], [], [], first
-            async for d in _chain(first, deltas):
-                text.append(d.text)
-                ids.extend(d.token_ids)
-                logprobs.extend(d.logprobs)
-                tokens.extend(d.tokens)
-                tops.extend(_tops(d))
-                last = d
-        whole = oai.Delta("".join(text), ids, logprobs, tokens if req.logprobs else None, tops, last.finish_reason)
-        usage = _usage(last)
-        logger.info("Reqid: %s, done: %d tokens, finish %s, %.1f ms", rid, len(ids), last.finish_reason,
+            parts, last = [], first
+            async for last in _chain(first, deltas):
+                parts.append(delta_from_pb(last, req.logprobs))
+        whole = oai.Delta("".join(p.text for p in parts), [t for p in parts for t in p.token_ids],
+                          [lp for p in parts for lp in p.logprobs],
+                          [t for p in parts for t in p.tokens] if req.logprobs else None,
+                          [top for p in parts for top in p.top_logprobs], last.finish_reason)
+        logger.info("Reqid: %s, done: %d tokens, finish %s, %.1f ms", rid, len(whole.token_ids), last.finish_reason,
                     (time.perf_counter() - t0) * 1e3)
-        return web.json_response(builder.response(whole, usage, token_ids), headers={"X-Request-Id": rid})
+        return web.json_response(builder.response(whole, usage_from_pb(last), token_ids),
+                                 headers={"X-Request-Id": rid})
 
     async def _stream(self, request: web.Request, builder: oai.ResponseBuilder, first: pb.GenerateDelta,
                       deltas: AsyncIterator[pb.GenerateDelta], t0: float) -> web.StreamResponse:
-        rid = request["rid"]
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               "X-Request-Id": rid})
-        await response.prepare(request)
+        rid = request["request_id"]
+        sse = SSEStream(builder)
+        await sse.start(request, rid)
         last, n = first, 0
-        if builder.req.kind == oai.CHAT:
-            await response.write(oai.sse_event(builder.chunk(oai.Delta(""), role=True)))
         try:
             async for d in _chain(first, deltas):
                 last, n = d, n + len(d.token_ids)
-                delta = oai.Delta(d.text, list(d.token_ids), list(d.logprobs),
-                                  list(d.tokens) if builder.req.logprobs else None, _tops(d), d.finish_reason or None)
-                if delta.text or delta.finish_reason or (delta.token_ids and (builder.req.logprobs or
-                                                                             builder.req.return_token_ids)):
-                    await response.write(oai.sse_event(builder.chunk(delta)))
+                await sse.delta(delta_from_pb(d, builder.req.logprobs))
         except oai.APIError as e:  # the decode node died mid-stream: tell the client in-band
             logger.warning("Reqid: %s, stream failed after %d tokens: %s", rid, n, e.message)
-            await response.write(oai.sse_event(e.body()))
-        else:
-            if builder.req.include_usage:
-                await response.write(oai.sse_event(builder.usage_chunk(_usage(last))))
-            logger.info("Reqid: %s, done: %d tokens, finish %s, %.1f ms", rid, n, last.finish_reason,
-                        (time.perf_counter() - t0) * 1e3)
-        await response.write(oai.SSE_DONE)
-        await response.write_eof()
-        return response
+            await sse.error(e)
+            return await sse.finish(None)
+        logger.info("Reqid: %s, done: %d tokens, finish %s, %.1f ms", rid, n, last.finish_reason,
+                    (time.perf_counter() - t0) * 1e3)
+        return await sse.finish(usage_from_pb(last))
 
     async def _prefill(self, rid: str, req: oai.GenerationRequest, prompt: pb.Prompt) -> list[int] | None:
         """Prompt token ids once a prefill node has committed the KV; None: let decode prefill locally."""
@@ -293,7 +221,7 @@ class Proxy:
                     raise err from None
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     node.mark_down(e.details() or "unavailable")
-                last_error = api_error_from_rpc(e) or last_error  # e.g. its queue is full
+                last_error = errors.from_rpc_error(e) or last_error  # e.g. its queue is full
                 if started or e.code() not in _UNAVAILABLE:
                     raise oai.APIError(503, f"decode node {node.address} failed during the request: "
                                        f"{e.code().name}: {e.details()}", code="decode_node_failed") from None
@@ -309,8 +237,3 @@ async def _chain(first: pb.GenerateDelta, rest: AsyncIterator[pb.GenerateDelta])
     yield first
     async for d in rest:
         yield d
-
-
-def _usage(last: pb.GenerateDelta) -> dict[str, object]:
-    u = last.usage
-    return oai.usage_dict(u.prompt_tokens, u.completion_tokens, u.cached_tokens)

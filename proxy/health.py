@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import grpc
 
+from protos import KEEPALIVE_CLIENT_OPTIONS, MESSAGE_LIMITS
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from serving.auth import GrpcSecurity, node_channel
-from serving.node_grpc import KEEPALIVE_CLIENT_OPTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -24,8 +24,7 @@ _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
+    *MESSAGE_LIMITS,
     *KEEPALIVE_CLIENT_OPTIONS,  # a silent (partitioned) node fails its calls within ~10 s
 ]
 

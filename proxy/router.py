@@ -23,10 +23,11 @@ from proxy.health import Node
 logger = logging.getLogger(__name__)
 
 POLICIES = ("round-robin", "least-loaded", "kv-aware")
+DEFAULT_POLICY = "least-loaded"
 
 
 class Router:
-    def __init__(self, nodes: list[Node], policy: str = "least-loaded", lookup_timeout_s: float = 0.5) -> None:
+    def __init__(self, nodes: list[Node], policy: str = DEFAULT_POLICY, lookup_timeout_s: float = 0.5) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.nodes = nodes

@@ -1,4 +1,4 @@
-"""Command-line options shared by pd-serve, pd-prefill and pd-decode.
+"""Command-line options shared by pd-serve, pd-prefill and pd-decode, and the log set-up of every process.
 
 Launchers build one parser from these pieces and may add their own options; any option whose
 dest matches an EngineConfig field (e.g. a launcher's --kv-store) reaches the engine through
@@ -94,3 +94,10 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format=LOG_FORMAT, stream=sys.stderr, force=True)
+
+
+def add_log_file(path: str) -> None:
+    """Also log to `path` (what pd-kv-hits reads), in the console format."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.getLogger().addHandler(handler)

@@ -1,7 +1,8 @@
-"""OpenAI-compatible request validation and response/SSE formatting, transport-neutral.
+"""OpenAI-compatible request validation and response formatting (bodies and stream chunks), transport-neutral.
 
 The node server and the routing proxy must accept and answer exactly the same API, so the
-rules live here once, as pure functions over JSON-decoded values (no HTTP library inside).
+rules live here once, as pure functions over JSON-decoded values (no HTTP library inside;
+sse.py puts the chunks on the wire, errors.py maps errors between transports).
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from typing import Any, Callable
 from engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 COMPLETION, CHAT = "completion", "chat"
-SSE_DONE = b"data: [DONE]\n\n"
 # X-Request-Id values honoured as given (printable ASCII, no spaces): the id starts every log line.
 REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")
 # Accepted OpenAI fields we do not implement: allowed only at their neutral value.
@@ -268,10 +268,6 @@ def models_list(names: list[str], max_model_len: int, created: int) -> dict[str,
     """Lists the first (public) name only: the others are accepted aliases, such as the model's path."""
     return {"object": "list", "data": [{"id": names[0], "object": "model", "created": created,
                                         "owned_by": "pdserve", "max_model_len": max_model_len}]}
-
-
-def sse_event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
 @dataclass

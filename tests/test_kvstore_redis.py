@@ -122,7 +122,7 @@ def test_make_serve_starts_a_bounded_redis(tmp_path):
 
 
 def test_node_start_up_check_warns_once_about_an_unbounded_store(redis_server, tmp_path, caplog):
-    from serving.node_grpc import check_store
+    from serving.node import check_store
 
     caplog.set_level(logging.WARNING)
     for url in (redis_server.url, redis_server.url + "?ttl=60", f"file://{tmp_path}?max_bytes=1GiB"):

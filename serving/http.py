@@ -1,0 +1,120 @@
+"""The HTTP plumbing shared by pd-serve, the P/D nodes and pd-proxy: one middleware, one serve loop.
+
+The middleware gives every request an id (X-Request-Id honoured or generated; it starts every
+log line about the request and is echoed back), answers every failure in OpenAI's error shape
+(never a traceback) and writes one log line per finished request. The serve loop runs an
+aiohttp app on an already bound socket until SIGINT/SIGTERM, then drains.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import socket
+import time
+import uuid
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+
+from serving import errors
+from serving.auth import check_http_api_key
+from serving.errors import StartupError
+from serving.protocol import REQUEST_ID_RE, APIError, bad_request, error_body
+
+logger = logging.getLogger(__name__)
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(obj), status=status, content_type="application/json")
+
+
+def api_middleware(on_outcome: Callable[[web.Request, str], None] | None = None,
+                   api_key: str | None = None) -> Any:
+    """The middleware of every OpenAI-speaking app.
+
+    Handlers may set `request["outcome"]` (finish reason) and `request["summary"]` (text for the
+    log line); failures set them here. `on_outcome(request, outcome)` then sees every finished
+    request (pd-serve counts them by outcome). With `api_key`, /v1/* needs `Authorization: Bearer KEY`.
+    """
+    @web.middleware
+    async def middleware(request: web.Request, handler) -> web.StreamResponse:
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        start = time.monotonic()
+        request["outcome"] = None
+        response: web.StreamResponse | None = None
+        try:
+            if not REQUEST_ID_RE.fullmatch(rid):
+                rid = uuid.uuid4().hex
+                raise bad_request("X-Request-Id must be 1-128 printable ASCII characters without spaces")
+            request["request_id"] = rid
+            check_http_api_key(request, api_key)
+            response = await handler(request)
+        except APIError as e:
+            response = json_response(e.body(), e.status)
+            request["outcome"] = errors.outcome(e)
+            request["summary"] = f", {e.code or e.type}: {e.message}"
+        except web.HTTPException as e:  # routing (404/405), body too large (413), ...
+            response = json_response(error_body(e.reason, "invalid_request_error", None, str(e.status)), e.status)
+            request["outcome"] = "invalid"
+        except asyncio.CancelledError:
+            request["outcome"] = "abort"  # the client went away; closing the handler's generators aborted its work
+            raise
+        except ConnectionResetError:  # same, noticed while writing a stream
+            request["outcome"] = "abort"
+            response = request.get("sse")
+            if response is None:
+                raise
+        except Exception:
+            logger.exception("Reqid: %s, %s %s failed", rid, request.method, request.path)
+            request["outcome"] = "error"
+            response = json_response(error_body("internal server error", "server_error", None, "internal_error"), 500)
+        finally:
+            if request["outcome"]:
+                if on_outcome is not None:
+                    on_outcome(request, request["outcome"])
+                logger.info("Reqid: %s, %s -> %s, outcome %s, %.1f ms%s", rid, request.path,
+                            response.status if response is not None else "client gone", request["outcome"],
+                            (time.monotonic() - start) * 1e3, request.get("summary", ""))
+        if not response.prepared:
+            response.headers["X-Request-Id"] = rid
+        return response
+
+    return middleware
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """Bind before anything slow happens, so a taken port fails start-up at once."""
+    try:
+        sock = socket.create_server((host, port), reuse_port=False)
+    except OSError as e:
+        raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.setblocking(False)
+    return sock
+
+
+async def serve_app(app: web.Application, sock: socket.socket, prog: str,
+                    details: Callable[[], str], drain: Callable[[], Awaitable[None]] | None = None,
+                    handler_timeout_s: float = 60.0) -> None:
+    """Serve `app` on `sock` until SIGINT/SIGTERM; `drain` lets in-flight work finish before the app stops.
+
+    The ready line, "<prog> ready at http://host:port <details()>", is what operators and tests
+    wait for. Handlers still running after `drain` get `handler_timeout_s` more before they are cancelled.
+    """
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=handler_timeout_s)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    host, port = sock.getsockname()[:2]
+    logger.info("%s ready at http://%s:%d %s", prog, host, port, details())
+    await stop.wait()
+    if drain is not None:
+        await drain()
+    else:
+        logger.info("%s shutting down", prog)
+    await runner.cleanup()
+    logger.info("%s stopped", prog)

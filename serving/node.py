@@ -1,0 +1,142 @@
+"""The P/D node launcher behind `pd-prefill` and `pd-decode`: pd-serve's HTTP server plus the gRPC servicer.
+
+Shared by both roles; `prefill_node` and `decode_node` only pick the defaults (NodeRole).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import socket
+from typing import Any
+from urllib.parse import urlsplit
+
+import grpc
+
+from protos import KEEPALIVE_SERVER_OPTIONS, MESSAGE_LIMITS
+from protos import pdserve_pb2_grpc as pb_grpc
+from serving.auth import GrpcSecurity, add_node_security_args, http_api_key_middleware, node_interceptors, node_security
+from serving.cli import ArgumentParser, add_engine_args, add_log_file, add_server_args
+from serving.errors import StartupError
+from serving.node_grpc import NodeServicer
+from serving.server import run_node, serve
+from serving.startup import check_model_dir
+
+logger = logging.getLogger(__name__)
+
+
+def default_kv_store() -> str:
+    """file:// store under the user's pdserve cache directory (shared by nodes on one host)."""
+    from engine.builtin_model import cache_dir
+
+    return (cache_dir() / "kvstore").resolve().as_uri()
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeRole:
+    """What distinguishes `pd-prefill` from `pd-decode`: defaults only."""
+
+    name: str  # prefill | decode
+    kv_role: str  # producer | consumer
+    http_port: int
+    grpc_port: int
+
+
+def build_parser(role: NodeRole) -> ArgumentParser:
+    parser = ArgumentParser(prog=f"pd-{role.name}", description=f"pdserve {role.name} node: OpenAI HTTP API plus "
+                            "the gRPC control plane for pd-proxy, with a KV connector")
+    add_server_args(parser, default_port=role.http_port)
+    g = parser.add_argument_group("P/D node")
+    g.add_argument("--grpc-port", type=int, default=role.grpc_port,
+                   help=f"gRPC port for pd-proxy (default {role.grpc_port}; 0 picks a free one)")
+    g.add_argument("--kv-store", default=None, help="shared KV store: file:///dir, redis://host:port/db or "
+                   "lm://host:port (LMCache server); default file:// under ~/.cache/pdserve/kvstore")
+    g.add_argument("--lmcache-config", default=None, help="LMCache YAML config (instead of --kv-store)")
+    g.add_argument("--chunk-size", type=int, default=None, help="tokens per stored chunk (default 256)")
+    g.add_argument("--kv-role", choices=("producer", "consumer", "both"), default=role.kv_role,
+                   help=f"KV connector role (default {role.kv_role})")
+    g.add_argument("--kv-load-timeout", dest="load_timeout_s", type=float, default=None,
+                   help="seconds to wait for the store before recomputing (default 10)")
+    g.add_argument("--log-file", default=None, help="also write the log here (for pd-kv-hits)")
+    add_node_security_args(parser)
+    add_engine_args(parser)
+    return parser
+
+
+def check_store(url: str, timeout_s: float = 3.0) -> None:
+    """Fail start-up with one line when the store cannot be reached (before loading any weights)."""
+    parts = urlsplit(url)
+    if parts.scheme == "lm":
+        try:
+            socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 65432), timeout=timeout_s).close()
+        except OSError as e:
+            raise StartupError(f"LMCache server {parts.netloc} unreachable: {e.strerror or e}") from None
+        return
+    from kvstore import StoreError, open_store
+
+    try:  # one real round trip: redis connects lazily
+        with open_store(url, timeout=timeout_s, fingerprint="0" * 32) as store:
+            store.lookup(["0" * 32])
+            unbounded = store.bounds_warning()
+    except (StoreError, ValueError, OSError) as e:
+        raise StartupError(f"KV store {url} unusable: {e}") from None
+    if unbounded:
+        logger.warning(unbounded)
+
+
+async def serve_with_grpc(server: Any, servicer: NodeServicer, sock: socket.socket, grpc_host: str,
+                          grpc_port: int, prog: str, shutdown_timeout: float,
+                          security: GrpcSecurity = GrpcSecurity()) -> None:
+    grpc_server = grpc.aio.server(options=[*MESSAGE_LIMITS, *KEEPALIVE_SERVER_OPTIONS],
+                                  interceptors=node_interceptors(security))
+    pb_grpc.add_PDNodeServicer_to_server(servicer, grpc_server)
+    credentials = security.server_credentials()
+    try:
+        address = f"{grpc_host}:{grpc_port}"
+        bound = grpc_server.add_insecure_port(address) if credentials is None else \
+            grpc_server.add_secure_port(address, credentials)
+    except RuntimeError as e:
+        raise StartupError(f"cannot listen on {grpc_host}:{grpc_port} (gRPC): {e}") from None
+    if security.api_key:
+        server.app.middlewares.append(http_api_key_middleware(security.api_key))
+    logger.log(*security.describe_server(f"{grpc_host}:{bound}"))
+    await grpc_server.start()
+    try:
+        await serve(server, sock, f"{prog} [gRPC {grpc_host}:{bound}]", shutdown_timeout)
+    finally:
+        await grpc_server.stop(grace=1.0)
+        # The connector's threads and connections (LMCache's especially) would keep the process alive.
+        await asyncio.to_thread(server.engine.engine.shutdown)
+
+
+def node_main(role: NodeRole, argv: list[str] | None = None) -> int:
+    parser = build_parser(role)
+    args = parser.parse_args(argv)
+    if args.kv_store is None and args.lmcache_config is None:
+        args.kv_store = default_kv_store()
+
+    security = node_security(args)
+
+    def preflight() -> None:
+        try:
+            security.check(server=True)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+        if args.log_file:
+            try:
+                add_log_file(args.log_file)
+            except OSError as e:
+                raise StartupError(f"cannot write log file {args.log_file}: {e.strerror or e}") from None
+        if args.model is not None:
+            check_model_dir(args.model)  # cheap checks first: the store check imports torch
+        if args.kv_store:
+            check_store(args.kv_store)
+        if args.lmcache_config and not os.access(args.lmcache_config, os.R_OK):
+            raise StartupError(f"cannot read LMCache config {args.lmcache_config}")
+
+    async def run(server: Any, sock: socket.socket) -> None:
+        await serve_with_grpc(server, NodeServicer(server, role.name), sock, args.host, args.grpc_port,
+                              parser.prog, args.shutdown_timeout, security)
+
+    return run_node(args, parser.prog, preflight=preflight, run=run)

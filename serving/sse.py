@@ -1,0 +1,60 @@
+"""The one Server-Sent-Events writer of the OpenAI API, used by pd-serve and pd-proxy alike.
+
+Everything that makes an OpenAI stream lives here once: the headers, the chat role chunk that
+opens a chat stream, the rule for when a delta is worth a chunk, the closing usage chunk of
+`stream_options.include_usage`, and `data: [DONE]`. Callers only feed it Deltas.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from serving.protocol import CHAT, APIError, Delta, ResponseBuilder
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class SSEStream:
+    """One request's stream: `start`, then `delta` per engine/node output, then `finish`."""
+
+    def __init__(self, builder: ResponseBuilder) -> None:
+        self.builder = builder
+        self.response: web.StreamResponse | None = None
+
+    async def start(self, request: web.Request, request_id: str) -> None:
+        """Send the headers (the status is 200 from here on) and, for chat, the role chunk."""
+        self.response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": request_id})
+        request["sse"] = self.response  # the middleware answers with it when the client goes away
+        await self.response.prepare(request)
+        if self.builder.req.kind == CHAT:
+            await self._write(self.builder.chunk(Delta(""), role=True))
+
+    async def delta(self, d: Delta) -> None:
+        """A chunk when the delta carries text, a finish reason, or token ids the client asked for."""
+        req = self.builder.req
+        if d.text or d.finish_reason or (d.token_ids and (req.logprobs or req.return_token_ids)):
+            await self._write(self.builder.chunk(d))
+
+    async def error(self, err: APIError) -> None:
+        """A failure after the stream started: the client learns it in-band, as an error event."""
+        await self._write(err.body())
+
+    async def finish(self, usage: dict[str, Any] | None) -> web.StreamResponse:
+        """The usage chunk (when asked for and known), `[DONE]`, end of body."""
+        assert self.response is not None
+        if usage is not None and self.builder.req.include_usage:
+            await self._write(self.builder.usage_chunk(usage))
+        await self.response.write(SSE_DONE)
+        await self.response.write_eof()
+        return self.response
+
+    async def _write(self, obj: dict[str, Any]) -> None:
+        assert self.response is not None
+        await self.response.write(sse_event(obj))
