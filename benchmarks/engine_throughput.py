@@ -23,8 +23,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
 from engine.builtin_model import default_model_path  # noqa: E402
+from serving import LLM, SamplingParams  # noqa: E402
 
 
 def bench_model_path() -> Path:

@@ -31,8 +31,8 @@ import torch  # noqa: E402
 
 from benchmarks import kvstore_throughput as kvbench  # noqa: E402
 from benchmarks.engine_throughput import bench_model_path, prompts  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from kvstore.keys import chunk_keys  # noqa: E402
+from common.hashing import chunk_keys  # noqa: E402
+from serving import LLM, SamplingParams  # noqa: E402
 from tests.utils import free_port, wait_for_port  # noqa: E402
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

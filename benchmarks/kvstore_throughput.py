@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import redis  # noqa: E402
 import torch  # noqa: E402
 
+from common.hashing import chunk_keys  # noqa: E402
 from kvstore import KVStore, open_store  # noqa: E402
-from kvstore.keys import chunk_keys  # noqa: E402
 from tests.redis_cluster import RedisClusterServer  # noqa: E402
 from tests.utils import free_port, wait_for_port  # noqa: E402
 

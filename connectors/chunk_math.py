@@ -1,4 +1,4 @@
-"""DESIGN.md section 4 as pure functions: what to load, what to read, what to write, what to save.
+"""The hit/load arithmetic (docs/architecture.md §5) as pure functions: what to load, read, write and save.
 
 Kept free of I/O and engine state so every connector (store, LMCache) shares one copy of the
 arithmetic and the unit tests can pin it down exhaustively.

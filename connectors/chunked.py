@@ -1,6 +1,6 @@
 """The scheduler half shared by every chunked connector (store and LMCache).
 
-Both connectors answer the same questions with the DESIGN.md section 4 arithmetic; they
+Both connectors answer the same questions with the arithmetic of docs/architecture.md §5; they
 differ only in how a prompt's present chunk prefix is looked up and how bytes move. This
 class owns the per-request bookkeeping (load plan, save progress) and the step metadata;
 subclasses implement `lookup_hit` and the worker half.
@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from connectors.chunk_math import LoadPlan, save_range, slots_for
 from connectors.kv_log import KVTransferMetrics
+from engine.kv_connector import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 
 if TYPE_CHECKING:
     from engine.request import Request

@@ -1,10 +1,11 @@
-"""Pick the KV connector from `config.kv_transfer` (LLMEngine calls this once the model runner exists)."""
+"""Pick the KV connector from `config.kv_transfer`: the ConnectorFactory (engine.kv_connector) that
+serving hands to LLMEngine, called once the model runner exists."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from connectors.base import KVConnectorBase
+from engine.kv_connector import KVConnectorBase
 from kvstore import SCHEMES as STORE_SCHEMES
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""The KV hand-off's operator-facing facts: DESIGN.md section 5 log lines and Prometheus metrics.
+"""The KV hand-off's operator-facing facts: the log lines of docs/architecture.md §5 and Prometheus metrics.
 
 Every connector reports through `KVTransferMetrics`, so the store and LMCache connectors print
 the same lines and export the same series. Each connector owns a private registry (several

@@ -6,7 +6,7 @@ Bytes move through `PagedKVCPUConnector`. Two deliberate departures from LMCache
 
 - chunk keys use a blake2b chain instead of Python's `hash()`: LMCache falls back to the
   builtin when vLLM is absent, and our keys must never depend on the interpreter;
-- the partial last chunk is saved (`save_unfull_chunk: true`), as DESIGN.md section 3 requires.
+- the partial last chunk is saved (`save_unfull_chunk: true`), as docs/architecture.md §4 (chunk alignment) requires.
 
 LMCache's retrieve/store are whole-sequence calls, so the load runs in the background from
 `start_load_kv` and layer 0 waits for it; the save starts after the last layer wrote its KV.
@@ -27,10 +27,10 @@ from lmcache.v1.cache_engine import LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheMetadata
 
-from connectors.base import KVConnectorRole
+from common.hashing import digest, token_bytes
 from connectors.chunked import ChunkedConnector, ChunkedConnectorMetadata, InFlightLoad, SaveSpec
 from connectors.lmcache_cpu import PagedKVCPUConnector
-from kvstore.keys import digest, token_bytes
+from engine.kv_connector import KVConnectorRole
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig, KVTransferConfig

@@ -5,7 +5,7 @@ layer order, and each read scatters its chunk rows straight into paged memory; t
 only waits for layer i right before layer i's attention, so reads overlap compute. Saves gather
 a layer's complete chunks right after the layer wrote its KV and put them in the background;
 `wait_for_save` commits the chunks once every layer is written. Every store failure turns into
-"recompute" (loads) or a warning (saves), never a failed request or a hang (DESIGN.md section 6).
+"recompute" (loads) or a warning (saves), never a failed request or a hang (docs/architecture.md §4, failures).
 """
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-import kernels
-from connectors.base import KVConnectorRole
+from common.hashing import chunk_keys
 from connectors.chunk_math import chunk_bounds, hit_tokens
 from connectors.chunked import ChunkedConnector, ChunkedConnectorMetadata, InFlightLoad, SaveSpec
+from engine.kv_connector import KVConnectorRole
+import kernels
 from kvstore import CorruptObject, KVStore, NotFound, StoreTimeout, StoreUnavailable, open_store
-from kvstore.keys import chunk_keys
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -47,7 +47,7 @@ class _Save:
 
 
 class StoreConnector(ChunkedConnector):
-    """The pdserve kvstore connector: DESIGN.md sections 3-6 over open_store(url)."""
+    """The pdserve kvstore connector: docs/architecture.md §4-5 over open_store(url)."""
 
     def __init__(self, config: EngineConfig, runner: Any, store: KVStore | None = None) -> None:
         kt = config.kv_transfer

@@ -1,4 +1,8 @@
-"""pdserve engine: `from engine import LLM, SamplingParams` for offline generation.
+"""pdserve engine: paged KV cache, scheduler, model runner and sampler; no HTTP, gRPC or store client.
+
+The KV connector interface lives here (engine.kv_connector); its implementations live in
+`connectors/` and are handed in by the layer above (serving), so the engine never imports
+them. The offline API is `from serving import LLM, SamplingParams`.
 
 The heavy names (they pull in torch and transformers) load on first use, so importing a light
 submodule such as `engine.config` stays cheap.
@@ -9,7 +13,6 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",
     "RequestOutput": "engine.outputs",
     "EngineStats": "engine.outputs",

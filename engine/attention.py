@@ -19,7 +19,7 @@ from torch import nn
 import kernels
 
 if TYPE_CHECKING:
-    from connectors.base import KVConnectorBase
+    from engine.kv_connector import KVConnectorBase
 
 
 @dataclass

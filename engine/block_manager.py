@@ -2,15 +2,15 @@
 
 Prefix caching works on full blocks only. Block i of a request is named by the hash chain
 h_i = H(h_{i-1} || tokens of block i) with h_{-1} = H(model fingerprint || cache salt)
-(kvstore.keys), so equal prefixes of the same model and tenant get equal names in every
+(common/hashing.py), so equal prefixes of the same model and tenant get equal names in every
 process. A block is indexed only after the step that wrote its KV has finished
 (`cache_blocks`), never at allocation time: external loads may still fail and be rewound.
 """
 from __future__ import annotations
 
+from common.hashing import chain_seed, hash_chain
 from engine.block_pool import BlockPool, KVCacheBlock
 from engine.request import Request
-from kvstore.keys import chain_seed, hash_chain
 
 
 def cdiv(a: int, b: int) -> int:

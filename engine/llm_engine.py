@@ -23,7 +23,7 @@ from engine.structured_output import StructuredOutputManager
 from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 if TYPE_CHECKING:
-    from connectors.base import KVConnectorBase
+    from engine.kv_connector import ConnectorFactory
 
 logger = logging.getLogger(__name__)
 
@@ -51,17 +51,24 @@ def _eos_token_id(tokenizer: Any, hf_config: Any) -> int | None:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, connector: KVConnectorBase | None = None) -> None:
+    def __init__(self, config: EngineConfig, connector_factory: ConnectorFactory | None = None) -> None:
+        """`connector_factory` builds the KV connector when `config.kv_transfer` asks for one.
+
+        The engine knows only the connector interface (engine.kv_connector); the layer above picks
+        the implementation (serving passes connectors.factory.create_connector).
+        """
         self.config = config
         self.model_name = config.model.model
-        self.model_runner = ModelRunner(config, connector)  # first: it explains a bad model path
+        self.model_runner = ModelRunner(config)  # first: it explains a bad model path
         self.tokenizer = load_tokenizer(config.model.model)
         runner = self.model_runner
-        if connector is None and config.kv_transfer.enabled:
-            from connectors.factory import create_connector
-
+        connector = None
+        if config.kv_transfer.enabled:
+            if connector_factory is None:
+                raise ValueError("kv_store / lmcache_config need a KV connector: build the engine through "
+                                 "serving (serving.LLM, pd-prefill, pd-decode), which supplies one")
             # The runner comes first (the connector needs its shapes and registers its KV tensors).
-            connector = create_connector(config, runner)
+            connector = connector_factory(config, runner)
             runner.connector = connector
         self.connector = connector
         self.kv_cache_manager = KVCacheManager(runner.num_blocks, runner.block_size, runner.fingerprint,
@@ -93,8 +100,8 @@ class LLMEngine:
                     type(connector).__name__ if connector is not None else "none")
 
     @classmethod
-    def from_kwargs(cls, model: str, connector: KVConnectorBase | None = None, **kwargs: Any) -> LLMEngine:
-        return cls(EngineConfig.from_kwargs(model, **kwargs), connector)
+    def from_kwargs(cls, model: str, connector_factory: ConnectorFactory | None = None, **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(model, **kwargs), connector_factory)
 
     # ---- requests ----
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from common.hashing import model_fingerprint
 from engine.attention import AttentionMetadata, ForwardContext, set_forward_context
 from engine.config import EngineConfig
 from engine.loader import iterate_weights
@@ -14,10 +15,9 @@ from engine.models import build_model
 from engine.prompt_logprobs import compute_prompt_logprobs
 from engine.sampler import Sampler
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from kvstore.keys import model_fingerprint
 
 if TYPE_CHECKING:
-    from connectors.base import KVConnectorBase
+    from engine.kv_connector import KVConnectorBase
 
 logger = logging.getLogger(__name__)
 

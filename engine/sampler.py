@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
+from common.hashing import digest
 from engine.logits_processors import process_logits
 from engine.request import Request
-from kvstore.keys import digest
 
 
 def seeded_generator(seed: int, token_index: int) -> torch.Generator:

@@ -18,7 +18,7 @@ from engine.request import Request, RequestStatus
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from connectors.base import KVConnectorBase
+    from engine.kv_connector import KVConnectorBase
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ class Scheduler:
         self.num_failed_loads += 1
         request.num_computed_tokens = request.num_local_computed_tokens
         request.num_cached_tokens = request.num_local_computed_tokens
-        # The connector already logged the DESIGN.md fallback line with its reason.
+        # The connector already logged the fallback line of docs/architecture.md §5 with its reason.
         logger.info("Reqid: %s, rewound to %d locally computed tokens after a failed KV load",
                     request.request_id, request.num_local_computed_tokens)
         request.num_external_computed_tokens = 0

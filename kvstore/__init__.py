@@ -13,17 +13,12 @@ from __future__ import annotations
 from typing import Any, Callable
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from common.units import parse_bytes
 from kvstore.base import ChunkInfo, KVStore, StoreStats, Usage, VerifyReport
 from kvstore.errors import CorruptObject, NotFound, StoreError, StoreTimeout, StoreUnavailable
 
 __all__ = ["open_store", "SCHEMES", "KVStore", "ChunkInfo", "StoreStats", "Usage", "VerifyReport",
            "StoreError", "StoreUnavailable", "StoreTimeout", "CorruptObject", "NotFound"]
-
-
-def _bytes(value: str) -> int:
-    from engine.config import parse_bytes  # lazy: engine imports kvstore through the connectors
-
-    return parse_bytes(value)
 
 
 def _bool(value: str) -> bool:
@@ -36,7 +31,7 @@ def _bool(value: str) -> bool:
 
 _COMMON: dict[str, Callable[[str], Any]] = {"timeout": float, "io_threads": int}
 _QUERY: dict[str, dict[str, Callable[[str], Any]]] = {
-    "file": {"max_bytes": _bytes, "fsync": _bool},
+    "file": {"max_bytes": parse_bytes, "fsync": _bool},
     "redis": {"ttl": int, "prefix": str, "max_connections": int},
 }
 _QUERY["rediss"] = _QUERY["redis"]  # TLS

@@ -1,6 +1,6 @@
 """The KV store interface that connectors build on: small, batched, typed errors.
 
-Data model. A prompt is cut into chunks of C tokens (kvstore.keys.chunk_keys gives their
+Data model. A prompt is cut into chunks of C tokens (common.hashing.chunk_keys gives their
 keys; the last chunk may be partial). Each chunk is stored as one object per layer, holding
 a tensor [2, n_tokens, num_kv_heads, head_dim] (K and V) in the codec format (kvstore.codec),
 plus a commit marker written after all of its layers. A chunk is *present* only once its

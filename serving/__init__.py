@@ -1,6 +1,23 @@
-"""pdserve serving: everything between a client (or the proxy) and the engine.
+"""pdserve serving: the entry points, everything between a user (or the proxy) and the engine.
 
-The OpenAI protocol, HTTP server (`pd-serve`), node gRPC servicer and launcher, command-line
-options and Prometheus metrics live here, so `engine/` stays free of HTTP, gRPC and
-Prometheus. The package layout and its import rules: docs/architecture.md.
+The offline `LLM`, the OpenAI protocol, HTTP server (`pd-serve`), node gRPC servicer and
+launcher, command-line options and Prometheus metrics live here, so `engine/` stays free of
+HTTP, gRPC and Prometheus. This is also the layer that picks a KV connector from
+`connectors/` and hands it to the engine. Layout and import rules: docs/architecture.md.
+
+`from serving import LLM, SamplingParams` loads the engine on first use only, so the proxy can
+import serving's protocol without it.
 """
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {"LLM": "serving.llm", "SamplingParams": "engine.sampling_params"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'serving' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

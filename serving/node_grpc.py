@@ -117,7 +117,7 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         store = 0
         connector = self.llm.connector
         if connector is not None:
-            try:  # the connector's own hit computation (H of DESIGN.md section 4)
+            try:  # the connector's own hit computation (H of docs/architecture.md §5)
                 store = await asyncio.wait_for(asyncio.to_thread(connector.lookup_hit, probe), 1.0)
             except Exception as e:  # a routing hint: an unreachable store just means "no store hit"
                 logger.debug("lookup: store hit unknown (%s)", e)

@@ -44,10 +44,11 @@ def create_async_engine(args: argparse.Namespace) -> tuple[AsyncLLMEngine, list[
     except (TypeError, ValueError) as e:
         raise StartupError(f"invalid engine option: {e}") from None
     model = check_model_dir(args.model)  # before the heavy imports (torch): a bad path fails fast
+    from connectors.factory import create_connector
     from engine.llm_engine import LLMEngine
 
     try:
-        llm = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
+        llm = LLMEngine(EngineConfig.from_kwargs(model, **kwargs), create_connector)
     except Exception as e:  # transformers/safetensors/config errors: a one-line reason, no traceback
         logger.debug("engine start-up failed", exc_info=True)
         raise StartupError(f"cannot load model from {model}: {type(e).__name__}: {e}") from None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from engine import LLM, SamplingParams
+from serving import LLM, SamplingParams
 
 LENGTHS = (1, 2, 15, 16, 17, 255, 256, 257, 511, 512, 513, 1000)
 MAX_TOKENS = 4

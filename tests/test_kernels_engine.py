@@ -33,7 +33,7 @@ print(json.dumps({**generate_rounds(sys.argv[1]), "calls": calls}))
 
 def generate_rounds(model: str) -> dict[str, list]:
     """Greedy generation of each round in turn on one LLM: generated tokens and cached prompt tokens."""
-    from engine import LLM, SamplingParams
+    from serving import LLM, SamplingParams
 
     llm = LLM(model, **ENGINE_OPTIONS)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

@@ -9,15 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import kernels
-from connectors.base import KVConnectorBase, KVConnectorRole
 from engine.attention import ForwardContext, set_forward_context
 from engine.builtin_model import make_model
 from engine.config import EngineConfig
+from engine.kv_connector import KVConnectorBase, KVConnectorRole
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler_output import SchedulerOutput
+import kernels
 
 ATOL = 1e-4
 BLOCK = 16

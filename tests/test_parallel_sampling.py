@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from engine import LLM, SamplingParams
+from serving import LLM, SamplingParams
 from tests.test_generate import BLOCK_BYTES_TINY, hf_greedy, random_prompt
 
 # Around block boundaries: the partial last block is copied per choice, full blocks are shared.

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from engine.block_manager import KVCacheManager
 from engine.config import EngineConfig, ModelConfig, SchedulerConfig
+from engine.kv_connector import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from connectors.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 
 BS = 16
 EOS = 1

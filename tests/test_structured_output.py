@@ -7,9 +7,9 @@ import re
 import jsonschema
 import pytest
 
-from engine import LLM, SamplingParams
 from engine.sampling_params import StructuredOutputsParams
 from engine.structured_output import check_structured_outputs
+from serving import LLM, SamplingParams
 
 SCHEMA = {
     "type": "object",

@@ -4,14 +4,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from kvstore.keys import chunk_keys, hash_chain, chain_seed, model_fingerprint
+from common.hashing import chunk_keys, hash_chain, chain_seed, model_fingerprint
 
 FP = model_fingerprint({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}, "float32", 2, 2, 16)
 TOKENS = list(range(600))
 
 
 def test_chunk_keys_are_identical_in_another_process() -> None:
-    code = ("from kvstore.keys import chunk_keys, model_fingerprint;"
+    code = ("from common.hashing import chunk_keys, model_fingerprint;"
             "fp = model_fingerprint({'architectures': ['LlamaForCausalLM'], 'hidden_size': 64}, 'float32', 2, 2, 16);"
             "print(','.join(chunk_keys(fp, list(range(600)), 256)))")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

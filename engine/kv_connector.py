@@ -1,5 +1,9 @@
 """The KV connector API, shaped like vLLM's V1 KVConnectorBase.
 
+The interface belongs to its caller, the engine; the implementations (store, LMCache) live in
+`connectors/` and reach the engine through a ConnectorFactory that the serving layer passes to
+LLMEngine, so the engine never imports them (docs/architecture.md).
+
 One connector object lives in each engine and serves both halves (scheduler and worker
 share a process here). The engine calls it at these points:
 
@@ -22,13 +26,18 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     import torch
 
+    from engine.config import EngineConfig
     from engine.request import Request
     from engine.scheduler_output import SchedulerOutput
+
+
+# Builds an engine's connector from its config once the model runner (shapes, KV tensors) exists.
+ConnectorFactory = Callable[["EngineConfig", Any], "KVConnectorBase | None"]
 
 
 class KVConnectorRole(str, enum.Enum):

@@ -2,13 +2,16 @@
 
 Like vLLM's offline API it prints its log lines (engine start-up, KV hits and loads, ...)
 without the caller configuring logging; PDSERVE_CONFIGURE_LOGGING=0 turns that off
-(engine.logging_setup).
+(engine.logging_setup). It lives in serving, not engine, because it wires a KV connector from
+`connectors/` into the engine when `kv_store` or `lmcache_config` is given (the engine itself
+never imports connectors).
 """
 from __future__ import annotations
 
 import itertools
 from typing import Any, Sequence
 
+from connectors.factory import create_connector
 from engine.llm_engine import LLMEngine
 from engine.logging_setup import configure_default_logging
 from engine.outputs import RequestOutput
@@ -28,7 +31,7 @@ class LLM:
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         configure_default_logging()
-        self.engine = LLMEngine.from_kwargs(model, **kwargs)
+        self.engine = LLMEngine.from_kwargs(model, connector_factory=create_connector, **kwargs)
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

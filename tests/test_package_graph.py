@@ -1,0 +1,100 @@
+"""The package graph stays acyclic and every package imports only what docs/architecture.md allows.
+
+Imports are read from the source (ast), so a function-local import counts as much as a top-level
+one; only imports under `if TYPE_CHECKING:` are left out (they never run). A second check runs the
+proxy's modules in a fresh interpreter and asserts nothing heavy (torch, model code, stores) was loaded.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+from tests.utils import REPO
+
+# package -> the first-party packages it may import (docs/architecture.md, "Packages and imports")
+ALLOWED = {
+    "common": set(),
+    "kernels": set(),
+    "protos": set(),
+    "kvstore": {"common"},
+    "engine": {"common", "kernels"},
+    "connectors": {"common", "engine", "kernels", "kvstore"},
+    "serving": {"common", "connectors", "engine", "kvstore", "protos"},
+    "proxy": {"protos", "serving"},
+    "prefill_node": {"serving"},
+    "decode_node": {"serving"},
+    "deploy": {"engine", "proxy"},
+}
+PACKAGES = set(ALLOWED) | {"tests", "benchmarks"}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imported(tree: ast.AST) -> set[str]:
+    """Top-level packages of every import in the tree that runs (TYPE_CHECKING blocks skipped)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def package_graph() -> dict[str, set[str]]:
+    """package -> first-party packages its modules import (itself excluded)."""
+    graph: dict[str, set[str]] = {}
+    for package in ALLOWED:
+        deps: set[str] = set()
+        for path in (REPO / package).rglob("*.py"):
+            deps |= _imported(ast.parse(path.read_text(), str(path)))
+        graph[package] = (deps & PACKAGES) - {package}
+    return graph
+
+
+def test_every_package_imports_only_what_it_may():
+    graph = package_graph()
+    extra = {p: sorted(deps - ALLOWED[p]) for p, deps in graph.items() if deps - ALLOWED[p]}
+    assert not extra, f"imports the architecture does not allow: {extra}"
+    assert not any(graph[p] & {"tests", "benchmarks"} for p in graph)
+
+
+def test_the_package_graph_is_acyclic():
+    graph = package_graph()
+    done: set[str] = set()
+
+    def visit(p: str, path: list[str]) -> None:
+        assert p not in path, f"import cycle: {' -> '.join(path[path.index(p):] + [p])}"
+        if p in done:
+            return
+        for q in sorted(graph.get(p, ())):
+            visit(q, path + [p])
+        done.add(p)
+
+    for p in sorted(graph):
+        visit(p, [])
+
+
+def test_the_proxy_process_stays_light():
+    """pd-proxy loads no torch, model code, connector or store client. Of the engine it loads only the
+    two dependency-free dataclass modules serving shares with it: the request's SamplingParams (what
+    serving.protocol validates into) and the engine config (serving.cli's option defaults)."""
+    code = ("import sys, proxy.app, proxy.__main__; "
+            "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('engine', 'connectors', 'kvstore', 'kernels', 'torch', 'transformers'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert set(out.stdout.split()) <= {"engine", "engine.sampling_params", "engine.config"}, out.stdout
