@@ -28,7 +28,7 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
 
 
 def model_fingerprint(model_config: dict[str, Any], dtype: str, num_layers: int, num_kv_heads: int,
-                      head_dim: int, tp_rank: int = 0, tp_size: int = 1) -> str:
+                      head_dim: int) -> str:
     """Hex digest identifying whose KV this is: two models share KV only if all of this matches."""
     ident = {
         "config": model_config,
@@ -36,8 +36,10 @@ def model_fingerprint(model_config: dict[str, Any], dtype: str, num_layers: int,
         "num_layers": num_layers,
         "num_kv_heads": num_kv_heads,
         "head_dim": head_dim,
-        "tp_rank": tp_rank,
-        "tp_size": tp_size,
+        # One engine is one shard today. The entries stay so every key keeps its value (stores
+        # written earlier stay readable); tensor parallelism would put the shard's rank/size here.
+        "tp_rank": 0,
+        "tp_size": 1,
     }
     blob = json.dumps(ident, sort_keys=True, default=str).encode()
     return digest(b"pdserve-model", blob).hex()

@@ -1,4 +1,4 @@
-"""The hit/load arithmetic (docs/architecture.md §5) as pure functions: what to load, read, write and save.
+"""docs/architecture.md's hit and load arithmetic as pure functions: what to load, read, write and save.
 
 Kept free of I/O and engine state so every connector (store, LMCache) shares one copy of the
 arithmetic and the unit tests can pin it down exhaustively.

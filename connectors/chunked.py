@@ -1,6 +1,6 @@
 """The scheduler half shared by every chunked connector (store and LMCache).
 
-Both connectors answer the same questions with the arithmetic of docs/architecture.md §5; they
+Both connectors answer the same questions with the arithmetic of docs/architecture.md; they
 differ only in how a prompt's present chunk prefix is looked up and how bytes move. This
 class owns the per-request bookkeeping (load plan, save progress) and the step metadata;
 subclasses implement `lookup_hit` and the worker half.
@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from connectors.chunk_math import LoadPlan, save_range, slots_for
-from connectors.kv_log import KVTransferMetrics
-from engine.kv_connector import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from connectors.kv_metrics import KVTransferMetrics
+from engine.config import KVRole
+from engine.kv_connector import KVConnectorBase, KVConnectorMetadata
 
 if TYPE_CHECKING:
     from engine.request import Request
@@ -87,7 +88,7 @@ class _RequestState:
 class ChunkedConnector(KVConnectorBase):
     """Scheduler-side bookkeeping over a store of prompt chunks of `chunk_size` tokens."""
 
-    def __init__(self, role: KVConnectorRole, chunk_size: int, block_size: int,
+    def __init__(self, role: KVRole, chunk_size: int, block_size: int,
                  metrics: KVTransferMetrics | None = None) -> None:
         super().__init__(role)
         self.chunk_size = chunk_size

@@ -1,6 +1,6 @@
 """`pd-kv-hits LOG...`: what the KV store did for each request, read back from node logs.
 
-Reads the one-line events of docs/architecture.md §5 (lookup, load, save, fallback; request id first)
+Reads the one-line events of docs/architecture.md (Log lines) (lookup, load, save, fallback; request id first)
 wherever they sit in a log line (any logging prefix is fine), plus LMCache's own wording
 ("Reqid: ..., LMCache hit tokens: ...", "[req_id=...] Retrieved R out of Q required
 tokens ...", "[req_id=...] Stored S out of total T tokens ..."). Prefill and decode logs
@@ -44,7 +44,7 @@ class Event:
     kind: str  # lookup | load | save | fallback
     request_id: str
     values: dict[str, float | int | str]
-    native: bool = False  # LMCache's own wording rather than docs/architecture.md §5
+    native: bool = False  # LMCache's own wording rather than docs/architecture.md's
 
 
 @dataclass

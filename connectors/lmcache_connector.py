@@ -6,7 +6,7 @@ Bytes move through `PagedKVCPUConnector`. Two deliberate departures from LMCache
 
 - chunk keys use a blake2b chain instead of Python's `hash()`: LMCache falls back to the
   builtin when vLLM is absent, and our keys must never depend on the interpreter;
-- the partial last chunk is saved (`save_unfull_chunk: true`), as docs/architecture.md §4 (chunk alignment) requires.
+- the partial last chunk is saved (`save_unfull_chunk: true`), as docs/architecture.md (Chunk alignment) requires.
 
 LMCache's retrieve/store are whole-sequence calls, so the load runs in the background from
 `start_load_kv` and layer 0 waits for it; the save starts after the last layer wrote its KV.
@@ -30,7 +30,7 @@ from lmcache.v1.metadata import LMCacheMetadata
 from common.hashing import digest, token_bytes
 from connectors.chunked import ChunkedConnector, ChunkedConnectorMetadata, InFlightLoad, SaveSpec
 from connectors.lmcache_cpu import PagedKVCPUConnector
-from engine.kv_connector import KVConnectorRole
+from engine.config import KVRole
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig, KVTransferConfig
@@ -88,7 +88,7 @@ class LMCacheConnector(ChunkedConnector):
         if chunk_size % config.cache.block_size:
             raise ValueError(f"LMCache chunk_size ({chunk_size}) must be a multiple of block_size "
                              f"({config.cache.block_size})")
-        super().__init__(KVConnectorRole(kt.kv_role or "both"), chunk_size, config.cache.block_size)
+        super().__init__(KVRole(kt.kv_role or KVRole.BOTH), chunk_size, config.cache.block_size)
         self.num_layers: int = runner.num_layers
         self.timeout_s = kt.load_timeout_s
         self.token_bytes = 2 * runner.num_layers * runner.num_kv_heads * runner.head_dim * \

@@ -5,7 +5,7 @@ layer order, and each read scatters its chunk rows straight into paged memory; t
 only waits for layer i right before layer i's attention, so reads overlap compute. Saves gather
 a layer's complete chunks right after the layer wrote its KV and put them in the background;
 `wait_for_save` commits the chunks once every layer is written. Every store failure turns into
-"recompute" (loads) or a warning (saves), never a failed request or a hang (docs/architecture.md §4, failures).
+"recompute" (loads) or a warning (saves), never a failed request or a hang (docs/architecture.md, Invariants).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from common.hashing import chunk_keys
 from connectors.chunk_math import chunk_bounds, hit_tokens
 from connectors.chunked import ChunkedConnector, ChunkedConnectorMetadata, InFlightLoad, SaveSpec
-from engine.kv_connector import KVConnectorRole
+from engine.config import KVRole
 import kernels
 from kvstore import CorruptObject, KVStore, NotFound, StoreTimeout, StoreUnavailable, open_store
 
@@ -47,11 +47,11 @@ class _Save:
 
 
 class StoreConnector(ChunkedConnector):
-    """The pdserve kvstore connector: docs/architecture.md §4-5 over open_store(url)."""
+    """The pdserve kvstore connector: docs/architecture.md's invariants and arithmetic over open_store(url)."""
 
     def __init__(self, config: EngineConfig, runner: Any, store: KVStore | None = None) -> None:
         kt = config.kv_transfer
-        super().__init__(KVConnectorRole(kt.kv_role or "both"), kt.chunk_size, config.cache.block_size)
+        super().__init__(KVRole(kt.kv_role or KVRole.BOTH), kt.chunk_size, config.cache.block_size)
         self.fingerprint: str = runner.fingerprint
         self.num_layers: int = runner.num_layers
         self.load_timeout_s = kt.load_timeout_s

@@ -5,7 +5,7 @@ import sys
 
 from serving.node import NodeRole, node_main
 
-ROLE = NodeRole(name="decode", kv_role="consumer", http_port=8200, grpc_port=50052)
+ROLE = NodeRole(name="decode", kv_role="kv_consumer", http_port=8200, grpc_port=50052)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,7 +37,7 @@ class RequestAbortedError(RuntimeError):
 class _Stream:
     request_id: str
     num_prompt_tokens: int
-    arrival: float = field(default_factory=time.monotonic)
+    arrival: float = field(default_factory=time.monotonic)  # handed to the engine: its Request.arrival_time
     last_token_time: float = 0.0
     started: bool = False  # produced its first token (or finished)
     num_open_choices: int = 1  # n: the stream ends when every choice has finished
@@ -53,7 +53,6 @@ class AsyncLLMEngine:
         self.metrics = metrics
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
-        self._num_unstarted = 0  # accepted requests without a first token yet: the bounded "waiting queue"
         self._stats = engine.get_stats()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -81,7 +80,8 @@ class AsyncLLMEngine:
 
     @property
     def num_unstarted(self) -> int:
-        return self._num_unstarted
+        """Accepted requests without a first token yet: the bounded "waiting queue"."""
+        return sum(not stream.started for stream in self._streams.values())
 
     @property
     def accepting(self) -> bool:
@@ -103,15 +103,14 @@ class AsyncLLMEngine:
         """
         if not self._accepting:
             raise EngineShutdownError("the server is shutting down")
-        if self._num_unstarted >= self.max_waiting_requests:
-            raise EngineOverloadedError(f"{self._num_unstarted} requests are already waiting "
+        if (waiting := self.num_unstarted) >= self.max_waiting_requests:
+            raise EngineOverloadedError(f"{waiting} requests are already waiting "
                                         f"(limit {self.max_waiting_requests}); retry later")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
         stream = _Stream(request_id, len(prompt_token_ids), num_open_choices=params.n)
         self._streams[request_id] = stream
-        self._num_unstarted += 1
-        self._commands.put(("add", request_id, prompt_token_ids, params, cache_salt))
+        self._commands.put(("add", request_id, prompt_token_ids, params, cache_salt, stream.arrival))
         finished = False
         try:
             while True:
@@ -152,9 +151,6 @@ class AsyncLLMEngine:
     def _forget(self, stream: _Stream) -> None:
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
-        if not stream.started:
-            stream.started = True
-            self._num_unstarted -= 1
 
     def _dispatch(self, outputs: list[RequestOutput], stats: Any) -> None:
         """Runs on the loop: route one step's outputs to their streams, observe latencies."""
@@ -172,9 +168,8 @@ class AsyncLLMEngine:
                     self.metrics.observe_finished(now - stream.arrival, stream.num_prompt_tokens, len(out.token_ids))
             if n:
                 stream.last_token_time = now
-            if (n or out.finished) and not stream.started:
+            if n or out.finished:
                 stream.started = True
-                self._num_unstarted -= 1
             stream.queue.put_nowait(out)
 
     def _fail(self, request_id: str, error: BaseException, stats: Any) -> None:
@@ -241,9 +236,9 @@ class AsyncLLMEngine:
             if cmd[0] == "stop":
                 return False
             if cmd[0] == "add":
-                _, rid, ids, params, salt = cmd
+                _, rid, ids, params, salt, arrival = cmd
                 try:
-                    self.engine.add_request(rid, ids, params, cache_salt=salt)
+                    self.engine.add_request(rid, ids, params, cache_salt=salt, arrival_time=arrival)
                     live.add(rid)
                 except ValueError as e:  # the client's fault: 400
                     self._post(self._fail, rid, e, self.engine.get_stats())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,19 +56,48 @@ class SchedulerConfig:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
 
 
+class KVRole(str, enum.Enum):
+    """What a node does with the shared store: vLLM's `kv_role` values.
+
+    (vLLM's own KVConnectorRole means scheduler-side vs worker-side; here one connector object
+    plays both sides, so that enum has no counterpart.)
+    """
+
+    PRODUCER = "kv_producer"  # prefill node: saves KV
+    CONSUMER = "kv_consumer"  # decode node: loads KV
+    BOTH = "kv_both"
+
+    @classmethod
+    def parse(cls, value: str) -> KVRole:
+        """vLLM's spelling, or the short one pdserve command lines used first (producer|consumer|both)."""
+        try:
+            return cls(value if str(value).startswith("kv_") else f"kv_{value}")
+        except ValueError:
+            raise ValueError(f"kv_role must be kv_producer, kv_consumer or kv_both (or producer, consumer, both), "
+                             f"got {value!r}") from None
+
+    @property
+    def saves(self) -> bool:
+        return self in (KVRole.PRODUCER, KVRole.BOTH)
+
+    @property
+    def loads(self) -> bool:
+        return self in (KVRole.CONSUMER, KVRole.BOTH)
+
+
 @dataclass(frozen=True)
 class KVTransferConfig:
     """Where KV goes between nodes; kv_store None means no connector (monolithic serving)."""
 
     kv_store: str | None = None  # file:///dir, redis://host:port/db, lm://host:port
-    kv_role: str | None = None  # producer | consumer | both
+    kv_role: str | None = None  # kv_producer | kv_consumer | kv_both (vLLM's words; producer etc. accepted)
     chunk_size: int = 256
     lmcache_config: str | None = None
     load_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.kv_role is not None and self.kv_role not in ("producer", "consumer", "both"):
-            raise ValueError(f"kv_role must be producer, consumer or both, got {self.kv_role!r}")
+        if self.kv_role is not None:
+            object.__setattr__(self, "kv_role", KVRole.parse(self.kv_role).value)
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if self.load_timeout_s <= 0:

@@ -23,10 +23,11 @@ worker side (model runner)
 """
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
+
+from engine.config import KVRole
 
 if TYPE_CHECKING:
     import torch
@@ -40,27 +41,13 @@ if TYPE_CHECKING:
 ConnectorFactory = Callable[["EngineConfig", Any], "KVConnectorBase | None"]
 
 
-class KVConnectorRole(str, enum.Enum):
-    PRODUCER = "producer"  # prefill node: saves KV
-    CONSUMER = "consumer"  # decode node: loads KV
-    BOTH = "both"
-
-    @property
-    def saves(self) -> bool:
-        return self in (KVConnectorRole.PRODUCER, KVConnectorRole.BOTH)
-
-    @property
-    def loads(self) -> bool:
-        return self in (KVConnectorRole.CONSUMER, KVConnectorRole.BOTH)
-
-
 @dataclass
 class KVConnectorMetadata:
     """Per-step instructions from the scheduler half to the worker half (subclassed)."""
 
 
 class KVConnectorBase(ABC):
-    def __init__(self, role: KVConnectorRole) -> None:
+    def __init__(self, role: KVRole) -> None:
         self.role = role
 
     # ---- scheduler side ----

@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.block_manager import KVCacheManager
 from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
 from engine.outputs import EngineStats, Logprob, RequestOutput
 from engine.request import Request, RequestStatus
@@ -34,7 +34,6 @@ class _OutputState:
 
     request: Request
     detokenizer: IncrementalDetokenizer
-    arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     text: str = ""
     num_sent_tokens: int = 0
@@ -105,11 +104,12 @@ class LLMEngine:
 
     # ---- requests ----
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
         """Queue a request; ValueError with a clear message when it can never run.
 
         With n > 1 it becomes n engine requests (choice 0 keeps `request_id`, choice i is
         `{i}_{request_id}` as in vLLM); their outputs carry `request_id` and their `index`.
+        `arrival_time` (time.monotonic()) is when the request reached the server, if earlier than now.
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -130,9 +130,10 @@ class LLMEngine:
         grammar = params.structured_outputs
         if grammar is not None:
             self.structured_output.compile(grammar)  # ValueError for an invalid spec, before anything is queued
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         choices = [Request(request_id if i == 0 else f"{i}_{request_id}", ids, params if params.n == 1 else
                            params.for_choice(i), eos_token_id=self.eos_token_id, cache_salt=cache_salt,
-                           parent_id=request_id, index=i) for i in range(params.n)]
+                           parent_id=request_id, index=i, arrival_time=arrival) for i in range(params.n)]
         for choice in choices:
             choice.grammar = self.structured_output.request_grammar(grammar)
         choices[0].forks = choices[1:]
@@ -199,7 +200,7 @@ class LLMEngine:
             text=state.text[:visible],
             finished=request.is_finished,
             finish_reason=request.finish_reason,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_cached_tokens=request.num_cached_tokens,
             stop_reason=request.stop_reason,
             new_top_logprobs=request.output_top_logprobs[state.num_sent_tokens:],
             index=request.index,
@@ -267,12 +268,13 @@ class LLMEngine:
             del self._groups[request.parent_id]
             self.num_requests_finished += 1
         now = time.monotonic()
-        ttft = (state.first_token - state.arrival) * 1000 if state.first_token else float("nan")
+        arrival = request.arrival_time
+        ttft = (state.first_token - arrival) * 1000 if state.first_token else float("nan")
         choice = f" choice {request.index}" if request.index else ""
         logger.info("Reqid: %s,%s finished (%s): prompt %d tokens (%d cached), output %d tokens, %.1f ms "
                     "(first token %.1f ms), %d preemptions", request.request_id, choice, request.finish_reason,
-                    request.num_prompt_tokens, max(request.num_cached_tokens, 0), request.num_output_tokens,
-                    (now - state.arrival) * 1000, ttft, request.num_preemptions)
+                    request.num_prompt_tokens, request.num_cached_tokens, request.num_output_tokens,
+                    (now - arrival) * 1000, ttft, request.num_preemptions)
 
     # ---- observability ----
     def get_stats(self) -> EngineStats:

@@ -44,15 +44,16 @@ class Request:
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     cache_salt: str | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float = field(default_factory=time.monotonic)  # the one arrival clock (TTFT, e2e latency)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # with top_logprobs > 0
     num_computed_tokens: int = 0
-    # Prompt tokens that did not need computing on first admission (local prefix cache + external KV).
-    num_cached_tokens: int = -1
+    # Prompt tokens that did not need computing on first admission (local prefix cache + external KV);
+    # 0 until then. Set once: a recompute after preemption (or a fork's) does not change it.
+    num_cached_tokens: int = 0
     # Tokens found in the local prefix cache at the last admission (the connector's N).
     num_local_computed_tokens: int = 0
     # Tokens the connector promised to load at the last admission (the connector's need_to_load).

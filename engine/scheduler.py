@@ -12,8 +12,8 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING
 
-from engine.block_manager import KVCacheManager
 from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
@@ -29,8 +29,8 @@ class Scheduler:
         self.config = config.scheduler
         self.kv_cache_manager = kv_cache_manager
         self.connector = connector
-        # The engine passes the runner's limit; the config's is the fallback for model-less use.
-        self.max_model_len = max_model_len or config.model.max_model_len
+        # LLMEngine.max_model_len, the one effective limit (None: none, for model-less tests).
+        self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -171,7 +171,7 @@ class Scheduler:
         request.num_local_computed_tokens = num_local
         request.num_external_computed_tokens = num_external
         request.num_computed_tokens = num_local + num_external
-        if request.num_cached_tokens < 0:
+        if request.status == RequestStatus.WAITING:  # first admission (a recompute is PREEMPTED)
             request.num_cached_tokens = num_local + num_external
         return n
 
@@ -257,7 +257,7 @@ class Scheduler:
         self.num_failed_loads += 1
         request.num_computed_tokens = request.num_local_computed_tokens
         request.num_cached_tokens = request.num_local_computed_tokens
-        # The connector already logged the fallback line of docs/architecture.md §5 with its reason.
+        # The connector already logged the fallback line (docs/architecture.md, Log lines) with its reason.
         logger.info("Reqid: %s, rewound to %d locally computed tokens after a failed KV load",
                     request.request_id, request.num_local_computed_tokens)
         request.num_external_computed_tokens = 0

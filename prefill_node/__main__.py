@@ -5,7 +5,7 @@ import sys
 
 from serving.node import NodeRole, node_main
 
-ROLE = NodeRole(name="prefill", kv_role="producer", http_port=8100, grpc_port=50051)
+ROLE = NodeRole(name="prefill", kv_role="kv_producer", http_port=8100, grpc_port=50051)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 import grpc
 
+from engine.config import KVRole
 from protos import KEEPALIVE_SERVER_OPTIONS, MESSAGE_LIMITS
 from protos import pdserve_pb2_grpc as pb_grpc
 from serving.auth import GrpcSecurity, add_node_security_args, http_api_key_middleware, node_interceptors, node_security
@@ -38,7 +39,7 @@ class NodeRole:
     """What distinguishes `pd-prefill` from `pd-decode`: defaults only."""
 
     name: str  # prefill | decode
-    kv_role: str  # producer | consumer
+    kv_role: str  # kv_producer | kv_consumer
     http_port: int
     grpc_port: int
 
@@ -54,8 +55,9 @@ def build_parser(role: NodeRole) -> ArgumentParser:
                    "lm://host:port (LMCache server); default file:// under ~/.cache/pdserve/kvstore")
     g.add_argument("--lmcache-config", default=None, help="LMCache YAML config (instead of --kv-store)")
     g.add_argument("--chunk-size", type=int, default=None, help="tokens per stored chunk (default 256)")
-    g.add_argument("--kv-role", choices=("producer", "consumer", "both"), default=role.kv_role,
-                   help=f"KV connector role (default {role.kv_role})")
+    g.add_argument("--kv-role", choices=[*(r.value for r in KVRole), "producer", "consumer", "both"],
+                   default=role.kv_role, help=f"KV connector role, vLLM's kv_role (default {role.kv_role}; "
+                   "producer, consumer and both are accepted too)")
     g.add_argument("--kv-load-timeout", dest="load_timeout_s", type=float, default=None,
                    help="seconds to wait for the store before recomputing (default 10)")
     g.add_argument("--log-file", default=None, help="also write the log here (for pd-kv-hits)")
@@ -107,7 +109,7 @@ async def serve_with_grpc(server: Any, servicer: NodeServicer, sock: socket.sock
     finally:
         await grpc_server.stop(grace=1.0)
         # The connector's threads and connections (LMCache's especially) would keep the process alive.
-        await asyncio.to_thread(server.engine.engine.shutdown)
+        await asyncio.to_thread(server.engine.shutdown)
 
 
 def node_main(role: NodeRole, argv: list[str] | None = None) -> int:

@@ -31,8 +31,8 @@ class NodeServicer(pb_grpc.PDNodeServicer):
 
     def __init__(self, server: Any, role: str) -> None:
         self.server = server  # serving.server.OpenAIServer: tokenization is shared with the HTTP API
-        self.engine = server.engine
-        self.llm = server.engine.engine
+        self.async_engine = server.async_engine
+        self.engine = server.engine  # LLMEngine: read-only peeks (Lookup, Health)
         self.role = role
 
     async def _abort(self, context: grpc.aio.ServicerContext, err: oai.APIError) -> None:
@@ -48,7 +48,7 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         """Engine outputs with engine errors mapped to pd-serve's OpenAI errors; aborts when the caller leaves."""
         from engine.async_engine import RequestAbortedError
 
-        outputs = self.engine.generate(rid, ids, params, req.cache_salt)
+        outputs = self.async_engine.generate(rid, ids, params, req.cache_salt)
         finish_reason: str | None = None
         rejected = False  # _abort counts rejections itself
         async with contextlib.aclosing(outputs):
@@ -74,7 +74,7 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         req = wire.request_from_pb(request.prompt, request.params, request.cache_salt)
         try:
             ids = await self._token_ids(req)
-            params = dataclasses.replace(req.sampling_params(len(ids), self.llm.max_model_len), max_tokens=1)
+            params = dataclasses.replace(req.sampling_params(len(ids), self.engine.max_model_len), max_tokens=1)
         except oai.APIError as e:
             await self._abort(context, e)
         last = None
@@ -82,8 +82,8 @@ class NodeServicer(pb_grpc.PDNodeServicer):
             pass
         ms = (time.perf_counter() - t0) * 1e3
         logger.info("Reqid: %s, prefill done: %d prompt tokens, %d cached, KV committed, %.1f ms",
-                    request.request_id, len(ids), max(0, last.num_cached_tokens), ms)
-        return pb.PrefillResponse(prompt_token_ids=ids, num_cached_tokens=max(0, last.num_cached_tokens),
+                    request.request_id, len(ids), last.num_cached_tokens, ms)
+        return pb.PrefillResponse(prompt_token_ids=ids, num_cached_tokens=last.num_cached_tokens,
                                   prefill_ms=ms)
 
     async def Generate(self, request: pb.GenerateRequest,
@@ -91,7 +91,7 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         req = wire.request_from_pb(request.prompt, request.params, request.cache_salt)
         try:
             ids = await self._token_ids(req)
-            params = req.sampling_params(len(ids), self.llm.max_model_len)
+            params = req.sampling_params(len(ids), self.engine.max_model_len)
         except oai.APIError as e:
             await self._abort(context, e)
         if request.prompt.WhichOneof("kind") != "token_ids":
@@ -113,22 +113,22 @@ class NodeServicer(pb_grpc.PDNodeServicer):
             await self._abort(context, e)
         probe = Request("lookup", ids, SamplingParams(max_tokens=1), cache_salt=req.cache_salt)
         # Hashing a long prompt is CPU work: off the event loop (the pool is only read, never changed).
-        _, local = await asyncio.to_thread(self.llm.kv_cache_manager.get_computed_blocks, probe)
+        _, local = await asyncio.to_thread(self.engine.kv_cache_manager.get_computed_blocks, probe)
         store = 0
-        connector = self.llm.connector
+        connector = self.engine.connector
         if connector is not None:
-            try:  # the connector's own hit computation (H of docs/architecture.md §5)
+            try:  # the connector's own hit computation (H in docs/architecture.md)
                 store = await asyncio.wait_for(asyncio.to_thread(connector.lookup_hit, probe), 1.0)
             except Exception as e:  # a routing hint: an unreachable store just means "no store hit"
                 logger.debug("lookup: store hit unknown (%s)", e)
         return pb.LookupResponse(total_tokens=len(ids), local_hit_tokens=local, store_hit_tokens=store)
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
-        return pb.HealthResponse(ok=self.engine.accepting, role=self.role,
-                                 served_model_names=self.server.served_names, max_model_len=self.llm.max_model_len)
+        return pb.HealthResponse(ok=self.async_engine.accepting, role=self.role,
+                                 served_model_names=self.server.served_names, max_model_len=self.engine.max_model_len)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        s = self.engine.stats
+        s = self.async_engine.stats
         return pb.StatsResponse(num_running=s.num_running, num_waiting=s.num_waiting,
                                 num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
                                 kv_usage=s.kv_usage, prefix_cache_queries=s.prefix_cache_queries,

@@ -261,7 +261,7 @@ def check_model(req: GenerationRequest, served_names: list[str]) -> str:
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": max(0, cached_tokens)}}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def models_list(names: list[str], max_model_len: int, created: int) -> dict[str, Any]:

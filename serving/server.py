@@ -40,10 +40,9 @@ class OpenAIServer:
     """The aiohttp application of one node: OpenAI endpoints plus /health, /stats, /metrics."""
 
     def __init__(self, async_engine: Any, served_model_names: list[str], metrics: Any) -> None:
-        self.engine = async_engine
-        self.llm = async_engine.engine
-        self.tokenizer = self.llm.tokenizer
-        self.max_model_len = self.llm.max_model_len
+        self.async_engine = async_engine
+        self.engine = async_engine.engine  # the LLMEngine ("engine" means LLMEngine everywhere)
+        self.tokenizer = self.engine.tokenizer
         self.served_names = served_model_names
         self.metrics = metrics
         self.created = int(time.time())
@@ -56,6 +55,10 @@ class OpenAIServer:
             web.get("/stats", self.stats),
             web.get("/metrics", self.prometheus),
         ])
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len  # owned by LLMEngine: never copied
 
     def _count(self, request: web.Request, outcome: str) -> None:
         if request.path in _GENERATE_PATHS:
@@ -102,7 +105,7 @@ class OpenAIServer:
         prompt_ids = await self.prompt_token_ids_of(req)
         params = req.sampling_params(len(prompt_ids), self.max_model_len)
         builder = oai.ResponseBuilder(req, rid, model)
-        outputs = self.engine.generate(rid, prompt_ids, params, req.cache_salt)
+        outputs = self.async_engine.generate(rid, prompt_ids, params, req.cache_salt)
         async with contextlib.aclosing(outputs):
             try:
                 first = await anext(outputs)
@@ -121,7 +124,7 @@ class OpenAIServer:
                     raise
                 raise err from None
         request["outcome"] = last.finish_reason or "abort"
-        request["summary"] = (f", prompt {len(prompt_ids)} tokens (cached {max(0, last.num_cached_tokens)}), "
+        request["summary"] = (f", prompt {len(prompt_ids)} tokens (cached {last.num_cached_tokens}), "
                               f"output {len(last.token_ids)} tokens")
         if req.stream:
             return request["sse"]
@@ -156,16 +159,17 @@ class OpenAIServer:
         return json_response(oai.models_list(self.served_names, self.max_model_len, self.created))
 
     async def health(self, request: web.Request) -> web.Response:
-        if not self.engine.accepting:
+        if not self.async_engine.accepting:
             raise oai.service_unavailable("the server is shutting down", "shutting_down")
         return json_response({"status": "ok", "model": self.served_names[0]})
 
     async def stats(self, request: web.Request) -> web.Response:
         """Debug view for tests and operators: the engine's counters plus the async engine's queues."""
-        stats = dataclasses.asdict(self.engine.stats)
-        stats.update(num_in_flight=self.engine.num_in_flight, num_unstarted=self.engine.num_unstarted,
-                     max_waiting_requests=self.engine.max_waiting_requests, accepting=self.engine.accepting,
-                     num_steps=self.engine.num_steps, step_running_s=self.engine.step_running_s)
+        a = self.async_engine
+        stats = dataclasses.asdict(a.stats)
+        stats.update(num_in_flight=a.num_in_flight, num_unstarted=a.num_unstarted,
+                     max_waiting_requests=a.max_waiting_requests, accepting=a.accepting,
+                     num_steps=a.num_steps, step_running_s=a.step_running_s)
         return json_response(stats)
 
     async def prometheus(self, request: web.Request) -> web.Response:
@@ -176,7 +180,7 @@ class OpenAIServer:
 
 async def serve(server: OpenAIServer, sock: socket.socket, prog: str, shutdown_timeout: float) -> None:
     """Run until SIGINT/SIGTERM, then drain: new requests get 503 while in-flight ones finish."""
-    engine = server.engine
+    engine = server.async_engine
     engine.start()
 
     async def drain() -> None:

@@ -1,4 +1,4 @@
-"""The hit/load arithmetic of docs/architecture.md §5, pinned down without a model or a store."""
+"""The hit/load arithmetic of docs/architecture.md, pinned down without a model or a store."""
 from __future__ import annotations
 
 import pytest

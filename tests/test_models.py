@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from engine.attention import ForwardContext, set_forward_context
 from engine.builtin_model import make_model
-from engine.config import EngineConfig
-from engine.kv_connector import KVConnectorBase, KVConnectorRole
+from engine.config import EngineConfig, KVRole
+from engine.kv_connector import KVConnectorBase
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -102,7 +102,7 @@ class RecordingConnector(KVConnectorBase):
     """A worker-side connector that loads a given prefix's KV into paged memory in wait_for_layer_load."""
 
     def __init__(self, loads: dict[int, tuple[torch.Tensor, torch.Tensor]], failed: set[str]) -> None:
-        super().__init__(KVConnectorRole.BOTH)
+        super().__init__(KVRole.BOTH)
         self.loads, self.failed, self.calls, self.saved = loads, failed, [], {}
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):

@@ -7,9 +7,9 @@ its token history. Its next token is a pure function of the context, so any sche
 """
 from __future__ import annotations
 
-from engine.block_manager import KVCacheManager
-from engine.config import EngineConfig, ModelConfig, SchedulerConfig
-from engine.kv_connector import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from engine.config import EngineConfig, KVRole, ModelConfig, SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import KVConnectorBase, KVConnectorMetadata
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -184,7 +184,7 @@ class RecordingConnector(KVConnectorBase):
     """Scheduler half only: offers `external` extra tokens and records every hook call."""
 
     def __init__(self, external: int) -> None:
-        super().__init__(KVConnectorRole.CONSUMER)
+        super().__init__(KVRole.CONSUMER)
         self.external = external
         self.calls: list[tuple] = []
         self.kv: KVCacheManager | None = None

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.block_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -130,7 +130,7 @@ def test_disabled_prefix_caching_never_hits():
 
 
 HASH_SCRIPT = """
-from engine.block_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 kv = KVCacheManager(num_blocks=4, block_size=16, fingerprint="f" * 32)

@@ -1,0 +1,91 @@
+"""Prometheus metrics of the KV hand-off, and the one place each hand-off event is reported.
+
+Every connector reports through `KVTransferMetrics`, so the store and LMCache connectors print
+the same lines (kv_log.py) and export the same series. Each connector owns a private registry
+(several engines can live in one process); a server exposes it by registering the object as a
+collector.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.metrics_core import Metric
+
+from connectors.chunk_math import LoadPlan
+from connectors.kv_log import fallback_line, load_line, logger, lookup_line, save_line
+
+_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class KVTransferMetrics:
+    """Counters and histograms of one connector, usable as a prometheus_client collector."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.lookups = Counter("pdserve_kv_lookups", "Store lookups of prompts", registry=r)
+        self.hit_tokens = Counter("pdserve_kv_hit_tokens", "Prompt tokens covered by present chunks (H)",
+                                  registry=r)
+        self.loaded_tokens = Counter("pdserve_kv_loaded_tokens", "Tokens written into paged KV from the store",
+                                     registry=r)
+        self.retrieved_tokens = Counter("pdserve_kv_retrieved_tokens", "Tokens read from the store (whole chunks)",
+                                        registry=r)
+        self.load_bytes = Counter("pdserve_kv_load_bytes", "Bytes read from the store", registry=r)
+        self.load_seconds = Histogram("pdserve_kv_load_seconds",
+                                      "Time from a request's load start to its last copy (overlaps compute)",
+                                      buckets=_SECONDS_BUCKETS, registry=r)
+        self.saved_tokens = Counter("pdserve_kv_saved_tokens", "Tokens written to the store", registry=r)
+        self.saved_chunks = Counter("pdserve_kv_saved_chunks", "Chunks committed to the store", registry=r)
+        self.save_bytes = Counter("pdserve_kv_save_bytes", "Bytes written to the store", registry=r)
+        self.save_seconds = Histogram("pdserve_kv_save_seconds", "I/O time to save one request's chunks of a step",
+                                      buckets=_SECONDS_BUCKETS, registry=r)
+        self.save_failures = Counter("pdserve_kv_save_failures", "Saves given up (the request still succeeds)",
+                                     ["reason"], registry=r)
+        self.fallbacks = Counter("pdserve_kv_fallbacks", "Lookups or loads that failed and were recomputed",
+                                 ["reason"], registry=r)
+
+    def collect(self) -> Iterable[Metric]:
+        """Lets a server do `registry.register(connector.metrics)`."""
+        return self.registry.collect()
+
+    def value(self, name: str, **labels: str) -> float:
+        """Current value of one sample (tests and benchmarks read counters through this)."""
+        got = self.registry.get_sample_value(name, labels or None)
+        return got or 0.0
+
+    # ---- events: one log line and the matching counters each ----
+    def on_lookup(self, request_id: str, plan: LoadPlan) -> None:
+        self.lookups.inc()
+        self.hit_tokens.inc(plan.hit)
+        logger.info(lookup_line(request_id, plan))
+
+    def on_load(self, request_id: str, plan: LoadPlan, num_bytes: int, seconds: float) -> None:
+        self.loaded_tokens.inc(plan.need_to_load)
+        self.retrieved_tokens.inc(plan.retrieved)
+        self.load_bytes.inc(num_bytes)
+        self.load_seconds.observe(seconds)
+        logger.info(load_line(request_id, plan, num_bytes, seconds))
+
+    def on_save(self, request_id: str, start: int, end: int, num_tokens: int, skip_leading_tokens: int,
+                num_chunks: int, num_bytes: int, seconds: float) -> None:
+        self.saved_tokens.inc(end - start)
+        self.saved_chunks.inc(num_chunks)
+        self.save_bytes.inc(num_bytes)
+        self.save_seconds.observe(seconds)
+        logger.info(save_line(request_id, start, end, num_tokens, skip_leading_tokens, num_bytes, seconds))
+
+    def on_save_failure(self, request_id: str, reason: str) -> None:
+        self.save_failures.labels(reason=_reason_label(reason)).inc()
+        logger.warning(f"Reqid: {request_id}, KV save failed ({reason}); the request continues, "
+                       "a consumer will recompute")
+
+    def on_fallback(self, request_id: str, reason: str, num_tokens: int) -> None:
+        self.fallbacks.labels(reason=_reason_label(reason)).inc()
+        logger.warning(fallback_line(request_id, reason, num_tokens))
+
+
+def _reason_label(reason: str) -> str:
+    """Low-cardinality label: the reason's first word (e.g. 'timeout', 'unavailable', 'corrupt')."""
+    return reason.split(":", 1)[0].split(" ", 1)[0].lower() or "unknown"
