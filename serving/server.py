@@ -142,7 +142,7 @@ class OpenAIServer:
         while True:
             finish = out.finish_reason if out.finished else None
             await sse.delta(self.output_delta(req, out.new_text, out.new_token_ids, out.new_logprobs,
-                                        out.new_top_logprobs, finish))
+                                              out.new_top_logprobs, finish))
             if out.finished:
                 break
             try:
