@@ -25,6 +25,7 @@ ALLOWED = {
     "prefill_node": {"serving"},
     "decode_node": {"serving"},
     "deploy": {"engine", "proxy"},
+    "bench": {"deploy", "engine"},
 }
 PACKAGES = set(ALLOWED) | {"tests", "benchmarks"}
 
