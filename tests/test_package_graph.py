@@ -10,7 +10,7 @@ import ast
 import subprocess
 import sys
 
-from tests.utils import REPO
+from deploy.processes import REPO
 
 # package -> the first-party packages it may import (docs/architecture.md, "Packages and imports")
 ALLOWED = {
