@@ -6,7 +6,7 @@ SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test serve bench-pd bench-vllm install redis-server container-tools protos clean
+.PHONY: test serve bench-pd bench-vllm install redis-server container-tools test-tools protos clean
 
 install: $(STAMP)
 
@@ -26,7 +26,12 @@ container-tools:
 	@command -v podman >/dev/null && command -v runc >/dev/null && command -v debootstrap >/dev/null || \
 	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq podman runc debootstrap; }
 
-test: install redis-server container-tools
+# Headless Chromium (the proxy status page test) and promtool (PromQL of the Grafana dashboard).
+test-tools:
+	@command -v chromium >/dev/null && command -v promtool >/dev/null || { $(SUDO) apt-get update -qq && \
+	  $(SUDO) apt-get install -y -qq --no-install-recommends chromium prometheus; }
+
+test: install redis-server container-tools test-tools
 	$(PY) -m pytest -q tests
 
 serve: install

@@ -26,6 +26,8 @@ class KVTransferMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.lookups = Counter("pdserve_kv_lookups", "Store lookups of prompts", registry=r)
+        self.lookup_tokens = Counter("pdserve_kv_lookup_tokens", "Prompt tokens of the store lookups (T): the "
+                                     "store hit rate is pdserve_kv_hit_tokens / this", registry=r)
         self.hit_tokens = Counter("pdserve_kv_hit_tokens", "Prompt tokens covered by present chunks (H)",
                                   registry=r)
         self.loaded_tokens = Counter("pdserve_kv_loaded_tokens", "Tokens written into paged KV from the store",
@@ -58,6 +60,7 @@ class KVTransferMetrics:
     # ---- events: one log line and the matching counters each ----
     def on_lookup(self, request_id: str, plan: LoadPlan) -> None:
         self.lookups.inc()
+        self.lookup_tokens.inc(plan.num_tokens)
         self.hit_tokens.inc(plan.hit)
         logger.info(lookup_line(request_id, plan))
 

@@ -19,12 +19,14 @@ import grpc
 from aiohttp import web
 
 from protos import pdserve_pb2 as pb
+from proxy import dashboard
 from proxy.health import HealthMonitor, Node
 from proxy.router import DEFAULT_POLICY, Router
 from serving import errors
 from serving import protocol as oai
 from serving.auth import GrpcSecurity
 from serving.http import api_middleware
+from serving.metrics import CONTENT_TYPE, ProxyMetrics
 from serving.sse import SSEStream
 from serving.wire import delta_from_pb, prompt_to_pb, sampling_to_pb, token_ids_to_pb, usage_from_pb
 
@@ -65,6 +67,7 @@ class Proxy:
         self.config = config
         self.prefill = Router([Node(a, "prefill", config.grpc_security) for a in config.prefill], config.policy)
         self.decode = Router([Node(a, "decode", config.grpc_security) for a in config.decode], config.policy)
+        self.metrics = ProxyMetrics(lambda: self.prefill.nodes + self.decode.nodes)
         self.monitor = HealthMonitor(self.prefill.nodes + self.decode.nodes, config.health_interval_s)
         self.created = int(time.time())
 
@@ -87,6 +90,8 @@ class Proxy:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/status", self.status)
+        app.router.add_get("/metrics", self.prometheus)
+        dashboard.add_routes(app)
         app.on_startup.append(self.start)
         app.on_cleanup.append(self.stop)
         return app
@@ -107,6 +112,9 @@ class Proxy:
         return web.json_response({"status": "ok" if ok else "unavailable",
                                   "prefill": len(self.prefill.healthy()), "decode": len(self.decode.healthy())},
                                  status=200 if ok else 503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def status(self, request: web.Request) -> web.Response:
         return web.json_response({"policy": self.config.policy,

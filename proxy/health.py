@@ -29,6 +29,10 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
 @dataclass
 class NodeLoad:
     """What the last probe said, plus what this proxy has in flight there right now."""
@@ -39,6 +43,12 @@ class NodeLoad:
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     kv_usage: float = 0.0
+    prefix_cache_queries: int = 0  # prompt tokens, since the node started
+    prefix_cache_hits: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else None
 
     @property
     def score(self) -> int:
@@ -83,6 +93,7 @@ class Node:
         self.load.num_running, self.load.num_waiting = stats.num_running, stats.num_waiting
         self.load.num_free_blocks, self.load.num_total_blocks = stats.num_free_blocks, stats.num_total_blocks
         self.load.kv_usage = stats.kv_usage
+        self.load.prefix_cache_queries, self.load.prefix_cache_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         if not self.healthy:
             logger.info("%s node %s in rotation (model %s)", self.role, self.address, self.model_names[0])
         self.healthy = True
@@ -93,7 +104,7 @@ class Node:
                 "in_flight": self.load.in_flight, "running": self.load.num_running,
                 "waiting": self.load.num_waiting, "free_blocks": self.load.num_free_blocks,
                 "total_blocks": self.load.num_total_blocks, "kv_usage": round(self.load.kv_usage, 4),
-                "last_error": self.last_error}
+                "prefix_cache_hit_rate": _round(self.load.prefix_cache_hit_rate), "last_error": self.last_error}
 
     async def close(self) -> None:
         if self.channel is not None:

@@ -7,7 +7,7 @@ step thread never touches prometheus objects.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -93,6 +93,37 @@ class EngineMetrics:
         self.e2e.observe(e2e_s)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(output_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ProxyMetrics(Collector):
+    """The proxy's per-node routing state, read from its node handles at scrape time.
+
+    `get_nodes` returns objects with `role`, `address`, `routed`, `healthy` and `load.in_flight`
+    (proxy/health.py's Node); the request path keeps counting on them and never touches Prometheus.
+    """
+
+    def __init__(self, get_nodes: Callable[[], Iterable[Any]]) -> None:
+        self._get_nodes = get_nodes
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(self)
+
+    def collect(self) -> Iterator:
+        labels = ["role", "node"]
+        routed = CounterMetricFamily("pdserve_proxy_routed_requests", "Requests the proxy sent to each node "
+                                     "(prefill and decode calls, retries included).", labels=labels)
+        in_flight = GaugeMetricFamily("pdserve_proxy_in_flight_requests", "Requests the proxy has open on "
+                                      "each node.", labels=labels)
+        healthy = GaugeMetricFamily("pdserve_proxy_node_healthy", "1 while the node is in rotation, 0 while "
+                                    "it is out (failed health check or request).", labels=labels)
+        for node in self._get_nodes():
+            key = [node.role, node.address]
+            routed.add_metric(key, node.routed)
+            in_flight.add_metric(key, node.load.in_flight)
+            healthy.add_metric(key, 1.0 if node.healthy else 0.0)
+        yield from (routed, in_flight, healthy)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
