@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from common.units import parse_bytes
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 @dataclass(frozen=True)
@@ -28,17 +31,46 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class DeviceConfig:
+    """The engine's one device (engine/device.py places every tensor on it) and attention backend."""
+
+    device: str = "auto"  # auto (CUDA when available) | cpu | cuda | cuda:N
+    attention_backend: str = "auto"  # auto: torch reference on CPU, Triton on CUDA
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not DEVICE_RE.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # on CPU, when neither KV sizing option is given
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # on CUDA, when neither is given
+
+
+@dataclass(frozen=True)
 class CacheConfig:
+    """KV cache sizing: `kv_cache_memory` bytes, or (CUDA) `gpu_memory_utilization` of the device's
+    memory minus what the weights and a profiled max-batch forward use. At most one of the two."""
+
     block_size: int = 16
-    kv_cache_memory: int = 1 << 30  # bytes for all layers' paged KV; strings like "2GiB" accepted
+    kv_cache_memory: int | None = None  # bytes for all layers' paged KV; strings like "2GiB" accepted
+    gpu_memory_utilization: float | None = None  # fraction of device memory for this engine
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        if self.kv_cache_memory is not None:
+            object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+            if self.kv_cache_memory <= 0:
+                raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.gpu_memory_utilization is not None:
+            if not 0.0 < self.gpu_memory_utilization <= 1.0:
+                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            if self.kv_cache_memory is not None:
+                raise ValueError("give kv_cache_memory or gpu_memory_utilization, not both")
 
 
 @dataclass(frozen=True)
@@ -114,6 +146,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
 
     def __post_init__(self) -> None:
         if self.kv_transfer.enabled and self.kv_transfer.chunk_size % self.cache.block_size:
@@ -123,9 +156,10 @@ class EngineConfig:
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
         """Build from flat keyword options (LLM(...) and the CLIs); unknown names are an error."""
-        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "kv_transfer": {}}
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "kv_transfer": {},
+                                            "device": {}}
         classes = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                   "kv_transfer": KVTransferConfig}
+                   "kv_transfer": KVTransferConfig, "device": DeviceConfig}
         for key, value in kwargs.items():
             for part, klass in classes.items():
                 if key in {f.name for f in dataclasses.fields(klass)}:
@@ -135,4 +169,4 @@ class EngineConfig:
                 raise TypeError(f"unknown engine option {key!r}")
         return cls(model=ModelConfig(model=str(model), **parts["model"]), cache=CacheConfig(**parts["cache"]),
                    scheduler=SchedulerConfig(**parts["scheduler"]),
-                   kv_transfer=KVTransferConfig(**parts["kv_transfer"]))
+                   kv_transfer=KVTransferConfig(**parts["kv_transfer"]), device=DeviceConfig(**parts["device"]))

@@ -88,12 +88,13 @@ class LLMEngine:
         self.num_requests_finished = 0
         self.num_generation_tokens = 0
         sc = config.scheduler
-        logger.info("engine ready: model %s (%s, %s, %d layers, %d kv heads x %d head dim), %d KV blocks x %d "
-                    "tokens = %d tokens, max_model_len %d, max_num_seqs %d, max_num_batched_tokens %d, "
-                    "long_prefill_token_threshold %d, prefix caching %s, connector %s",
+        logger.info("engine ready: model %s (%s, %s, %d layers, %d kv heads x %d head dim) on %s, attention %s, "
+                    "%d KV blocks x %d tokens = %d tokens, max_model_len %d, max_num_seqs %d, "
+                    "max_num_batched_tokens %d, long_prefill_token_threshold %d, prefix caching %s, connector %s",
                     self.model_name, type(runner.hf_config).__name__.removesuffix("Config"),
                     str(runner.dtype).removeprefix("torch."),
-                    runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.num_blocks, runner.block_size,
+                    runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.platform.describe(),
+                    runner.attn_backend.name, runner.num_blocks, runner.block_size,
                     capacity, self.max_model_len, sc.max_num_seqs, sc.max_num_batched_tokens,
                     sc.long_prefill_token_threshold, "on" if config.cache.enable_prefix_caching else "off",
                     type(connector).__name__ if connector is not None else "none")

@@ -28,9 +28,11 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of the checkpoint, reading one tensor at a time (memory-mapped)."""
+def iterate_weights(model_dir: str | Path,
+                    device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the checkpoint, read one at a time straight onto `device`
+    (memory-mapped on the host; no whole-model host copy on the way to a GPU)."""
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)

@@ -1,19 +1,29 @@
-"""Model runner: owns the weights and the paged KV tensors, runs one scheduled step, samples."""
+"""Model runner: owns the weights and the paged KV tensors, runs one scheduled step, samples.
+
+Every tensor lives on the engine's one device (engine/device.py says where each is placed).
+Per step the host builds the batch metadata once (engine/input_batch.py), the forward pass
+runs on the device with the attention backend chosen at start-up, and the sampled ids come
+back in the step's only device->host transfer.
+"""
 from __future__ import annotations
 
-import itertools
 import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from common.hashing import model_fingerprint
-from engine.attention import AttentionMetadata, ForwardContext, set_forward_context
+from engine import kv_cache_sizing
+from engine.attention import ForwardContext, select_attention_backend, set_forward_context
 from engine.config import EngineConfig
+from engine.device import Platform, resolve_device
+from engine.input_batch import InputBatchBuilder, StepInputs
 from engine.loader import iterate_weights
 from engine.models import build_model
 from engine.prompt_logprobs import compute_prompt_logprobs
+from engine.request import Request
 from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
 from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -52,6 +62,8 @@ class ModelRunner:
         model_dir = config.model.model
         self.hf_config = load_hf_config(model_dir)
         cfg = self.hf_config
+        self.platform = Platform(resolve_device(config.device.device))
+        self.device = device = self.platform.device
         self.dtype = resolve_dtype(config.model.dtype, cfg)
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -60,27 +72,36 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_model_len = self._max_model_len()
 
-        self.model = build_model(cfg, self.dtype, max_positions=self.max_model_len)
-        self.model.load_weights(iterate_weights(model_dir))
+        snapshot = kv_cache_sizing.MemorySnapshot.take(self.platform) if self.platform.is_cuda else None
+        with torch.device(device):  # parameters and buffers are created on the engine's device
+            self.model = build_model(cfg, self.dtype, max_positions=self.max_model_len)
+        self.model.load_weights(iterate_weights(model_dir, device))
         self.model.eval()
-        self.sampler = Sampler(config.model.seed)
+        self.attn_backend = select_attention_backend(device, config.device.attention_backend)
+        self.sampler = Sampler(config.model.seed, device)
+        sc = config.scheduler
+        self.inputs = InputBatchBuilder(self.platform, self.block_size, sc.max_num_batched_tokens, sc.max_num_seqs,
+                                        -(-self.max_model_len // self.block_size))
 
         dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
         self.bytes_per_block_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim * dtype_bytes
-        self.num_blocks = config.cache.kv_cache_memory // (self.num_layers * self.bytes_per_block_layer)
+        budget = kv_cache_sizing.fixed_budget(config.cache, self.platform)
+        if budget is None:
+            budget = self._profile_kv_budget(snapshot)
+        self.kv_cache_memory = budget
+        self.num_blocks = budget // (self.num_layers * self.bytes_per_block_layer)
         if self.num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={config.cache.kv_cache_memory} bytes is less than one block for "
+            raise ValueError(f"kv_cache_memory={budget} bytes is less than one block for "
                              f"all layers ({self.num_layers * self.bytes_per_block_layer} bytes)")
         logger.info("KV block size: 2 x %d tokens x %d kv heads x %d head dim x %d bytes (%s) = %d bytes/block/layer",
                     self.block_size, self.num_kv_heads, self.head_dim, dtype_bytes, str(self.dtype).removeprefix(
                         "torch."), self.bytes_per_block_layer)
         logger.info("KV cache: %d bytes budget // (%d layers x %d bytes/block/layer) = %d blocks (%d tokens, "
-                    "%.1f MiB)", config.cache.kv_cache_memory, self.num_layers, self.bytes_per_block_layer,
+                    "%.1f MiB) on %s", budget, self.num_layers, self.bytes_per_block_layer,
                     self.num_blocks, self.num_blocks * self.block_size,
-                    self.num_blocks * self.num_layers * self.bytes_per_block_layer / 2**20)
-        # Zeroed, not empty: padded attention reads of unused slots must be finite.
-        self.kv_caches = [torch.zeros(2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-                                      dtype=self.dtype) for _ in range(self.num_layers)]
+                    self.num_blocks * self.num_layers * self.bytes_per_block_layer / 2**20, self.platform.describe())
+        self.kv_caches = self.platform.allocate_kv_caches(self.num_layers, self.num_blocks, self.block_size,
+                                                          self.num_kv_heads, self.head_dim, self.dtype)
         identity = {k: v for k, v in cfg.to_dict().items() if k not in _NON_IDENTITY_KEYS}
         self.fingerprint = model_fingerprint(identity, str(self.dtype), self.num_layers, self.num_kv_heads,
                                              self.head_dim)
@@ -100,63 +121,75 @@ class ModelRunner:
             requested = window
         return requested
 
-    def prepare_inputs(self, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """input_ids, positions, attention metadata, and the batch rows that need a sampled token."""
-        ids: list[int] = []
-        num_new: list[int] = []
-        starts: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        for b, req in enumerate(so.scheduled_requests):
-            n = so.num_scheduled_tokens[req.request_id]
-            start = req.num_computed_tokens
-            ids.extend(req.all_token_ids[start:start + n])
-            num_new.append(n)
-            starts.append(start)
-            tables.append(so.block_tables[req.request_id])
-            if start + n == req.num_tokens:
-                sample_rows.append(b)
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        n_new = torch.tensor(num_new)
-        first = torch.tensor(starts)
-        req_of_token = torch.repeat_interleave(torch.arange(len(num_new)), n_new)
-        query_start_loc = torch.zeros(len(num_new) + 1, dtype=torch.int32)
-        torch.cumsum(n_new, 0, out=query_start_loc[1:])
-        positions = torch.arange(len(ids)) - query_start_loc[:-1].long()[req_of_token] + first[req_of_token]
-        slot_mapping = (block_tables[req_of_token, positions // self.block_size].long() * self.block_size
-                        + positions % self.block_size)
-        meta = AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables,
-                                 query_start_loc=query_start_loc, seq_lens=(first + n_new).to(torch.int32))
-        return torch.tensor(ids), positions, meta, sample_rows
+    # ---- memory profiling (CUDA) ----
+    def _profile_kv_budget(self, snapshot: kv_cache_sizing.MemorySnapshot) -> int:
+        """Run one max-batch forward over a one-block scratch cache; the KV gets what is left of the budget."""
+        device = self.device
+        after_load = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        sc = self.config.scheduler
+        num_tokens = min(sc.max_num_batched_tokens, sc.max_num_seqs * self.max_model_len)
+        num_reqs = min(sc.max_num_seqs, num_tokens)
+        scratch = self.platform.allocate_kv_caches(self.num_layers, 1, self.block_size, self.num_kv_heads,
+                                                   self.head_dim, self.dtype)
+        with torch.inference_mode():
+            inputs = self._dummy_batch(num_tokens, num_reqs)
+            hidden = self._forward(inputs, scratch)
+            self.model.compute_logits(hidden[inputs.logits_indices]).argmax(dim=-1)  # the logits' memory too
+        del scratch, hidden
+        profile = kv_cache_sizing.measure_profile(
+            self.platform, snapshot, after_load, torch.cuda.max_memory_allocated(device),
+            kv_cache_sizing.utilization(self.config.cache),
+            profiled=f"one forward of {num_tokens} tokens in {num_reqs} sequences")
+        logger.info("%s", profile.describe())
+        profile.check(device)
+        return profile.kv_budget
+
+    def _dummy_batch(self, num_tokens: int, num_reqs: int) -> StepInputs:
+        """num_reqs sequences sharing num_tokens prompt tokens, every one sampled; all slots in block 0."""
+        sizes = [num_tokens // num_reqs + (i < num_tokens % num_reqs) for i in range(num_reqs)]
+        requests = [Request(f"profile-{i}", [0] * n, SamplingParams(max_tokens=1)) for i, n in enumerate(sizes)]
+        so = SchedulerOutput(scheduled_requests=requests,
+                             num_scheduled_tokens={r.request_id: r.num_tokens for r in requests},
+                             block_tables={r.request_id: [0] * -(-r.num_tokens // self.block_size) for r in requests},
+                             total_num_scheduled_tokens=num_tokens)
+        inputs = self.inputs.prepare(so)
+        inputs.attn_metadata.slot_mapping.remainder_(self.block_size)  # every write lands in block 0
+        return inputs
+
+    # ---- one step ----
+    def _forward(self, inputs: StepInputs, kv_caches: list[torch.Tensor], connector: KVConnectorBase | None = None,
+                 connector_metadata: Any = None) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] of the whole batch."""
+        ctx = ForwardContext(attn_metadata=inputs.attn_metadata, kv_caches=kv_caches, attn_backend=self.attn_backend,
+                             connector=connector, connector_metadata=connector_metadata)
+        with set_forward_context(ctx):
+            return self.model(inputs.input_ids, inputs.positions)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if not so.scheduled_requests:
             return ModelRunnerOutput()
-        input_ids, positions, meta, sample_rows = self.prepare_inputs(so)
+        inputs = self.inputs.prepare(so)
         if so.blocks_to_copy:  # before anything writes this step (the connector's loads included)
             self.copy_blocks(so.blocks_to_copy)
         connector = self.connector
         if connector is not None:
             connector.start_load_kv(so.kv_connector_metadata)
-        ctx = ForwardContext(attn_metadata=meta, kv_caches=self.kv_caches, connector=connector,
-                             connector_metadata=so.kv_connector_metadata)
-        with set_forward_context(ctx):
-            hidden = self.model(input_ids, positions)
+        hidden = self._forward(inputs, self.kv_caches, connector, so.kv_connector_metadata)
         failed: set[str] = set()
         if connector is not None:
             connector.wait_for_save()
             failed = set(connector.get_failed_loads())
         # Rows whose KV load failed are recomputed by the scheduler: their token would be wrong.
-        reqs = [so.scheduled_requests[b] for b in sample_rows]
+        reqs = [inputs.requests[b] for b in inputs.sample_rows]
         keep = [i for i, r in enumerate(reqs) if r.request_id not in failed]
         output = ModelRunnerOutput(failed_load_req_ids=failed)
-        if any(r.needs_prompt_logprobs for r in so.scheduled_requests):
-            self._prompt_logprobs(so, hidden, output)
+        if any(r.needs_prompt_logprobs for r in inputs.requests):
+            self._prompt_logprobs(so, inputs, hidden, output)
         if keep:
-            last_rows = meta.query_start_loc[1:].long()[[sample_rows[i] for i in keep]] - 1
-            logits = self.model.compute_logits(hidden[last_rows])
+            rows = inputs.logits_indices if len(keep) == len(reqs) else inputs.logits_indices[keep]
+            logits = self.model.compute_logits(hidden[rows])
             kept = [reqs[i] for i in keep]
             # Choice 0 of an n > 1 request finishing its prompt: its forks sample from the same logits.
             forked = [(row, f) for row, r in enumerate(kept) for f in r.forks]
@@ -166,16 +199,18 @@ class ModelRunner:
             tokens, logprobs = self.sampler(logits, kept)
             for req, token, logprob in zip(kept, tokens, logprobs):
                 output.sampled_token_ids[req.request_id] = token
-                output.logprobs[req.request_id] = logprob
+                if logprob is not None:
+                    output.logprobs[req.request_id] = logprob
             for row, top in self.sampler.top_logprobs(logits, kept).items():
                 output.top_logprobs[kept[row].request_id] = top
         return output
 
-    def _prompt_logprobs(self, so: SchedulerOutput, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+    def _prompt_logprobs(self, so: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor,
+                         output: ModelRunnerOutput) -> None:
         """Logprobs of the prompt tokens this step computed (such requests never load KV, so none failed)."""
-        reqs = so.scheduled_requests
+        reqs = inputs.requests  # batch order (single-token requests first), which `hidden` follows
         num_new = [so.num_scheduled_tokens[r.request_id] for r in reqs]
-        query_starts = list(itertools.accumulate(num_new, initial=0))[:-1]
+        query_starts = inputs.attn_metadata.query_start_loc_cpu[:-1]
         output.prompt_logprobs.update(compute_prompt_logprobs(
             self.model.compute_logits, hidden, reqs, [r.num_computed_tokens for r in reqs], num_new, query_starts))
 

@@ -1,7 +1,9 @@
 """Token sampling: greedy, temperature, min-p, top-k, top-p, per-request seeds; logprobs of the chosen and top tokens.
 
 Grammar masks, min_tokens, logit_bias and penalties are applied first (engine.logits_processors);
-logprobs are always those of the raw logits.
+logprobs are always those of the raw logits. Everything runs on the logits' device; the sampled
+ids (with the chosen logprobs, only when a request asked) come back to the host in one transfer,
+the step's only device->host sync.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from engine.logits_processors import process_logits
 from engine.request import Request
 
 
-def seeded_generator(seed: int, token_index: int) -> torch.Generator:
+def seeded_generator(seed: int, token_index: int, device: torch.device | str = "cpu") -> torch.Generator:
     """The generator for token `token_index` of a request with `seed`.
 
     Derived from (seed, index) alone rather than kept as state, so the n-th token of a seeded
@@ -23,41 +25,49 @@ def seeded_generator(seed: int, token_index: int) -> torch.Generator:
     whose result was thrown away (a failed KV load).
     """
     key = digest(b"pdserve-sample", struct.pack("<qQ", seed, token_index))
-    return torch.Generator().manual_seed(int.from_bytes(key[:8], "little") >> 1)
+    return torch.Generator(device=device).manual_seed(int.from_bytes(key[:8], "little") >> 1)
 
 
 class Sampler:
     """Samples one token per row of logits; unseeded requests share one engine-seeded generator."""
 
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int], list[float]]:
-        """logits [num_reqs, vocab] float32 (raw) -> (token ids, logprob of each under the raw logits)."""
-        logprobs = torch.log_softmax(logits, dim=-1)
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int], list[float | None]]:
+        """logits [num_reqs, vocab] float32 (raw) -> (token ids, logprob of each under the raw logits
+        for the requests that asked for logprobs, else None)."""
+        raw = logits
         logits = process_logits(logits, requests)
         tokens = logits.argmax(dim=-1)  # greedy rows: exactly argmax, no noise involved
         rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if rows:
             tokens[rows] = self._sample(logits[rows], [requests[i] for i in rows])
-        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
-        return tokens.tolist(), chosen.tolist()
+        wanted = [r.sampling_params.logprobs for r in requests]
+        if not any(wanted):
+            return tokens.tolist(), [None] * len(requests)
+        chosen = torch.log_softmax(raw, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        # One transfer for both (float64 holds every token id exactly).
+        ids, values = torch.stack((tokens.double(), chosen.double())).tolist()
+        return [int(t) for t in ids], [v if w else None for v, w in zip(values, wanted)]
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         vocab = logits.shape[1]
         params = [r.sampling_params for r in requests]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        device = logits.device
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
         scaled = logits / temperature[:, None]
         if any(p.min_p > 0 for p in params):  # drop tokens below min_p x the top probability (before top-k/top-p)
-            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
             probs = scaled.softmax(dim=-1)
             scaled = scaled.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+        ranks = torch.arange(vocab, device=device)
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
         sorted_logits.masked_fill_(ranks[None, :] >= top_k[:, None], float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
         # Drop a token when the tokens ranked above it already hold top_p of the mass (the first always stays).
         outside = (probs.cumsum(dim=-1) - probs >= top_p[:, None]) & (top_p[:, None] < 1.0)
         probs.masked_fill_(outside, 0.0)
@@ -65,7 +75,7 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, (req, p) in enumerate(zip(requests, params)):
             if p.seed is not None:
-                noise[row].exponential_(generator=seeded_generator(p.seed, req.num_tokens))
+                noise[row].exponential_(generator=seeded_generator(p.seed, req.num_tokens, device))
         choice = (probs / noise).argmax(dim=-1, keepdim=True)
         return order.gather(1, choice).squeeze(1)
 

@@ -1,6 +1,11 @@
-"""Dispatch of each kernel: CUDA tensors -> Triton, CPU tensors -> the torch reference.
+"""Dispatch of the KV transfer kernels: CUDA tensors -> Triton, CPU tensors -> the torch reference.
 
-The backend can be forced with env PDSERVE_KERNELS=auto|triton|torch or, in-process, with
+The connectors move KV between paged memory and dense rows through these (gather/scatter, one
+layer or all layers in one launch). Attention and the cache write of the step's new tokens go
+through the engine's attention backend instead (engine/attention), which asks
+`default_backend` here for its `auto` choice, so both follow one rule.
+
+The choice can be forced with env PDSERVE_KERNELS=auto|triton|torch or, in-process, with
 `with use_backend("triton"):`. Forcing Triton on CPU tensors runs the kernels in Triton's
 interpreter, which is how CPU-only CI checks them: TRITON_INTERPRET=1 must be set before the
 `kernels.triton_*` modules are first imported (they are imported lazily, on first Triton use).
@@ -36,39 +41,16 @@ def _check(name: str, source: str) -> str:
     return name
 
 
-def _use_triton(tensor: torch.Tensor) -> bool:
+def default_backend(device: torch.device) -> str:
+    """'triton' or 'torch' for kernels on `device`: forced (use_backend, PDSERVE_KERNELS), else by device."""
     name = _forced[-1] if _forced else _check(os.environ.get("PDSERVE_KERNELS", "auto"), "PDSERVE_KERNELS")
     if name == "auto":
-        return tensor.is_cuda
-    return name == "triton"
+        return "triton" if device.type == "cuda" else "torch"
+    return name
 
 
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
-    """Write key/value [n, kv_heads, head_dim] into their slots; slots < 0 are skipped."""
-    if _use_triton(kv_cache):
-        from kernels import triton_transfer
-        triton_transfer.reshape_and_cache(key, value, kv_cache, slot_mapping)
-    else:
-        torch_ref.reshape_and_cache(key, value, kv_cache, slot_mapping)
-
-
-def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Ragged causal attention over paged history (see torch_ref.paged_attention).
-
-    On Triton, a pure-decode batch (every q_len == 1) takes the decode kernel, anything
-    else the context kernel; telling them apart reads max(q_len) on the host.
-    """
-    if not _use_triton(query):
-        return torch_ref.paged_attention(query, kv_cache, block_tables, query_start_loc, seq_lens, scale)
-    from kernels import triton_attention
-    max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if seq_lens.numel() else 0
-    if max_query_len == 1 and query.shape[0] == seq_lens.numel():
-        return triton_attention.paged_decode_attention(query, kv_cache, block_tables, query_start_loc,
-                                                       seq_lens, scale)
-    return triton_attention.context_attention(query, kv_cache, block_tables, query_start_loc, seq_lens,
-                                              scale, max_query_len)
+def _use_triton(tensor: torch.Tensor) -> bool:
+    return default_backend(tensor.device) == "triton"
 
 
 def gather_kv(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

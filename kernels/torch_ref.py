@@ -21,7 +21,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                    query_start_loc: torch.Tensor | list[int], seq_lens: torch.Tensor | list[int],
+                    scale: float) -> torch.Tensor:
     """Attention of a ragged batch of new query tokens over each request's paged history.
 
     query [num_tokens, num_heads, head_dim]; request b owns query rows
@@ -30,10 +31,11 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
     causally to keys [0, that position]. Covers prefill, chunked prefill over a cached
     prefix, and decode (q_len == 1) alike. Returns [num_tokens, num_heads, head_dim].
     Requests with one query token (decode, most steps) share a single attention call.
+    `query_start_loc` and `seq_lens` may be host lists (the attention backend passes those).
     """
-    out = torch.empty_like(query)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    starts = query_start_loc.tolist() if isinstance(query_start_loc, torch.Tensor) else list(query_start_loc)
+    lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
     q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
     singles = [b for b, q_len in enumerate(q_lens) if q_len == 1]
     if singles:

@@ -13,7 +13,8 @@ import logging
 import sys
 from typing import Any, NoReturn
 
-from engine.config import DTYPES, CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig
+from engine.config import (ATTENTION_BACKENDS, DEFAULT_GPU_MEMORY_UTILIZATION, DEVICE_RE, DTYPES, CacheConfig,
+                           DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig)
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -42,6 +43,29 @@ def _int_at_least(lo: int):
 _positive_int, _non_negative_int = _int_at_least(1), _int_at_least(0)
 
 
+def _fraction(text: str) -> float:
+    """An argparse type: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value:g}")
+    return value
+
+
+_fraction.__name__ = "number in (0, 1]"
+
+
+def _device(text: str) -> str:
+    if not DEVICE_RE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected auto, cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+_device.__name__ = "device"
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """--model and the engine's options (defaults None: the config dataclasses own the defaults)."""
     g = parser.add_argument_group("engine")
@@ -52,8 +76,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="context length (default: the checkpoint's max_position_embeddings)")
     g.add_argument("--block-size", type=_positive_int, default=None,
                    help=f"tokens per KV block, a power of two (default {CacheConfig.block_size})")
+    g.add_argument("--device", type=_device, default=None,
+                   help="auto (CUDA when available), cpu, cuda or cuda:N: where the weights, KV cache and "
+                        "sampling live (default auto)")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
+                   help="attention kernels (default auto: torch reference on CPU, Triton on CUDA)")
     g.add_argument("--kv-cache-memory", default=None,
-                   help="bytes for the paged KV cache of all layers, e.g. 2GiB (default 1GiB)")
+                   help="bytes for the paged KV cache of all layers, e.g. 2GiB (default on CPU: 1GiB; on CUDA "
+                        "the KV cache is sized by --gpu-memory-utilization)")
+    g.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
+                   help="CUDA: fraction of the device's memory this engine may use; the KV cache gets what the "
+                        "weights and a profiled max-batch forward leave (default "
+                        f"{DEFAULT_GPU_MEMORY_UTILIZATION} unless --kv-cache-memory is given)")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
                    help="disable the local prefix cache")
     g.add_argument("--max-num-seqs", type=_positive_int, default=None,
@@ -83,7 +117,7 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int = 8000) -
     return parser
 
 
-_ENGINE_FIELDS = [f.name for cls in (ModelConfig, CacheConfig, SchedulerConfig, KVTransferConfig)
+_ENGINE_FIELDS = [f.name for cls in (ModelConfig, CacheConfig, SchedulerConfig, KVTransferConfig, DeviceConfig)
                   for f in dataclasses.fields(cls) if f.name != "model"]
 
 

@@ -2,6 +2,7 @@
 
 Shapes are random but seeded per case: GQA ratios 1/2/4/8, block sizes 16/32, head dims
 32/64/80/96/128, fp32/fp16/bf16, ragged lengths that include 1 and block boundaries.
+Attention goes through the Triton attention backend (engine/attention), as the engine calls it.
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from engine.attention import build_attention_metadata
+from engine.attention.backends.triton import TritonAttentionBackend
 from kernels import ops, torch_ref
 from tests.kernels_helpers import count_calls
 
@@ -29,6 +32,11 @@ def triton_interpreter() -> Iterator[None]:
     assert isinstance(triton_transfer._kv_slot_copy_kernel, InterpretedFunction)
     with ops.use_backend("triton"):
         yield
+
+
+@pytest.fixture(scope="module")
+def backend() -> TritonAttentionBackend:
+    return TritonAttentionBackend(torch.device("cpu"))
 
 
 def make_cache(gen: torch.Generator, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
@@ -53,7 +61,9 @@ def test_reshape_and_cache(dtype: torch.dtype, block_size: int, kv_heads: int, h
     slots[[0, 5, n - 1]] = -1  # padding tokens are skipped
     expected, actual = cache.clone(), cache.clone()
     torch_ref.reshape_and_cache(key, value, expected, slots)
-    ops.reshape_and_cache(key, value, actual, slots)
+    from kernels import triton_transfer
+
+    triton_transfer.reshape_and_cache(key, value, actual, slots)
     assert not torch.equal(expected, cache)
     assert torch.equal(actual, expected)
 
@@ -94,7 +104,8 @@ def test_transfer_rejects_mismatched_layers() -> None:
 
 def paged_batch(gen: torch.Generator, seq_lens: list[int], q_lens: list[int], num_heads: int, kv_heads: int,
                 head_dim: int, block_size: int, dtype: torch.dtype):
-    """A ragged batch over a shuffled paged cache, with a padded block table like the runner's."""
+    """A ragged batch over a shuffled paged cache, with a padded block table like the runner's
+    (single-token requests first, as the runner orders them)."""
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3
     cache = make_cache(gen, num_blocks, block_size, kv_heads, head_dim, dtype)
@@ -111,11 +122,18 @@ def paged_batch(gen: torch.Generator, seq_lens: list[int], q_lens: list[int], nu
     return qkv[:, :num_heads], cache, block_tables, query_start_loc, torch.tensor(seq_lens, dtype=torch.int32)
 
 
-def check_attention(query, cache, block_tables, query_start_loc, seq_lens, dtype) -> None:
+def check_attention(backend, query, cache, block_tables, query_start_loc, seq_lens, dtype) -> None:
+    """The backend's output (its cache write skipped: every slot is -1) against the fp32 reference."""
     scale = query.shape[-1] ** -0.5
     expected = torch_ref.paged_attention(query.float(), cache.float(), block_tables, query_start_loc, seq_lens,
                                          scale)
-    actual = ops.paged_attention(query, cache, block_tables, query_start_loc, seq_lens, scale)
+    n, kv_heads = query.shape[0], cache.shape[3]
+    meta = build_attention_metadata(query_start_loc.tolist(), seq_lens.tolist(), block_tables,
+                                    torch.full((n,), -1, dtype=torch.long))
+    no_kv = torch.zeros(n, kv_heads, query.shape[2], dtype=dtype)
+    before = cache.clone()
+    actual = backend.forward(query, no_kv, no_kv, cache, meta, scale)
+    assert torch.equal(cache, before)
     assert actual.dtype == dtype and actual.shape == query.shape
     torch.testing.assert_close(actual.float(), expected, atol=ATTN_TOL[dtype], rtol=ATTN_TOL[dtype])
 
@@ -127,7 +145,7 @@ ATTN_CASES = [  # (gqa ratio, block size, head dim): every ratio meets both bloc
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ratio,block_size,head_dim", ATTN_CASES)
-def test_decode_attention(ratio: int, block_size: int, head_dim: int, dtype: torch.dtype,
+def test_decode_attention(ratio: int, block_size: int, head_dim: int, dtype: torch.dtype, backend,
                           monkeypatch: pytest.MonkeyPatch) -> None:
     from kernels import triton_attention
 
@@ -137,34 +155,74 @@ def test_decode_attention(ratio: int, block_size: int, head_dim: int, dtype: tor
     extra = torch.randint(2, 3 * block_size, (2,), generator=gen).tolist()
     seq_lens = [1, block_size, block_size + 1, 2 * block_size] + extra
     batch = paged_batch(gen, seq_lens, [1] * len(seq_lens), ratio * kv_heads, kv_heads, head_dim, block_size, dtype)
-    check_attention(*batch, dtype)
+    check_attention(backend, *batch, dtype)
     assert decode_calls == {"paged_decode_attention": 1}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ratio,block_size,head_dim", ATTN_CASES)
-def test_context_attention(ratio: int, block_size: int, head_dim: int, dtype: torch.dtype,
+def test_context_attention(ratio: int, block_size: int, head_dim: int, dtype: torch.dtype, backend,
                            monkeypatch: pytest.MonkeyPatch) -> None:
     from kernels import triton_attention
 
-    context_calls = count_calls([(triton_attention, "context_attention")], monkeypatch.setattr)
+    calls = count_calls([(triton_attention, "context_attention"), (triton_attention, "paged_decode_attention")],
+                        monkeypatch.setattr)
     gen = torch.Generator().manual_seed(ratio * 1000 + block_size + head_dim + 1)
     kv_heads = 2 if ratio < 8 else 1
-    # full prefill, chunk over a cached prefix ending on a block boundary, a decode token in the
-    # same batch, a one-token prompt, and a random chunk
-    n = int(torch.randint(block_size + 2, 3 * block_size, (1,), generator=gen))
-    seq_lens = [block_size + 3, 2 * block_size, 9, 1, n]
-    q_lens = [block_size + 3, block_size, 1, 1, n - block_size - 1]
+    # a decode token and a one-token prompt (the decode kernel), then a full prefill, a chunk over a
+    # cached prefix ending on a block boundary and a random chunk (the context kernel), one batch
+    n = int(torch.randint(block_size + 3, 3 * block_size, (1,), generator=gen))  # the chunk has >= 2 tokens
+    seq_lens = [9, 1, block_size + 3, 2 * block_size, n]
+    q_lens = [1, 1, block_size + 3, block_size, n - block_size - 1]
     batch = paged_batch(gen, seq_lens, q_lens, ratio * kv_heads, kv_heads, head_dim, block_size, dtype)
-    check_attention(*batch, dtype)
-    assert context_calls == {"context_attention": 1}
+    check_attention(backend, *batch, dtype)
+    assert calls == {"context_attention": 1, "paged_decode_attention": 1}
 
 
-def test_attention_long_query_spans_several_tiles() -> None:
+def test_context_kernel_alone_takes_single_token_rows() -> None:
+    """The context kernel is correct on any ragged batch, single-token rows anywhere included."""
+    from kernels import triton_attention
+
+    gen = torch.Generator().manual_seed(11)
+    query, cache, tables, qsl, seq_lens = paged_batch(gen, [20, 9, 33], [20, 1, 5], 4, 2, 32, 16, torch.float32)
+    scale = 32 ** -0.5
+    expected = torch_ref.paged_attention(query, cache, tables, qsl, seq_lens, scale)
+    actual = triton_attention.context_attention(query, cache, tables, qsl, seq_lens, scale, max_query_len=20)
+    torch.testing.assert_close(actual, expected, atol=ATTN_TOL[torch.float32], rtol=ATTN_TOL[torch.float32])
+
+
+def test_attention_long_query_spans_several_tiles(backend) -> None:
     """More query tokens than one program's tile, and an empty request in the batch."""
     gen = torch.Generator().manual_seed(7)
     batch = paged_batch(gen, [150, 70, 40], [150, 0, 17], 2, 2, 64, 16, torch.float32)
-    check_attention(*batch, torch.float32)
+    check_attention(backend, *batch, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_split_kv_decode_matches_reference(dtype: torch.dtype, num_splits: int) -> None:
+    """Flash-decoding: keys split into slices (one of them empty with 3 splits of 64-key tiles),
+    partial results combined by their log-sum-exp; sequences shorter than one slice included."""
+    from kernels import triton_attention
+
+    gen = torch.Generator().manual_seed(num_splits)
+    seq_lens = [200, 1, 64, 65, 130]
+    query, cache, tables, qsl, lens = paged_batch(gen, seq_lens, [1] * 5, 8, 2, 64, 16, dtype)
+    scale = 64 ** -0.5
+    expected = torch_ref.paged_attention(query.float(), cache.float(), tables, qsl, lens, scale)
+    actual = triton_attention.paged_decode_attention(query, cache, tables, qsl, lens, scale, num_splits=num_splits,
+                                                     max_seq_len=max(seq_lens))
+    torch.testing.assert_close(actual.float(), expected, atol=ATTN_TOL[dtype], rtol=ATTN_TOL[dtype])
+
+
+def test_num_kv_splits_policy() -> None:
+    from kernels.triton_attention import num_kv_splits
+
+    assert num_kv_splits(num_seqs=256, num_kv_heads=8, max_seq_len=32768, num_sms=132) == 1  # batch fills the GPU
+    assert num_kv_splits(num_seqs=1, num_kv_heads=8, max_seq_len=200, num_sms=132) == 1  # too short to split
+    assert num_kv_splits(num_seqs=1, num_kv_heads=8, max_seq_len=8192, num_sms=132) == 32  # 2 x 132 SMs / 8
+    assert num_kv_splits(num_seqs=1, num_kv_heads=1, max_seq_len=131072, num_sms=132) == 64  # capped
+    assert num_kv_splits(num_seqs=2, num_kv_heads=8, max_seq_len=1024, num_sms=132) == 4  # >= 256 keys each
 
 
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -41,16 +41,18 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def step(runner: ModelRunner, plan: list[tuple[Request, int]], tables: dict[str, list[int]],
-         meta=None) -> tuple[torch.Tensor, SchedulerOutput]:
-    """Logits of every scheduled token of one step, run through the runner's own batch preparation."""
+         meta=None) -> dict[str, torch.Tensor]:
+    """Logits of every scheduled token of one step per request, through the runner's own batch preparation."""
     so = SchedulerOutput(scheduled_requests=[r for r, _ in plan],
                          num_scheduled_tokens={r.request_id: n for r, n in plan},
                          block_tables={r.request_id: tables[r.request_id] for r, _ in plan},
                          total_num_scheduled_tokens=sum(n for _, n in plan), kv_connector_metadata=meta)
-    input_ids, positions, attn_meta, _ = runner.prepare_inputs(so)
-    with torch.inference_mode(), set_forward_context(ForwardContext(attn_meta, runner.kv_caches)):
-        logits = runner.model.compute_logits(runner.model(input_ids, positions))
-    return logits, so
+    inputs = runner.inputs.prepare(so)
+    ctx = ForwardContext(inputs.attn_metadata, runner.kv_caches, runner.attn_backend)
+    with torch.inference_mode(), set_forward_context(ctx):
+        logits = runner.model.compute_logits(runner.model(inputs.input_ids, inputs.positions))
+    starts = inputs.attn_metadata.query_start_loc_cpu  # batch order: single-token requests first
+    return {r.request_id: logits[starts[b]:starts[b + 1]] for b, r in enumerate(inputs.requests)}
 
 
 def check_against_hf(path: Path) -> None:
@@ -62,11 +64,9 @@ def check_against_hf(path: Path) -> None:
     got = {"a": [], "b": []}
     plans = [[(a, 18), (b, 20)], [(b, 1), (a, 19)], [(a, 1), (b, 1)], [(a, 1), (b, 1)]]
     for plan in plans:
-        logits, _ = step(runner, plan, tables)
-        offset = 0
-        for req, n in plan:
-            got[req.request_id].append(logits[offset:offset + n])
-            offset += n
+        logits = step(runner, plan, tables)
+        for req, _ in plan:
+            got[req.request_id].append(logits[req.request_id])
         for req, n in plan:  # what the scheduler does after the step: advance, append the greedy token
             req.num_computed_tokens += n
             if req.num_computed_tokens == req.num_tokens:

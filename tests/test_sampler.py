@@ -20,10 +20,16 @@ def frequencies(logits: torch.Tensor, draws: int, **params) -> torch.Tensor:
 
 def test_greedy_is_exact_argmax_and_logprob_uses_raw_logits():
     logits = torch.randn(5, 384, generator=torch.Generator().manual_seed(0))
-    tokens, logprobs = Sampler()(logits, [req(temperature=0.0)] * 5)
+    tokens, logprobs = Sampler()(logits, [req(temperature=0.0, logprobs=True)] * 5)
     assert tokens == logits.argmax(-1).tolist()
     expected = torch.log_softmax(logits, -1).max(-1).values
     torch.testing.assert_close(torch.tensor(logprobs), expected)
+    # Logprobs are computed (and transferred) only for the requests that asked.
+    mixed = [req(temperature=0.0), req(temperature=0.0, logprobs=True)] + [req(temperature=0.0)] * 3
+    tokens, logprobs = Sampler()(logits, mixed)
+    assert tokens == logits.argmax(-1).tolist()
+    assert logprobs[0] is None and logprobs[2:] == [None] * 3 and abs(logprobs[1] - float(expected[1])) < 1e-6
+    assert Sampler()(logits, [req(temperature=0.0)] * 5)[1] == [None] * 5
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():

@@ -45,7 +45,8 @@ def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any]]:
 
 
 def rope_inv_freq(head_dim: int, theta: float, params: dict[str, Any]) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    """On the CPU whatever the engine's device, as transformers computes it."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if params["rope_type"] == "linear":
         return inv_freq / params["factor"]
     if params["rope_type"] == "llama3":
@@ -62,13 +63,17 @@ def rope_inv_freq(head_dim: int, theta: float, params: dict[str, Any]) -> torch.
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin per position in HF's half-split layout, looked up once per step."""
+    """Precomputed cos/sin per position in HF's half-split layout, looked up once per step.
+
+    The table is built on the default device (the engine's, see ModelRunner): transformers takes
+    cos/sin of the same fp32 products on the model's device, so the two agree to the bit."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, params: dict[str, Any],
                  dtype: torch.dtype) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, params)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        inv_freq = rope_inv_freq(head_dim, theta, params).to(positions.device)
+        freqs = positions[:, None] * inv_freq[None, :]
         self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), -1).to(dtype), persistent=False)
         # The sign of rotate_half folded into the table: x*cos + cat(x2, x1)*sin == HF's x*cos + cat(-x2, x1)*sin.
         self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), -1).to(dtype), persistent=False)

@@ -1,9 +1,10 @@
 """Paged attention layer and the per-step forward context it reads.
 
-The model runner builds one `ForwardContext` per step (batch layout, KV tensors, connector)
-and sets it around the forward pass, so model code stays free of batch plumbing. Each
-attention layer writes its new K/V into paged memory and attends over the paged history,
-calling the KV connector's per-layer hooks in between (when a connector is present).
+The model runner builds one `ForwardContext` per step (batch layout, KV tensors, the
+engine's attention backend, connector) and sets it around the forward pass, so model code
+stays free of batch plumbing. Each attention layer waits for its layer of external KV,
+lets the backend write the new K/V into paged memory and attend, then hands the layer to
+the connector to save (when a connector is present).
 """
 from __future__ import annotations
 
@@ -16,26 +17,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-import kernels
+from engine.attention.backends.base import AttentionBackend
+from engine.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from engine.kv_connector import KVConnectorBase
 
 
 @dataclass
-class AttentionMetadata:
-    """The flattened batch: request b owns query rows [query_start_loc[b], query_start_loc[b+1])."""
-
-    slot_mapping: torch.Tensor  # [num_tokens] int64: paged slot of each new token
-    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, padded with 0
-    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
-    seq_lens: torch.Tensor  # [num_reqs] int32: tokens in the cache after this step
-
-
-@dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: list[torch.Tensor]
+    attn_backend: AttentionBackend
     connector: KVConnectorBase | None = None
     connector_metadata: Any = None
 
@@ -77,9 +70,7 @@ class PagedAttention(nn.Module):
         if ctx.connector is not None:
             # External KV of this layer must be in paged memory before anything reads it.
             ctx.connector.wait_for_layer_load(self.layer_idx)
-        kernels.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
-        if ctx.connector is not None:
+        out = ctx.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)
+        if ctx.connector is not None:  # after the backend wrote this step's K/V of the layer
             ctx.connector.save_kv_layer(self.layer_idx, kv_cache, ctx.connector_metadata)
-        out = kernels.paged_attention(q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                                      self.scale)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
