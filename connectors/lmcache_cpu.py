@@ -1,10 +1,12 @@
-"""LMCache's GPU-connector interface implemented for our paged KV on CPU.
+"""LMCache's GPU-connector interface implemented over our paged KV, on CPU and on CUDA.
 
 LMCache moves KV between the serving engine and its memory objects through a "GPU connector";
-the ones it ships require CUDA ("No supported cpu connector found"). This one copies between
-our per-layer paged tensors [2, num_blocks, block_size, kv_heads, head_dim] and LMCache memory
-objects in its KV_2LTD layout [2, num_layers, num_tokens, kv_heads * head_dim], with the same
-gather/scatter kernels the store connector uses.
+the ones it ships require CUDA ("No supported cpu connector found") and vLLM's paged layout.
+This one copies between our per-layer paged tensors [2, num_blocks, block_size, kv_heads,
+head_dim] and LMCache's host memory objects in its KV_2LTD layout [2, num_layers, num_tokens,
+kv_heads * head_dim]: all layers of a chunk move in one multi-layer gather/scatter launch, and
+on CUDA through one host<->device copy of the chunk (synchronous, on LMCache's I/O thread; the
+engine waits for the whole retrieve before layer 0, so ordering needs no events).
 
 kwargs (passed through LMCacheEngine.store/retrieve): `kvcaches` (list of per-layer tensors),
 `slot_mapping` (one slot per token of the whole sequence; < 0 = do not write that token) and
@@ -33,7 +35,7 @@ class PagedKVCPUConnector(GPUConnectorInterface):
         return torch.Size([2, self.num_layers, num_tokens, self.num_kv_heads * self.head_dim])
 
     def initialize_kvcaches_ptr(self, **kwargs: Any) -> None:
-        """Nothing to pin: CPU tensors are addressed directly."""
+        """Nothing to register: the caches come with every call (`kvcaches`)."""
 
     @staticmethod
     def _args(kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -48,14 +50,16 @@ class PagedKVCPUConnector(GPUConnectorInterface):
         keep = slots >= 0
         if not bool(keep.any()):
             return
-        data = memory_obj.tensor
+        device = kv_caches[0].device
+        # [2, L, n, H*D] -> [L, 2, n, H, D] rows of the kept tokens, on the cache's device
+        rows = memory_obj.tensor[:, :, keep].transpose(0, 1).reshape(
+            len(kv_caches), 2, -1, self.num_kv_heads, self.head_dim).to(device)
         guard = kwargs.get("load_guard")
         with guard.lock if guard is not None else contextlib.nullcontext():
             if guard is not None and guard.failed:
                 return
-            for layer, kv_cache in enumerate(kv_caches):
-                rows = data[:, layer, keep].view(2, -1, self.num_kv_heads, self.head_dim)
-                kernels.scatter_kv(kv_cache, slots[keep], rows)
+            # Issued on the default stream, which the engine's layers also use: they run after it.
+            kernels.scatter_kv_layers(kv_caches, slots[keep].to(device), rows)
 
     def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
         """Paged KV of tokens [start, end) -> memory object (all slots must be valid)."""
@@ -63,9 +67,8 @@ class PagedKVCPUConnector(GPUConnectorInterface):
         slots = slot_mapping[start:end]
         if bool((slots < 0).any()):
             raise ValueError(f"tokens [{start}, {end}) are not all in paged memory")
-        data = memory_obj.tensor
-        for layer, kv_cache in enumerate(kv_caches):
-            data[:, layer].copy_(kernels.gather_kv(kv_cache, slots).reshape(2, end - start, -1))
+        rows = kernels.gather_kv_layers(kv_caches, slots.to(kv_caches[0].device))  # [L, 2, n, H, D]
+        memory_obj.tensor.copy_(rows.reshape(len(kv_caches), 2, end - start, -1).transpose(0, 1))
         memory_obj.metadata.fmt = MemoryFormat.KV_2LTD
 
     def batched_to_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:  # type: ignore[override]

@@ -1,11 +1,13 @@
 """KV hand-off through a pdserve kvstore (file:// or redis://), layer by layer in the background.
 
 Worker half: `start_load_kv` queues one read per (request, layer) on the store's I/O pool, in
-layer order, and each read scatters its chunk rows straight into paged memory; the forward pass
-only waits for layer i right before layer i's attention, so reads overlap compute. Saves gather
-a layer's complete chunks right after the layer wrote its KV and put them in the background;
-`wait_for_save` commits the chunks once every layer is written. Every store failure turns into
-"recompute" (loads) or a warning (saves), never a failed request or a hang (docs/architecture.md, Invariants).
+layer order, and each read's chunk rows go into paged memory through the engine device's
+`KVTransfer` (connectors/staging.py: directly on CPU; pinned buffers, a copy stream and one
+event per layer on CUDA). The forward pass waits for layer i only right before layer i's
+attention, so reads overlap compute. Saves gather a layer's complete chunks right after the
+layer wrote its KV and put them in the background; `wait_for_save` commits the chunks once
+every layer is written. Every store failure turns into "recompute" (loads) or a warning
+(saves), never a failed request or a hang (docs/architecture.md, Invariants).
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ import torch
 from common.hashing import chunk_keys
 from connectors.chunk_math import chunk_bounds, hit_tokens
 from connectors.chunked import ChunkedConnector, ChunkedConnectorMetadata, InFlightLoad, SaveSpec
+from connectors.staging import HostChunks, LoadPiece, make_kv_transfer
 from engine.config import KVRole
-import kernels
 from kvstore import CorruptObject, KVStore, NotFound, StoreTimeout, StoreUnavailable, open_store
 
 if TYPE_CHECKING:
@@ -34,13 +36,15 @@ _REASONS = ((StoreUnavailable, "unavailable"), (StoreTimeout, "timeout"), (Corru
 @dataclass
 class _Load(InFlightLoad):
     keys: list[str] = field(default_factory=list)
-    futures: dict[int, concurrent.futures.Future] = field(default_factory=dict)
+    slots: torch.Tensor | None = None  # spec.slots on the engine's device
+    futures: dict[int, concurrent.futures.Future] = field(default_factory=dict)  # layer -> its copy's event
 
 
 @dataclass
 class _Save:
     spec: SaveSpec
     keys: list[str]
+    slots: torch.Tensor  # spec.slots on the engine's device
     futures: list[concurrent.futures.Future] = field(default_factory=list)
     num_bytes: int = 0
     io_seconds: float = 0.0  # gather + put + commit time (puts overlap compute, so not wall time)
@@ -59,6 +63,9 @@ class StoreConnector(ChunkedConnector):
                                          dtype=runner.dtype, kv_shape=(runner.num_kv_heads, runner.head_dim),
                                          timeout=min(kt.load_timeout_s, 5.0))
         self.kv_caches: list[torch.Tensor] = []
+        self.transfer = make_kv_transfer(runner.platform)
+        self.dtype: torch.dtype = runner.dtype
+        self.kv_shape: tuple[int, int] = (runner.num_kv_heads, runner.head_dim)
         self._loads: list[_Load] = []
         self._load_deadline = 0.0
         self._saves: dict[str, _Save] = {}
@@ -103,33 +110,44 @@ class StoreConnector(ChunkedConnector):
         self._load_deadline = time.monotonic() + self.load_timeout_s
         for spec in metadata.loads:
             keys = self._prompt_keys(spec.request_id, spec.token_ids, spec.cache_salt)
-            self._loads.append(_Load(spec, keys=keys[spec.plan.chunk_range.start:spec.plan.chunk_range.stop]))
+            self._loads.append(_Load(spec, keys=keys[spec.plan.chunk_range.start:spec.plan.chunk_range.stop],
+                                     slots=self.transfer.device_slots(spec.slots)))
+        self.transfer.begin_step()
         for layer in range(self.num_layers):  # layer-major, so layer 0 of every request arrives first
             for load in self._loads:
                 load.futures[layer] = self.store.submit(self._load_layer, load, layer)
 
-    def _load_layer(self, load: _Load, layer: int) -> int:
-        """Read one layer's chunks and scatter the rows of tokens [N, N + need) into their slots."""
+    def _load_layer(self, load: _Load, layer: int) -> tuple[int, Any]:
+        """Read one layer's chunks and write the rows of tokens [N, N + need) into their slots.
+
+        Returns (bytes read, the event marking the end of the copy into paged memory)."""
         plan = load.spec.plan
         if load.failed:  # an earlier layer already failed: the request recomputes, skip the read
-            return 0
-        tensors = self.store.get_layer(layer, load.keys)
-        write_start, write_end = plan.write_range
-        pieces = []  # (rows of one chunk, where they go in spec.slots)
-        for idx, tensor in zip(plan.chunk_range, tensors):
-            start, end = chunk_bounds(idx, plan.num_tokens, self.chunk_size)
-            if tensor.shape[1] != end - start:
-                raise CorruptObject(f"chunk {idx} layer {layer} holds {tensor.shape[1]} tokens, "
-                                    f"expected {end - start}")
-            lo, hi = max(start, write_start), min(end, write_end)
-            if hi > lo:
-                pieces.append((tensor[:, lo - start:hi - start], load.spec.slots[lo - write_start:hi - write_start]))
+            return 0, None
+        bounds = [chunk_bounds(idx, plan.num_tokens, self.chunk_size) for idx in plan.chunk_range]
+        out, buffers = self.transfer.read_buffers([(2, end - start, *self.kv_shape) for start, end in bounds],
+                                                  self.dtype)
+        try:
+            tensors = self.store.get_layer(layer, load.keys, out=out)
+            write_start, write_end = plan.write_range
+            pieces = []
+            for idx, (start, end), tensor in zip(plan.chunk_range, bounds, tensors):
+                if tensor.shape[1] != end - start:
+                    raise CorruptObject(f"chunk {idx} layer {layer} holds {tensor.shape[1]} tokens, "
+                                        f"expected {end - start}")
+                lo, hi = max(start, write_start), min(end, write_end)
+                if hi > lo:
+                    pieces.append(LoadPiece(tensor, lo - start, hi - start,
+                                            load.slots[lo - write_start:hi - write_start]))
+        except BaseException:
+            self.transfer.load(self.kv_caches[layer], [], buffers)  # hand the buffers back
+            raise
         with load.lock:
-            if not load.failed:
-                for rows, slots in pieces:
-                    kernels.scatter_kv(self.kv_caches[layer], slots, rows)
-                load.finished = max(load.finished, time.perf_counter())
-        return sum(t.nbytes for t in tensors)
+            if load.failed:
+                pieces = []
+            event = self.transfer.load(self.kv_caches[layer], pieces, buffers)
+            load.finished = max(load.finished, time.perf_counter())
+        return sum(t.nbytes for t in tensors), event
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
         for load in self._loads:
@@ -137,10 +155,13 @@ class StoreConnector(ChunkedConnector):
             if load.failed or future is None:
                 continue
             try:
-                load.num_bytes += future.result(timeout=max(0.0, self._load_deadline - time.monotonic()))
+                num_bytes, event = future.result(timeout=max(0.0, self._load_deadline - time.monotonic()))
             except Exception as exc:  # timeout, store error or a bad object: recompute this request
                 self._fail_load(load, exc)
+                self.transfer.fence()  # copies issued before the failure land before the recompute
                 continue
+            load.num_bytes += num_bytes
+            self.transfer.wait(event)  # the compute stream waits for this layer's copy, the host does not
             if layer_idx == self.num_layers - 1:
                 self.metrics.on_load(load.spec.request_id, load.spec.plan, load.num_bytes, load.io_seconds)
 
@@ -154,18 +175,23 @@ class StoreConnector(ChunkedConnector):
             if save is None:
                 keys = self._prompt_keys(spec.request_id, spec.token_ids, spec.cache_salt)
                 first = spec.start // self.chunk_size
-                save = self._saves[spec.request_id] = _Save(spec, keys[first:-(-spec.end // self.chunk_size)])
-            chunks = {}  # each gather is a contiguous copy: later steps may reuse the blocks
-            for i, key in enumerate(save.keys):
-                lo = i * self.chunk_size
-                chunks[key] = kernels.gather_kv(kv_cache, spec.slots[lo:lo + self.chunk_size])
-            save.num_bytes += sum(c.nbytes for c in chunks.values())
+                save = self._saves[spec.request_id] = _Save(spec, keys[first:-(-spec.end // self.chunk_size)],
+                                                            self.transfer.device_slots(spec.slots))
+            # Contiguous host copies, so later steps may reuse the blocks (on CUDA: a side-stream copy).
+            chunk_lens = [min(self.chunk_size, spec.end - spec.start - i * self.chunk_size)
+                          for i in range(len(save.keys))]
+            host = self.transfer.save(kv_cache, save.slots, chunk_lens)
+            save.num_bytes += sum(c.nbytes for c in host.tensors)
             save.io_seconds += time.perf_counter() - started
-            save.futures.append(self.store.submit(self._put_layer, layer_idx, chunks))
+            save.futures.append(self.store.submit(self._put_layer, layer_idx, save.keys, host))
 
-    def _put_layer(self, layer: int, chunks: dict[str, torch.Tensor]) -> float:
+    def _put_layer(self, layer: int, keys: list[str], host: HostChunks) -> float:
         started = time.perf_counter()
-        self.store.put_layer(layer, chunks)
+        try:
+            host.ready.synchronize()  # the device->host copy of these chunks has landed
+            self.store.put_layer(layer, dict(zip(keys, host.tensors)))
+        finally:
+            self.transfer.release(host)
         return time.perf_counter() - started
 
     def wait_for_save(self) -> None:

@@ -64,7 +64,8 @@ class KVConnectorBase(ABC):
         """Turn this step's loads and saves into metadata for the worker side."""
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """(delay freeing the blocks until an async save finishes, params for the caller)."""
+        """(False, params for the caller). The blocks are freed at once: saves complete within their
+        step (`wait_for_save`), so pdserve has no vLLM-style delayed free; the flag keeps vLLM's shape."""
         return False, None
 
     # ---- worker side ----

@@ -35,7 +35,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last schedule(), for the runner
-        self._delayed_free: dict[str, Request] = {}  # finished, blocks held for an async save
         self._fork_parents: dict[str, Request] = {}  # n > 1: choice id -> choice 0, until it forks
         self._blocks_to_copy: list[tuple[int, int]] = []  # forks' partial prompt blocks, for the next step
         self.num_preemptions = 0
@@ -216,7 +215,6 @@ class Scheduler:
                 self._free_request(request)
             updated.append(request)
             updated.extend(forks)
-        self._free_finished_saves()
         return updated
 
     def _fork(self, parent: Request, runner_output: ModelRunnerOutput) -> list[Request]:
@@ -275,30 +273,17 @@ class Scheduler:
         return request.is_finished
 
     def _free_request(self, request: Request) -> None:
-        """Finished or aborted: tell the connector, then free the blocks unless it still saves from them."""
+        """Finished or aborted: tell the connector, then free the blocks.
+
+        Freeing at once is safe because a save never outlives its step: `wait_for_save` returns
+        only after every put (and, on CUDA, every device->host copy of it) is done, and a later
+        kernel that reuses a block is ordered after the save's gather on the device."""
         self.finished_req_ids.add(request.request_id)
         for fork in request.forks:  # choice 0 ended before its prompt was done: the others prefill alone
             del self._fork_parents[fork.request_id]
             self.waiting.append(fork)
         request.forks = []
-        delay = False
         if self.connector is not None:  # connector hook: the request is done
-            delay, _ = self.connector.request_finished(
-                request, self.kv_cache_manager.get_block_ids(request.request_id))
-        if delay:
-            self._delayed_free[request.request_id] = request
-        else:
-            self._release(request)
-
-    def _free_finished_saves(self) -> None:
-        if not self._delayed_free:
-            return
-        done_sending, _ = self.connector.get_finished(set(self._delayed_free))
-        for request_id in done_sending or ():
-            request = self._delayed_free.pop(request_id, None)
-            if request is not None:
-                self._release(request)
-
-    def _release(self, request: Request) -> None:
+            self.connector.request_finished(request, self.kv_cache_manager.get_block_ids(request.request_id))
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import launch_guard
+
 _LOG2E = math.log2(math.e)
 _MIN_ROWS = 16  # tl.dot needs at least 16 rows
 _CONTEXT_ROWS = 64  # rows (tokens x group heads) per context program
@@ -176,21 +178,22 @@ def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
         kv_split_len, partial, lse = 0, out, out  # unused by the kernel without SPLIT_KV
         grid = (num_seqs, num_q_tiles, num_kv_heads)
     dot_dtype = _dot_dtype(query)
-    _paged_attention_kernel[grid](
-        query, kv_cache[0], kv_cache[1], out, block_tables, query_start_loc, seq_lens,
-        partial, lse, kv_split_len, scale * _LOG2E,
-        *query.stride(), *out.stride(), *kv_cache.stride()[1:], block_tables.stride(0),
-        *(partial.stride()[:3] if split_kv else (0, 0, 0)), *(lse.stride()[:2] if split_kv else (0, 0)),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=max(_MIN_ROWS, block_q * group_pad), BLOCK_N=_BLOCK_N,
-        DOT_DTYPE=dot_dtype, PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", SPLIT_KV=split_kv,
-    )
-    if split_kv:
-        _reduce_splits_kernel[(num_seqs, num_heads)](
-            partial, lse, out, query_start_loc, num_splits,
-            *partial.stride()[:3], *lse.stride()[:2], *out.stride(),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+    with launch_guard():
+        _paged_attention_kernel[grid](
+            query, kv_cache[0], kv_cache[1], out, block_tables, query_start_loc, seq_lens,
+            partial, lse, kv_split_len, scale * _LOG2E,
+            *query.stride(), *out.stride(), *kv_cache.stride()[1:], block_tables.stride(0),
+            *(partial.stride()[:3] if split_kv else (0, 0, 0)), *(lse.stride()[:2] if split_kv else (0, 0)),
+            GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=max(_MIN_ROWS, block_q * group_pad), BLOCK_N=_BLOCK_N,
+            DOT_DTYPE=dot_dtype, PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", SPLIT_KV=split_kv,
         )
+        if split_kv:
+            _reduce_splits_kernel[(num_seqs, num_heads)](
+                partial, lse, out, query_start_loc, num_splits,
+                *partial.stride()[:3], *lse.stride()[:2], *out.stride(),
+                HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+            )
     return out
 
 

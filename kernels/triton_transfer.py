@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import launch_guard
+
 # Elements one program copies per K/V tile; large tiles keep the interpreter's program count low.
 _TILE_ELEMS = 4096
 
@@ -97,13 +99,14 @@ def _launch(cache: torch.Tensor, layers: list[torch.Tensor] | None, dense_k: tor
     else:
         cache_arg = _address_table(tuple(t.data_ptr() for t in layers), cache.device)
     grid = (triton.cdiv(num_tokens, block_t), num_layers)
-    _kv_slot_copy_kernel[grid](
-        cache_arg, dense_k, dense_v, slots, num_tokens,
-        *dense_k.stride(), *cache.stride(),
-        CACHE_DTYPE=_TL_DTYPES[cache.dtype], LAYERED=layers is not None, TO_CACHE=to_cache,
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=cache.shape[2],
-        BLOCK_T=block_t, BLOCK_HD=block_hd,
-    )
+    with launch_guard():
+        _kv_slot_copy_kernel[grid](
+            cache_arg, dense_k, dense_v, slots, num_tokens,
+            *dense_k.stride(), *cache.stride(),
+            CACHE_DTYPE=_TL_DTYPES[cache.dtype], LAYERED=layers is not None, TO_CACHE=to_cache,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=cache.shape[2],
+            BLOCK_T=block_t, BLOCK_HD=block_hd,
+        )
 
 
 def _check_layers(kv_caches: list[torch.Tensor]) -> torch.Tensor:

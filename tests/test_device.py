@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from serving import LLM, SamplingParams
 from engine.attention import backend_name, select_attention_backend
 from engine.config import CacheConfig, EngineConfig
 from engine.device import NullEvent, Platform, resolve_device

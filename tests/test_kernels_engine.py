@@ -1,58 +1,70 @@
-"""Greedy generation with the Triton kernels forced on (interpreter) matches the torch path token for token.
+"""The engine with everything a GPU run uses, forced on the CPU, token-identical to Hugging Face.
 
-The Triton run happens in a fresh interpreter process: TRITON_INTERPRET must be set before
-the kernel modules are imported, which a shared pytest process cannot guarantee.
+- the Triton attention backend (`attention_backend="triton"`) and Triton transfer kernels run in
+  Triton's interpreter (tests/conftest.py set TRITON_INTERPRET=1 before triton was imported);
+- on the P/D path, the connector's CUDA data path (`StagedTransfer`: pinned-pool staging, copy
+  and save streams, per-layer events) runs with the CPU platform, where copies are memcpys and
+  events no-ops.
+Monolithic with chunked prefill and prefix-cache hits, and prefill -> file store -> decode.
+Lengths sit on block (16) and chunk (64) boundaries; the interpreter is slow, so prompts are short.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
-from kernels import ops
 
-REPO = Path(__file__).resolve().parents[1]
-# Shared 40-byte prefix (> 2 blocks of 16) so the second round hits the prefix cache and the
-# context kernel attends over a cached paged prefix; a 32-token budget chunks the prefills.
-PREFIX = "The quick brown fox jumps over the lazy "
-ROUNDS = [[PREFIX + "dog.", "Hi"], [PREFIX + "cat, twice."]]
-ENGINE_OPTIONS = dict(block_size=16, kv_cache_memory="8MiB", max_num_batched_tokens=32)
-MAX_TOKENS = 6
+import pytest
 
-TRITON_RUN = """
-import json, sys
-from kernels import triton_attention, triton_transfer
+from connectors import staging
+from serving import LLM, SamplingParams
+from kernels import ops, triton_attention, triton_transfer
+from tests.connector_helpers import PREFILL, hf_greedy, prompt
 from tests.kernels_helpers import count_calls
-from tests.test_kernels_engine import generate_rounds
-calls = count_calls([(triton_transfer, "reshape_and_cache"), (triton_attention, "paged_decode_attention"),
-                     (triton_attention, "context_attention")])
-print(json.dumps({**generate_rounds(sys.argv[1]), "calls": calls}))
-"""
+
+MAX_TOKENS = 4
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+OPTIONS = dict(attention_backend="triton", block_size=16, kv_cache_memory="4MiB", max_num_batched_tokens=48)
+LENGTHS = (1, 16, 17, 70)
 
 
-def generate_rounds(model: str) -> dict[str, list]:
-    """Greedy generation of each round in turn on one LLM: generated tokens and cached prompt tokens."""
-    from serving import LLM, SamplingParams
-
-    llm = LLM(model, **ENGINE_OPTIONS)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    results = [llm.generate(prompts, params) for prompts in ROUNDS]
-    return {"tokens": [[list(r.token_ids) for r in rnd] for rnd in results],
-            "cached": [[r.num_cached_tokens for r in rnd] for rnd in results]}
+@pytest.fixture()
+def triton_kernels(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    calls = count_calls([(triton_transfer, "reshape_and_cache"), (triton_attention, "paged_decode_attention"),
+                         (triton_attention, "context_attention"), (triton_transfer, "gather_kv"),
+                         (triton_transfer, "scatter_kv")], monkeypatch.setattr)
+    with ops.use_backend("triton"):  # the connectors' transfers too
+        yield calls
 
 
-def test_triton_greedy_generation_matches_torch(tiny_llama: Path) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PDSERVE_KERNELS": "triton", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-c", TRITON_RUN, str(tiny_llama)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    triton_run = json.loads(proc.stdout.strip().splitlines()[-1])
-    with ops.use_backend("torch"):
-        torch_run = generate_rounds(str(tiny_llama))
+def test_monolithic_triton_matches_hf(tiny_llama: Path, triton_kernels: dict[str, int]) -> None:
+    prompts = [prompt(n, seed=7) for n in LENGTHS]
+    expected = hf_greedy(tiny_llama, prompts, MAX_TOKENS)
+    llm = LLM(str(tiny_llama), **OPTIONS)
+    assert llm.engine.model_runner.attn_backend.name == "triton"
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected  # chunked: 48-token budget
+    again = llm.generate(prompts[-1:], GREEDY)  # attends over a cached paged prefix
+    assert again[0].token_ids == expected[-1] and again[0].num_cached_tokens == 64
+    assert all(triton_kernels.get(k, 0) > 0 for k in ("reshape_and_cache", "paged_decode_attention",
+                                                      "context_attention"))
 
-    assert all(len(seq) == MAX_TOKENS for rnd in torch_run["tokens"] for seq in rnd)
-    assert triton_run["tokens"] == torch_run["tokens"]
-    assert triton_run["cached"][1][0] >= 32  # round 2 attended over a cached paged prefix
-    assert all(triton_run["calls"].get(name, 0) > 0
-               for name in ("reshape_and_cache", "paged_decode_attention", "context_attention"))
+
+def test_prefill_file_store_decode_triton_and_staging_match_hf(tiny_llama: Path, tmp_path: Path,
+                                                               triton_kernels: dict[str, int],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(staging, "use_staging", lambda platform: True)  # the CUDA data path, on the CPU
+    prompts = [prompt(n, seed=8) for n in (17, 64, 65, 130)]
+    expected = hf_greedy(tiny_llama, prompts, MAX_TOKENS)
+    kw = dict(OPTIONS, kv_store=f"file://{tmp_path}", chunk_size=64)
+    producer = LLM(str(tiny_llama), kv_role="kv_producer", **kw)
+    consumer = LLM(str(tiny_llama), kv_role="kv_consumer", **kw)
+    transfers = [e.engine.connector.transfer for e in (producer, consumer)]
+    assert all(isinstance(t, staging.StagedTransfer) for t in transfers)
+    assert [o.token_ids for o in producer.generate(prompts, PREFILL)] == [e[:1] for e in expected]
+    before = consumer.engine.get_stats().num_prompt_tokens_computed
+    out = consumer.generate(prompts, GREEDY)
+    assert [o.token_ids for o in out] == expected
+    assert consumer.engine.get_stats().num_prompt_tokens_computed - before == len(prompts)  # KV came from the store
+    assert [o.num_cached_tokens for o in out] == [len(p) - 1 for p in prompts]
+    for t in transfers:  # every staging buffer went back to the pool, and the pool was reused
+        assert t.pool.num_free == t.pool.num_allocations > 0
+        assert t.pool.num_acquired > t.pool.num_allocations
+    assert triton_kernels["gather_kv"] > 0 and triton_kernels["scatter_kv"] > 0

@@ -1,0 +1,225 @@
+"""How KV bytes move between a store's host tensors and paged device memory (DESIGN.md section 8).
+
+Two ways, one interface (`KVTransfer`), picked by `make_kv_transfer` from the engine's device:
+
+- `DirectTransfer` (CPU): the store decodes into fresh tensors and the scatter writes them into
+  the cache; saves gather each chunk into its own contiguous tensor. Nothing is asynchronous.
+- `StagedTransfer` (CUDA): store reads land in reusable pinned host buffers (`PinnedPool`); a
+  dedicated copy stream moves them to the device and scatters them into their slots, and one
+  event per (load, layer) lets layer i's attention wait on the GPU, not on a host thread. Saves
+  gather a layer's chunks on the compute stream, then a side stream copies them into pinned
+  buffers; the store put (on the I/O pool) waits for that copy's event only. The copy stream
+  first waits for the compute stream, so a block freed by an earlier step is overwritten only
+  after every kernel that read it (an earlier save's gather included) has run.
+
+StagedTransfer is plain torch code: on the CPU its copies are synchronous memcpys and its
+events no-ops, which is how the CPU test suite checks it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import kernels
+from engine.device import Platform
+
+logger = logging.getLogger(__name__)
+
+_MIN_PINNED_BYTES = 1 << 20
+
+
+class PinnedPool:
+    """Reusable page-locked host buffers. A released buffer carries the event of the device work
+    still reading or writing it, and is handed out again only after that event completed."""
+
+    def __init__(self, platform: Platform) -> None:
+        self.platform = platform
+        self._free: list[tuple[torch.Tensor, Any]] = []  # (uint8 buffer, event or None), smallest first
+        self._lock = threading.Lock()
+        self.allocated_bytes = 0
+        self.num_allocations = 0
+        self.num_acquired = 0
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of at least nbytes (sizes are powers of two from 1 MiB, so few distinct ones)."""
+        with self._lock:
+            self.num_acquired += 1
+            for i, (buf, _) in enumerate(self._free):
+                if buf.numel() >= nbytes:
+                    buf, event = self._free.pop(i)
+                    break
+            else:
+                buf, event = None, None
+        if event is not None:
+            event.synchronize()  # the copy that last used it has finished
+        if buf is None:
+            size = max(_MIN_PINNED_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
+            buf = self.platform.pinned_empty(size, torch.uint8)
+            with self._lock:
+                self.allocated_bytes += size
+                self.num_allocations += 1
+            logger.debug("pinned staging pool grew by %d bytes to %d bytes", size, self.allocated_bytes)
+        return buf
+
+    def release(self, buf: torch.Tensor, event: Any = None) -> None:
+        """Give `buf` back; `event` (if any) marks the end of the device work that still uses it."""
+        with self._lock:
+            self._free.append((buf, event))
+            self._free.sort(key=lambda item: item[0].numel())
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+
+def view_as(buf: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+    """A dtype/shape view of bytes [offset, offset + size) of a uint8 buffer."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return buf[offset:offset + nbytes].view(dtype).view(shape)
+
+
+@dataclass
+class LoadPiece:
+    """Rows [lo, hi) of one chunk tensor [2, n, H, D] go into `slots`."""
+
+    chunk: torch.Tensor
+    lo: int
+    hi: int
+    slots: torch.Tensor
+
+
+@dataclass
+class HostChunks:
+    """One layer's chunks of a save on the host, valid once `ready` completed."""
+
+    tensors: list[torch.Tensor]
+    ready: Any
+    buffers: list[torch.Tensor] = field(default_factory=list)  # pool buffers to release after the put
+
+
+class KVTransfer:
+    """The direct (CPU) way; StagedTransfer overrides every step of it."""
+
+    def __init__(self, platform: Platform) -> None:
+        self.platform = platform
+
+    def begin_step(self) -> None:
+        """Called on the compute thread before a step's loads are issued."""
+
+    def read_buffers(self, shapes: list[tuple[int, ...]],
+                     dtype: torch.dtype) -> tuple[list[torch.Tensor] | None, list[torch.Tensor]]:
+        """(host tensors a store read should fill, None: let the store allocate; pool buffers behind them)."""
+        return None, []
+
+    def load(self, kv_cache: torch.Tensor, pieces: list[LoadPiece], buffers: list[torch.Tensor]) -> Any:
+        """Write the pieces into paged memory; returns the event that marks the end (I/O thread)."""
+        for piece in pieces:
+            kernels.scatter_kv(kv_cache, piece.slots, piece.chunk[:, piece.lo:piece.hi])
+        return self.platform.new_event()
+
+    def wait(self, event: Any) -> None:
+        """Make the compute stream wait for a load's event (compute thread)."""
+
+    def fence(self) -> None:
+        """Order every copy issued so far before the compute stream's next work (after a failed load:
+        a copy already issued must land before the engine recomputes those blocks)."""
+
+    def device_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots
+
+    def save(self, kv_cache: torch.Tensor, slots: torch.Tensor, chunk_lens: list[int]) -> HostChunks:
+        """Gather tokens `slots` (chunk after chunk, chunk_lens tokens each) into contiguous host tensors."""
+        tensors, start = [], 0
+        for n in chunk_lens:
+            tensors.append(kernels.gather_kv(kv_cache, slots[start:start + n]))
+            start += n
+        return HostChunks(tensors, self.platform.new_event())
+
+    def release(self, chunks: HostChunks) -> None:
+        """The put of these chunks is done (I/O thread)."""
+
+
+class StagedTransfer(KVTransfer):
+    def __init__(self, platform: Platform) -> None:
+        super().__init__(platform)
+        self.pool = PinnedPool(platform)
+        self.copy_stream = platform.new_stream()  # store reads -> device
+        self.save_stream = platform.new_stream()  # device -> pinned host
+
+    def begin_step(self) -> None:
+        # Blocks this step's loads write may have been read (gathered for a save) or written by
+        # kernels already issued on the compute stream: the copy stream goes after them.
+        self.platform.wait_stream(self.copy_stream)
+
+    def read_buffers(self, shapes: list[tuple[int, ...]],
+                     dtype: torch.dtype) -> tuple[list[torch.Tensor] | None, list[torch.Tensor]]:
+        es = torch.empty((), dtype=dtype).element_size()
+        buffers = [self.pool.acquire(torch.Size(shape).numel() * es) for shape in shapes]
+        return [view_as(buf, shape, dtype) for buf, shape in zip(buffers, shapes)], buffers
+
+    def load(self, kv_cache: torch.Tensor, pieces: list[LoadPiece], buffers: list[torch.Tensor]) -> Any:
+        with self.platform.stream(self.copy_stream):
+            for piece in pieces:
+                # The whole chunk (contiguous pinned bytes: one async DMA), then its rows on the device.
+                rows = piece.chunk.to(kv_cache.device, non_blocking=True)[:, piece.lo:piece.hi]
+                kernels.scatter_kv(kv_cache, piece.slots, rows)
+            event = self._recorded(self.copy_stream)
+        for buf in buffers:
+            self.pool.release(buf, event)
+        return event
+
+    def wait(self, event: Any) -> None:
+        self.platform.wait_event(event)
+
+    def fence(self) -> None:
+        self.platform.wait_event(self._recorded(self.copy_stream))
+
+    def _recorded(self, stream: Any) -> Any:
+        event = self.platform.new_event()
+        event.record(stream)
+        return event
+
+    def device_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots.to(self.platform.device, non_blocking=True)
+
+    def save(self, kv_cache: torch.Tensor, slots: torch.Tensor, chunk_lens: list[int]) -> HostChunks:
+        rows = kernels.gather_kv(kv_cache, slots)  # [2, T, H, D] on the compute stream
+        token_shape = rows.shape[2:]
+        buf = self.pool.acquire(rows.numel() * rows.element_size())
+        host = view_as(buf, (rows.numel(),), rows.dtype)
+        # Equal leading chunks move in one copy (every chunk but the last of a prompt is full).
+        n0 = chunk_lens[0]
+        lead = next((i for i, n in enumerate(chunk_lens) if n != n0), len(chunk_lens))
+        groups = [(0, lead, n0)] + [(i, 1, n) for i, n in enumerate(chunk_lens[lead:], start=lead)]
+        tensors: list[torch.Tensor] = []
+        compute = self.platform.current_stream()
+        with self.platform.stream(self.save_stream):
+            self.platform.wait_stream(self.save_stream, compute)
+            start = 0
+            for _, count, n in groups:  # chunk-major on the host: each chunk's bytes are contiguous
+                dst = host[2 * start * token_shape.numel():2 * (start + count * n) * token_shape.numel()]
+                dst = dst.view(count, 2, n, *token_shape)
+                src = rows[:, start:start + count * n].view(2, count, n, *token_shape).transpose(0, 1)
+                dst.copy_(src, non_blocking=True)
+                tensors.extend(dst.unbind(0))
+                start += count * n
+            ready = self._recorded(self.save_stream)
+        self.platform.record_stream(rows, self.save_stream)
+        return HostChunks(tensors, ready, [buf])
+
+    def release(self, chunks: HostChunks) -> None:
+        for buf in chunks.buffers:
+            self.pool.release(buf)
+
+
+def use_staging(platform: Platform) -> bool:
+    """Pinned staging and copy streams pay off only when a host<->device copy exists (CUDA)."""
+    return platform.is_cuda
+
+
+def make_kv_transfer(platform: Platform) -> KVTransfer:
+    return StagedTransfer(platform) if use_staging(platform) else KVTransfer(platform)

@@ -1,0 +1,92 @@
+"""The connectors' KV data path (connectors/staging.py) on the CPU platform.
+
+StagedTransfer is the CUDA path (pinned pool, copy/save streams, events); with the CPU platform
+its copies are memcpys and its events no-ops, so its layout logic and buffer bookkeeping run
+here. The one thing only a GPU shows — a pooled buffer is not reused before the copy that used
+it finished — is checked with an event whose completion the test controls (a CUDA event's role).
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from connectors.staging import KVTransfer, LoadPiece, PinnedPool, StagedTransfer, make_kv_transfer, use_staging
+from engine.device import Platform
+from kernels import torch_ref
+
+CPU = Platform(torch.device("cpu"))
+
+
+class PendingEvent:
+    """Stands in for a CUDA event recorded after a copy that has not finished yet."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.waited = False
+
+    def synchronize(self) -> None:
+        self.waited = True
+        assert self.done.wait(10), "the copy never finished"
+
+
+def test_pinned_pool_reuses_buffers_only_after_their_copy_finished():
+    pool = PinnedPool(CPU)
+    a = pool.acquire(3 << 20)
+    assert a.dtype == torch.uint8 and a.numel() == 4 << 20  # powers of two from 1 MiB
+    assert pool.acquire(10).numel() == 1 << 20
+    event = PendingEvent()
+    pool.release(a, event)
+    threading.Timer(0.05, event.done.set).start()
+    again = pool.acquire(2 << 20)  # the only free buffer big enough: waits for its event first
+    assert again.data_ptr() == a.data_ptr() and event.waited and event.done.is_set()
+    assert pool.num_allocations == 2 and pool.num_acquired == 3
+    pool.release(again)
+    small = pool.acquire(1)  # smallest fitting buffer first
+    assert small.numel() == 4 << 20 and pool.acquire(5 << 20).numel() == 8 << 20
+
+
+def cache_and_slots(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(2, 12, 16, 2, 8, generator=gen).to(torch.bfloat16)
+    return cache, torch.randperm(12 * 16, generator=gen)[:150]
+
+
+def test_staged_save_is_chunk_major_and_equals_the_direct_gather():
+    cache, slots = cache_and_slots(0)
+    chunk_lens = [64, 64, 22]
+    direct = KVTransfer(CPU).save(cache, slots, chunk_lens)
+    staged_transfer = StagedTransfer(CPU)
+    staged = staged_transfer.save(cache, slots, chunk_lens)
+    assert [t.shape for t in staged.tensors] == [(2, 64, 2, 8), (2, 64, 2, 8), (2, 22, 2, 8)]
+    for s, d, lo in zip(staged.tensors, direct.tensors, (0, 64, 128)):
+        assert s.is_contiguous() and torch.equal(s, d)
+        assert torch.equal(s, torch_ref.gather_kv(cache, slots[lo:lo + s.shape[1]]))
+    # one pooled buffer behind all chunks, back in the pool after the put
+    assert len(staged.buffers) == 1 and staged_transfer.pool.num_free == 0
+    staged_transfer.release(staged)
+    assert staged_transfer.pool.num_free == 1
+
+
+def test_staged_load_writes_only_the_pieces_and_returns_its_buffers():
+    cache, slots = cache_and_slots(1)
+    transfer = StagedTransfer(CPU)
+    out, buffers = transfer.read_buffers([(2, 64, 2, 8), (2, 30, 2, 8)], torch.bfloat16)
+    assert [t.shape for t in out] == [(2, 64, 2, 8), (2, 30, 2, 8)] and len(buffers) == 2
+    for t in out:  # what a store read would put there
+        t.copy_(torch.randn(t.shape).to(torch.bfloat16))
+    # the first chunk's first 10 tokens are already local: only rows [10, 64) are written
+    pieces = [LoadPiece(out[0], 10, 64, slots[:54]), LoadPiece(out[1], 0, 30, slots[54:84])]
+    expected = cache.clone()
+    torch_ref.scatter_kv(expected, slots[:54], out[0][:, 10:])
+    torch_ref.scatter_kv(expected, slots[54:84], out[1])
+    transfer.begin_step()
+    event = transfer.load(cache, pieces, buffers)
+    transfer.wait(event)
+    transfer.fence()
+    assert torch.equal(cache, expected) and transfer.pool.num_free == 2
+
+
+def test_the_device_picks_the_transfer():
+    assert type(make_kv_transfer(CPU)) is KVTransfer
+    assert use_staging(Platform(torch.device("cuda", 0))) and not use_staging(CPU)
