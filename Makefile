@@ -6,7 +6,7 @@ SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test serve bench-pd bench-vllm install redis-server container-tools test-tools protos clean
+.PHONY: test test-gpu gpu-deps check-kernels serve bench-pd bench-vllm install redis-server container-tools test-tools protos clean
 
 install: $(STAMP)
 
@@ -33,6 +33,22 @@ test-tools:
 
 test: install redis-server container-tools test-tools
 	$(PY) -m pytest -q tests
+
+# The GPU suite (tests_gpu/, never collected by `make test`): needs a CUDA device and runs with that
+# machine's own CUDA torch (GPU_PY), installing nothing. What that Python lacks comes from GPU_DEPS,
+# made on a networked machine by `make gpu-deps` and carried over.
+GPU_PY   ?= python3
+GPU_DEPS ?= .gpu-deps
+test-gpu:
+	PATH="$(CURDIR)/$(GPU_DEPS)/bin:$$PATH" PYTHONPATH="$(CURDIR)/$(GPU_DEPS)/site:$(CURDIR)" \
+	  $(GPU_PY) -m pytest -q -p no:cacheprovider tests_gpu
+
+gpu-deps: install redis-server
+	PIP=$(VENV)/bin/pip sh tests_gpu/bundle_deps.sh $(GPU_DEPS)
+
+# Compile every Triton kernel variant for sm_90 without a GPU (minutes on a CPU; not in `make test`).
+check-kernels: install
+	env -u TRITON_INTERPRET $(PY) -m kernels.compile_check
 
 serve: install
 	$(PY) -m deploy.local_cluster $(ARGS)

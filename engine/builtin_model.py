@@ -25,6 +25,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                  head_dim=32, intermediate_size=256, max_position_embeddings=8192, dtype="float32"),
     "bench": dict(num_hidden_layers=12, hidden_size=1024, num_attention_heads=16, num_key_value_heads=8,
                   head_dim=64, intermediate_size=2816, max_position_embeddings=8192, dtype="bfloat16"),
+    # Llama-3.2-1B's shape (with the byte vocabulary): about 1B parameters, enough to keep a GPU busy.
+    "gpu": dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=64, intermediate_size=8192, max_position_embeddings=16384, dtype="bfloat16"),
 }
 ARCHS = ("llama", "qwen2", "mistral")
 VOCAB_SIZE = 384  # ByT5: pad 0, eos 1, unk 2, 256 bytes, 125 extra ids

@@ -142,12 +142,12 @@ def _reduce_splits_kernel(
              mask=dim_ok)
 
 
-def _dot_dtype(query: torch.Tensor) -> tl.dtype:
+def _dot_dtype(dtype: torch.dtype, on_gpu: bool) -> tl.dtype:
     """Operand dtype of the two tl.dot calls: the query's own, except bf16 off-GPU, where Triton's
     interpreter multiplies bf16 bit patterns as integers (3.9), so it gets fp32 operands instead."""
-    if query.dtype == torch.bfloat16:
-        return tl.bfloat16 if query.is_cuda else tl.float32
-    return tl.float16 if query.dtype == torch.float16 else tl.float32
+    if dtype == torch.bfloat16:
+        return tl.bfloat16 if on_gpu else tl.float32
+    return tl.float16 if dtype == torch.float16 else tl.float32
 
 
 def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -177,7 +177,7 @@ def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
     else:
         kv_split_len, partial, lse = 0, out, out  # unused by the kernel without SPLIT_KV
         grid = (num_seqs, num_q_tiles, num_kv_heads)
-    dot_dtype = _dot_dtype(query)
+    dot_dtype = _dot_dtype(query.dtype, query.is_cuda)
     with launch_guard():
         _paged_attention_kernel[grid](
             query, kv_cache[0], kv_cache[1], out, block_tables, query_start_loc, seq_lens,

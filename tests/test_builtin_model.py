@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -74,3 +75,13 @@ def test_tokenizer_prompt_chat_and_incremental_text(tiny_llama, tmp_path):
     tokenizer.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         apply_chat_template(tokenizer, [{"role": "user", "content": "hi"}])
+
+
+def test_gpu_preset_is_a_1b_bf16_llama():
+    """`pd-make-model --preset gpu`: big enough to keep a GPU busy (shapes only: no weights are drawn)."""
+    from engine.builtin_model import _param_shapes, build_config
+
+    cfg = build_config("gpu")
+    params = sum(math.prod(shape) for shape in _param_shapes(cfg).values())
+    assert 0.9e9 < params < 1.1e9 and str(cfg.dtype).endswith("bfloat16")
+    assert cfg.num_attention_heads // cfg.num_key_value_heads == 4 and cfg.head_dim == 64

@@ -40,7 +40,7 @@ def test_config_rejects_bad_device_and_backend(bad):
 
 
 def test_cli_rejects_bad_device_in_milliseconds():
-    proc = subprocess.run([sys.executable, "-m", "engine.server", "--device", "gpu"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "serving.server", "--device", "gpu"], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and "expected auto, cpu, cuda or cuda:N, got 'gpu'" in proc.stderr
 
