@@ -7,7 +7,7 @@ best of --repeats interleaved runs.
 The bar: ours >= 2x HF.
 
     .venv/bin/python benchmarks/engine_throughput.py [--model DIR] [--num-requests 16]
-        [--prompt-len 512] [--output-len 128] [--repeats 1]
+        [--prompt-len 512] [--output-len 128] [--repeats 1] [--device auto|cpu|cuda]
 """
 from __future__ import annotations
 
@@ -48,11 +48,12 @@ def run_ours(llm: LLM, batch: list[list[int]], output_len: int) -> tuple[float, 
 
 def run_hf(model, batch: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
     """(wall seconds, output token ids per prompt) of one greedy batched HF generate."""
-    input_ids = torch.tensor(batch)  # equal lengths: no padding needed
+    input_ids = torch.tensor(batch, device=model.device)  # equal lengths: no padding needed
     start = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                              max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=0)
+        out = out.cpu()  # the last token has been computed, on any device
     elapsed = time.perf_counter() - start
     assert out.shape == (len(batch), input_ids.shape[1] + output_len)
     return elapsed, out[:, input_ids.shape[1]:].tolist()
@@ -66,7 +67,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=1, help="interleaved runs per side; the best counts")
+    parser.add_argument("--device", default="auto", help="auto|cpu|cuda|cuda:N, for both sides (default auto)")
     args = parser.parse_args()
+    from engine.device import resolve_device
     from transformers import AutoModelForCausalLM
 
     path = args.model or bench_model_path()
@@ -77,9 +80,9 @@ def main() -> None:
           f"tokens, torch threads {torch.get_num_threads()}", flush=True)
 
     # Enough KV for the whole batch (no preemption): 16 x 640 tokens of the bench model is ~250 MB.
-    llm = LLM(str(path), kv_cache_memory="768MiB", max_num_seqs=max(args.num_requests, 1),
+    llm = LLM(str(path), device=args.device, kv_cache_memory="768MiB", max_num_seqs=max(args.num_requests, 1),
               max_num_batched_tokens=args.max_num_batched_tokens)
-    model = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path)).to(resolve_device(args.device)).eval()
     run_ours(llm, warm, 4)
     run_hf(model, warm, 4)
     # Interleaved and best-of: the machine is shared, so each side gets the same chances.

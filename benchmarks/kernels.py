@@ -31,6 +31,7 @@ class Shape:
     block_size: int = 16
     num_seqs: int = 64
     seq_len: int = 2048  # decode context per sequence
+    long_seq_len: int = 32768  # one lone long decode: the split-KV (flash-decoding) case
     prefill_len: int = 1024  # new tokens per sequence in the context-attention case
     prefix_len: int = 1024  # cached tokens before them
     prefill_seqs: int = 4
@@ -38,7 +39,8 @@ class Shape:
     transfer_tokens: int = 256  # one connector chunk
 
 
-SMOKE = Shape(dtype="float32", heads=4, kv_heads=2, head_dim=64, num_seqs=2, seq_len=40, prefill_len=20,
+SMOKE = Shape(dtype="float32", heads=4, kv_heads=2, head_dim=64, num_seqs=2, seq_len=40, long_seq_len=600,
+              prefill_len=20,
               prefix_len=16, prefill_seqs=2, layers=2, transfer_tokens=24)
 
 
@@ -112,12 +114,16 @@ def cases(s: Shape, device: str) -> list[tuple[str, Callable, Callable, float, f
                 lambda: torch_ref.scatter_kv_layers(layer_caches, tslots, buf), 2 * s.layers * t * token_kv, 0.0))
 
     scale = s.head_dim ** -0.5
-    dec = paged_setup(s, [s.seq_len] * s.num_seqs, [1] * s.num_seqs, device)
-    kv_tokens = s.seq_len * s.num_seqs
-    out.append((f"decode attention seqs={s.num_seqs} ctx={s.seq_len}",
-                lambda: triton_attention.paged_decode_attention(*dec, scale),
-                lambda: torch_ref.paged_attention(*dec, scale),
-                kv_tokens * token_kv + 2 * dec[0].numel() * es, 4.0 * kv_tokens * s.heads * s.head_dim))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 1
+    for num_seqs, seq_len in ((s.num_seqs, s.seq_len), (1, s.long_seq_len)):
+        dec = paged_setup(s, [seq_len] * num_seqs, [1] * num_seqs, device)
+        splits = triton_attention.num_kv_splits(num_seqs, s.kv_heads, seq_len, sms)  # what the engine picks
+        kv_tokens = seq_len * num_seqs
+        out.append((f"decode attention seqs={num_seqs} ctx={seq_len} splits={splits}",
+                    lambda dec=dec, splits=splits, seq_len=seq_len: triton_attention.paged_decode_attention(
+                        *dec, scale, num_splits=splits, max_seq_len=seq_len),
+                    lambda dec=dec: torch_ref.paged_attention(*dec, scale),
+                    kv_tokens * token_kv + 2 * dec[0].numel() * es, 4.0 * kv_tokens * s.heads * s.head_dim))
 
     total = s.prefix_len + s.prefill_len
     ctx = paged_setup(s, [total] * s.prefill_seqs, [s.prefill_len] * s.prefill_seqs, device)

@@ -114,9 +114,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--device", default="auto", help="engine device: auto|cpu|cuda|cuda:N (default auto)")
     parser.add_argument("--stores", nargs="+", default=["file", "redis", "lmcache"],
                         choices=["file", "redis", "lmcache"])
     args = parser.parse_args()
+    ENGINE_KW["device"] = args.device
     logging.basicConfig(level=logging.WARNING)
     model = bench_model_path()
     tmp = Path(tempfile.mkdtemp(prefix="kv-handoff-"))

@@ -100,10 +100,11 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--store", choices=("file", "redis", "lmcache"), default="file")
     p.add_argument("--kv-cache-memory", default="2GiB")
+    p.add_argument("--device", default="auto", help="engine device of every node: auto|cpu|cuda|cuda:N")
     p.add_argument("--latency-probes", type=int, default=30)
     args = p.parse_args()
     model = Path(args.model) if args.model else bench_model_path()
-    engine_args = ["--kv-cache-memory", args.kv_cache_memory, "--max-model-len",
+    engine_args = ["--device", args.device, "--kv-cache-memory", args.kv_cache_memory, "--max-model-len",
                    str(args.prompt_len + args.output_len + 16)]
     log_dir = Path(tempfile.mkdtemp(prefix="pd-vs-mono-"))
     print(f"model {model}; {args.num_requests} requests x {args.prompt_len} prompt tokens "

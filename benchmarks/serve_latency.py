@@ -72,7 +72,7 @@ def offline_tok_s(args: argparse.Namespace) -> dict[int, float]:
     """Aggregate output tokens/s of LLM.generate on a batch of c fresh prompts, per concurrency c."""
     from serving import LLM, SamplingParams
 
-    llm = LLM(str(args.model), kv_cache_memory=args.kv_cache_memory)
+    llm = LLM(str(args.model), kv_cache_memory=args.kv_cache_memory, device=args.device)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     out = {}
     for c in args.concurrency:
@@ -87,7 +87,8 @@ def offline_tok_s(args: argparse.Namespace) -> dict[int, float]:
 def main(args: argparse.Namespace) -> None:
     print(f"model {args.model}; prompt {args.prompt_len} tokens, output {args.output_len} tokens, "
           f"{args.requests_per_client} requests per client", flush=True)
-    server = ServerProcess("--model", str(args.model), "--kv-cache-memory", args.kv_cache_memory).start(timeout=600)
+    server = ServerProcess("--model", str(args.model), "--kv-cache-memory", args.kv_cache_memory,
+                           "--device", args.device).start(timeout=600)
     try:
         levels = {}
         for c in args.concurrency:
@@ -123,6 +124,7 @@ if __name__ == "__main__":
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--kv-cache-memory", default="512MiB")
+    parser.add_argument("--device", default="auto", help="engine device: auto|cpu|cuda|cuda:N (default auto)")
     args = parser.parse_args()
     args.model = args.model or bench_model_path()
     main(args)

@@ -178,7 +178,7 @@ def _launch(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
         kv_split_len, partial, lse = 0, out, out  # unused by the kernel without SPLIT_KV
         grid = (num_seqs, num_q_tiles, num_kv_heads)
     dot_dtype = _dot_dtype(query.dtype, query.is_cuda)
-    with launch_guard():
+    with launch_guard(query.device):
         _paged_attention_kernel[grid](
             query, kv_cache[0], kv_cache[1], out, block_tables, query_start_loc, seq_lens,
             partial, lse, kv_split_len, scale * _LOG2E,

@@ -99,7 +99,7 @@ def _launch(cache: torch.Tensor, layers: list[torch.Tensor] | None, dense_k: tor
     else:
         cache_arg = _address_table(tuple(t.data_ptr() for t in layers), cache.device)
     grid = (triton.cdiv(num_tokens, block_t), num_layers)
-    with launch_guard():
+    with launch_guard(cache.device):
         _kv_slot_copy_kernel[grid](
             cache_arg, dense_k, dense_v, slots, num_tokens,
             *dense_k.stride(), *cache.stride(),
