@@ -20,12 +20,14 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import kernels
-from engine.device import Platform
+
+if TYPE_CHECKING:
+    from engine.device import Platform  # the engine's device calls (the engine passes it in)
 
 logger = logging.getLogger(__name__)
 

@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICIES)
     p.add_argument("--log-dir", default=None, help="where logs go (default: a new temp directory)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for the cluster to be healthy")
+    p.add_argument("--device", default=None, help="engine device of both nodes: auto|cpu|cuda|cuda:N (default auto)")
     return p
 
 
@@ -54,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         args.model = str(default_model_path())
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-cluster-"))
     cluster = LocalCluster(ClusterSpec(model=args.model, log_dir=log_dir, store=args.store, policy=args.policy,
-                                       redis_maxmemory=args.redis_maxmemory,
-                                       proxy_port=args.port))
+                                       redis_maxmemory=args.redis_maxmemory, proxy_port=args.port,
+                                       node_args=["--device", args.device] if args.device else []))
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
     try:

@@ -108,8 +108,11 @@ MEMORY_RUN = """
 import json, logging, sys, torch
 from engine import LLM
 records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append(record.getMessage())
 logging.basicConfig(level=logging.INFO)
-logging.getLogger().addHandler(type("H", (logging.Handler,), {"emit": lambda self, r: records.append(r.getMessage())})())
+logging.getLogger().addHandler(Keep())
 llm = LLM(sys.argv[1], device="cuda", gpu_memory_utilization=float(sys.argv[2]))
 runner = llm.engine.model_runner
 free, total = torch.cuda.mem_get_info()

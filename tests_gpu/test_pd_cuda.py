@@ -6,10 +6,9 @@ the same GPU with the suite's near-tie rule.
 """
 from __future__ import annotations
 
-import pytest
 import torch
 
-from connectors.staging import PinnedPool, StagedTransfer
+from connectors.staging import LoadPiece, PinnedPool, StagedTransfer
 from engine import LLM, SamplingParams
 from engine.device import Platform
 from kernels import torch_ref
@@ -70,8 +69,6 @@ def test_staged_transfer_with_real_streams():
     for o, t in zip(out, host.tensors):
         o.copy_(t)
     transfer.release(host)
-    from connectors.staging import LoadPiece
-
     transfer.begin_step()
     event = transfer.load(target, [LoadPiece(o, 0, o.shape[1], slots[lo:lo + o.shape[1]])
                                    for o, lo in zip(out, (0, 256, 512))], buffers)
