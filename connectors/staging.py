@@ -4,9 +4,11 @@ Two ways, one interface (`KVTransfer`), picked by `make_kv_transfer` from the en
 
 - `DirectTransfer` (CPU): the store decodes into fresh tensors and the scatter writes them into
   the cache; saves gather each chunk into its own contiguous tensor. Nothing is asynchronous.
-- `StagedTransfer` (CUDA): store reads land in reusable pinned host buffers (`PinnedPool`); a
-  dedicated copy stream moves them to the device and scatters them into their slots, and one
-  event per (load, layer) lets layer i's attention wait on the GPU, not on a host thread. Saves
+- `StagedTransfer` (CUDA): a store read of one layer of a request's chunks lands in one reusable
+  pinned host buffer [2, T, H, D] (`PinnedPool`; each chunk in its token slice); a dedicated
+  copy stream moves it to the device in one copy and scatters the needed rows into their slots
+  in one launch, and one event per (load, layer) lets layer i's attention wait on the GPU, not
+  on a host thread. Saves
   gather a layer's chunks on the compute stream, then a side stream copies them into pinned
   buffers; the store put (on the I/O pool) waits for that copy's event only. The copy stream
   first waits for the compute stream, so a block freed by an earlier step is overwritten only
@@ -85,13 +87,13 @@ def view_as(buf: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, offse
 
 
 @dataclass
-class LoadPiece:
-    """Rows [lo, hi) of one chunk tensor [2, n, H, D] go into `slots`."""
+class ReadTarget:
+    """Where a store read of one layer of consecutive chunks should land (`out`: None lets the store
+    allocate), and the pooled buffer behind it (`full`: the chunks back to back, [2, T, H, D])."""
 
-    chunk: torch.Tensor
-    lo: int
-    hi: int
-    slots: torch.Tensor
+    out: list[torch.Tensor] | None = None
+    buffer: torch.Tensor | None = None
+    full: torch.Tensor | None = None
 
 
 @dataclass
@@ -112,15 +114,21 @@ class KVTransfer:
     def begin_step(self) -> None:
         """Called on the compute thread before a step's loads are issued."""
 
-    def read_buffers(self, shapes: list[tuple[int, ...]],
-                     dtype: torch.dtype) -> tuple[list[torch.Tensor] | None, list[torch.Tensor]]:
-        """(host tensors a store read should fill, None: let the store allocate; pool buffers behind them)."""
-        return None, []
+    def read_target(self, chunk_lens: list[int], kv_shape: tuple[int, int], dtype: torch.dtype) -> ReadTarget:
+        """Host tensors for one layer of consecutive chunks of chunk_lens tokens (I/O thread)."""
+        return ReadTarget()
 
-    def load(self, kv_cache: torch.Tensor, pieces: list[LoadPiece], buffers: list[torch.Tensor]) -> Any:
-        """Write the pieces into paged memory; returns the event that marks the end (I/O thread)."""
-        for piece in pieces:
-            kernels.scatter_kv(kv_cache, piece.slots, piece.chunk[:, piece.lo:piece.hi])
+    def load(self, kv_cache: torch.Tensor, chunks: list[torch.Tensor], lo: int, hi: int, slots: torch.Tensor,
+             target: ReadTarget) -> Any:
+        """Write tokens [lo, hi) of the chunks (back to back, [2, n_j, H, D] each) into `slots`; returns the
+        event marking the end (I/O thread). hi <= lo writes nothing and just hands the buffers back."""
+        start = 0
+        for chunk in chunks:
+            end = start + chunk.shape[1]
+            a, b = max(lo, start), min(hi, end)
+            if b > a:
+                kernels.scatter_kv(kv_cache, slots[a - lo:b - lo], chunk[:, a - start:b - start])
+            start = end
         return self.platform.new_event()
 
     def wait(self, event: Any) -> None:
@@ -157,21 +165,25 @@ class StagedTransfer(KVTransfer):
         # kernels already issued on the compute stream: the copy stream goes after them.
         self.platform.wait_stream(self.copy_stream)
 
-    def read_buffers(self, shapes: list[tuple[int, ...]],
-                     dtype: torch.dtype) -> tuple[list[torch.Tensor] | None, list[torch.Tensor]]:
-        es = torch.empty((), dtype=dtype).element_size()
-        buffers = [self.pool.acquire(torch.Size(shape).numel() * es) for shape in shapes]
-        return [view_as(buf, shape, dtype) for buf, shape in zip(buffers, shapes)], buffers
+    def read_target(self, chunk_lens: list[int], kv_shape: tuple[int, int], dtype: torch.dtype) -> ReadTarget:
+        total = sum(chunk_lens)
+        buf = self.pool.acquire(2 * total * kv_shape[0] * kv_shape[1] * torch.empty((), dtype=dtype).element_size())
+        full = view_as(buf, (2, total, *kv_shape), dtype)
+        out, start = [], 0
+        for n in chunk_lens:  # token slices: each chunk's K half and V half stay contiguous
+            out.append(full[:, start:start + n])
+            start += n
+        return ReadTarget(out, buf, full)
 
-    def load(self, kv_cache: torch.Tensor, pieces: list[LoadPiece], buffers: list[torch.Tensor]) -> Any:
+    def load(self, kv_cache: torch.Tensor, chunks: list[torch.Tensor], lo: int, hi: int, slots: torch.Tensor,
+             target: ReadTarget) -> Any:
         with self.platform.stream(self.copy_stream):
-            for piece in pieces:
-                # The whole chunk (contiguous pinned bytes: one async DMA), then its rows on the device.
-                rows = piece.chunk.to(kv_cache.device, non_blocking=True)[:, piece.lo:piece.hi]
-                kernels.scatter_kv(kv_cache, piece.slots, rows)
+            if hi > lo:
+                # The whole buffer (contiguous pinned bytes: one async DMA), then one scatter of its rows.
+                rows = target.full.to(kv_cache.device, non_blocking=True)[:, lo:hi]
+                kernels.scatter_kv(kv_cache, slots, rows)
             event = self._recorded(self.copy_stream)
-        for buf in buffers:
-            self.pool.release(buf, event)
+        self.pool.release(target.buffer, event)
         return event
 
     def wait(self, event: Any) -> None:

@@ -21,7 +21,7 @@ import torch
 from common.hashing import chunk_keys
 from connectors.chunk_math import chunk_bounds, hit_tokens
 from connectors.chunked import ChunkedConnector, ChunkedConnectorMetadata, InFlightLoad, SaveSpec
-from connectors.staging import HostChunks, LoadPiece, make_kv_transfer
+from connectors.staging import HostChunks, make_kv_transfer
 from engine.config import KVRole
 from kvstore import CorruptObject, KVStore, NotFound, StoreTimeout, StoreUnavailable, open_store
 
@@ -125,27 +125,21 @@ class StoreConnector(ChunkedConnector):
         if load.failed:  # an earlier layer already failed: the request recomputes, skip the read
             return 0, None
         bounds = [chunk_bounds(idx, plan.num_tokens, self.chunk_size) for idx in plan.chunk_range]
-        out, buffers = self.transfer.read_buffers([(2, end - start, *self.kv_shape) for start, end in bounds],
-                                                  self.dtype)
+        target = self.transfer.read_target([end - start for start, end in bounds], self.kv_shape, self.dtype)
         try:
-            tensors = self.store.get_layer(layer, load.keys, out=out)
-            write_start, write_end = plan.write_range
-            pieces = []
+            tensors = self.store.get_layer(layer, load.keys, out=target.out)
             for idx, (start, end), tensor in zip(plan.chunk_range, bounds, tensors):
                 if tensor.shape[1] != end - start:
                     raise CorruptObject(f"chunk {idx} layer {layer} holds {tensor.shape[1]} tokens, "
                                         f"expected {end - start}")
-                lo, hi = max(start, write_start), min(end, write_end)
-                if hi > lo:
-                    pieces.append(LoadPiece(tensor, lo - start, hi - start,
-                                            load.slots[lo - write_start:hi - write_start]))
         except BaseException:
-            self.transfer.load(self.kv_caches[layer], [], buffers)  # hand the buffers back
+            self.transfer.load(self.kv_caches[layer], [], 0, 0, load.slots, target)  # hand the buffer back
             raise
+        first = bounds[0][0]  # == plan.aligned_start
+        write_start, write_end = plan.write_range
         with load.lock:
-            if load.failed:
-                pieces = []
-            event = self.transfer.load(self.kv_caches[layer], pieces, buffers)
+            lo, hi = (0, 0) if load.failed else (write_start - first, write_end - first)
+            event = self.transfer.load(self.kv_caches[layer], tensors, lo, hi, load.slots, target)
             load.finished = max(load.finished, time.perf_counter())
         return sum(t.nbytes for t in tensors), event
 

@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from connectors.staging import KVTransfer, LoadPiece, PinnedPool, StagedTransfer, make_kv_transfer, use_staging
+from connectors.staging import KVTransfer, PinnedPool, StagedTransfer, make_kv_transfer, use_staging
 from engine.device import Platform
 from kernels import torch_ref
 
@@ -68,23 +68,27 @@ def test_staged_save_is_chunk_major_and_equals_the_direct_gather():
     assert staged_transfer.pool.num_free == 1
 
 
-def test_staged_load_writes_only_the_pieces_and_returns_its_buffers():
+def test_staged_load_is_one_buffer_per_layer_and_writes_only_the_needed_rows():
     cache, slots = cache_and_slots(1)
+    direct_cache = cache.clone()
     transfer = StagedTransfer(CPU)
-    out, buffers = transfer.read_buffers([(2, 64, 2, 8), (2, 30, 2, 8)], torch.bfloat16)
-    assert [t.shape for t in out] == [(2, 64, 2, 8), (2, 30, 2, 8)] and len(buffers) == 2
-    for t in out:  # what a store read would put there
+    target = transfer.read_target([64, 30], (2, 8), torch.bfloat16)
+    assert [t.shape for t in target.out] == [(2, 64, 2, 8), (2, 30, 2, 8)] and target.full.shape == (2, 94, 2, 8)
+    assert target.out[1].data_ptr() == target.full[:, 64:].data_ptr()  # chunks back to back in one buffer
+    for t in target.out:  # what a store read puts there
         t.copy_(torch.randn(t.shape).to(torch.bfloat16))
-    # the first chunk's first 10 tokens are already local: only rows [10, 64) are written
-    pieces = [LoadPiece(out[0], 10, 64, slots[:54]), LoadPiece(out[1], 0, 30, slots[54:84])]
+    # the first 10 tokens are already local: rows [10, 94) are written, into slots[:84]
     expected = cache.clone()
-    torch_ref.scatter_kv(expected, slots[:54], out[0][:, 10:])
-    torch_ref.scatter_kv(expected, slots[54:84], out[1])
+    torch_ref.scatter_kv(expected, slots[:84], target.full[:, 10:94])
     transfer.begin_step()
-    event = transfer.load(cache, pieces, buffers)
+    event = transfer.load(cache, target.out, 10, 94, slots[:84], target)
     transfer.wait(event)
     transfer.fence()
-    assert torch.equal(cache, expected) and transfer.pool.num_free == 2
+    assert torch.equal(cache, expected) and transfer.pool.num_free == 1
+    # the direct (CPU) path writes the same rows from per-chunk tensors
+    KVTransfer(CPU).load(direct_cache, [t.clone() for t in target.out], 10, 94, slots[:84], KVTransfer(CPU).read_target(
+        [64, 30], (2, 8), torch.bfloat16))
+    assert torch.equal(direct_cache, expected)
 
 
 def test_the_device_picks_the_transfer():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from connectors.staging import LoadPiece, PinnedPool, StagedTransfer
+from connectors.staging import PinnedPool, StagedTransfer
 from engine import LLM, SamplingParams
 from engine.device import Platform
 from kernels import torch_ref
@@ -65,13 +65,12 @@ def test_staged_transfer_with_real_streams():
     for t, lo in zip(host.tensors, (0, 256, 512)):
         assert torch.equal(t, torch_ref.gather_kv(cache, slots[lo:lo + t.shape[1]]).cpu())
     target = torch.zeros_like(cache)
-    out, buffers = transfer.read_buffers([tuple(t.shape) for t in host.tensors], torch.bfloat16)
-    for o, t in zip(out, host.tensors):
+    read = transfer.read_target([t.shape[1] for t in host.tensors], (8, 128), torch.bfloat16)
+    for o, t in zip(read.out, host.tensors):
         o.copy_(t)
     transfer.release(host)
     transfer.begin_step()
-    event = transfer.load(target, [LoadPiece(o, 0, o.shape[1], slots[lo:lo + o.shape[1]])
-                                   for o, lo in zip(out, (0, 256, 512))], buffers)
+    event = transfer.load(target, read.out, 0, 600, slots, read)
     transfer.wait(event)
     expected = torch.zeros_like(cache)
     torch_ref.scatter_kv(expected, slots, torch_ref.gather_kv(cache, slots))
