@@ -155,7 +155,8 @@ class StoreConnector(ChunkedConnector):
                 self.transfer.fence()  # copies issued before the failure land before the recompute
                 continue
             load.num_bytes += num_bytes
-            self.transfer.wait(event)  # the compute stream waits for this layer's copy, the host does not
+            if event is not None:  # the compute stream waits for this layer's copy, the host does not
+                self.transfer.wait(event)
             if layer_idx == self.num_layers - 1:
                 self.metrics.on_load(load.spec.request_id, load.spec.plan, load.num_bytes, load.io_seconds)
 
