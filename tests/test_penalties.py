@@ -87,7 +87,7 @@ def test_min_tokens_lifts_after_enough_tokens_and_respects_ignore_eos():
 def test_greedy_sampling_follows_processed_logits_but_reports_raw_logprobs():
     logits = torch.zeros(1, VOCAB)
     logits[0, 2] = 3.0
-    tokens, logprobs = Sampler()(logits, [request("b", [5], [], temperature=0.0, logit_bias={7: 10.0})])
+    tokens, logprobs = Sampler()(logits, [request("b", [5], [], temperature=0.0, logit_bias={7: 10.0}, logprobs=True)])
     assert tokens == [7]
     assert logprobs[0] == pytest.approx(torch.log_softmax(logits[0], -1)[7].item())
     tokens, _ = Sampler()(logits, [request("r", [2], [], temperature=0.0, repetition_penalty=2.0,
