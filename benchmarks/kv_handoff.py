@@ -73,8 +73,8 @@ def bench_recompute(model: Path, lengths: list[int], repeats: int, seed: int) ->
 
 def bench_store(model: Path, url: str, lengths: list[int], repeats: int, seed: int) -> dict[int, tuple[float, float]]:
     """{length: (best consumer TTFT seconds, load GB/s of that run)}."""
-    producer = LLM(str(model), kv_store=url, kv_role="producer", **ENGINE_KW)
-    consumer = LLM(str(model), kv_store=url, kv_role="consumer", **ENGINE_KW)
+    producer = LLM(str(model), kv_store=url, kv_role="kv_producer", **ENGINE_KW)
+    consumer = LLM(str(model), kv_store=url, kv_role="kv_consumer", **ENGINE_KW)
     metrics = consumer.engine.connector.metrics
     warm = prompts(1, 300, seed)[0]
     producer.generate([warm], FIRST_TOKEN)

@@ -1,4 +1,4 @@
-"""How KV bytes move between a store's host tensors and paged device memory (DESIGN.md section 8).
+"""How KV bytes move between a store's host tensors and paged device memory (docs/architecture.md, §7).
 
 Two ways, one interface (`KVTransfer`), picked by `make_kv_transfer` from the engine's device:
 

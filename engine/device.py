@@ -90,7 +90,7 @@ class Platform:
 
     def allocate_kv_caches(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                            head_dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer (DESIGN.md section 2).
+        """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer (docs/architecture.md, §7).
         Zeroed, not empty: padded attention reads of unused slots must be finite."""
         return [torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=self.device)
                 for _ in range(num_layers)]

@@ -1,6 +1,6 @@
 """One step's model inputs: built once on the host, copied to the device without blocking.
 
-The scheduler's batch is flattened into one "super sequence" (DESIGN.md section 2): token
+The scheduler's batch is flattened into one "super sequence" (docs/architecture.md, §7): token
 ids, positions, the paged slot of every new token, block tables, query start offsets and
 sequence lengths, plus the rows whose logits are sampled. The host fills persistent buffers
 (pinned on CUDA, engine/device.py) with numpy, then starts one non-blocking copy per buffer;

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from serving import LLM, SamplingParams
 from engine.attention import ForwardContext, set_forward_context
 from engine.request import Request
 from engine.scheduler_output import SchedulerOutput
@@ -106,7 +106,7 @@ def test_bf16_logits_within_tolerance(bf16_model):
 
 MEMORY_RUN = """
 import json, logging, sys, torch
-from engine import LLM
+from serving import LLM
 records = []
 class Keep(logging.Handler):
     def emit(self, record):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from connectors.staging import PinnedPool, StagedTransfer
-from engine import LLM, SamplingParams
+from serving import LLM, SamplingParams
 from engine.device import Platform
 from kernels import torch_ref
 from tests_gpu.helpers import count_tolerated_divergences, hf_greedy_with_gaps, prompt
@@ -25,8 +25,8 @@ def handoff(model, store_url: str) -> None:
     prompts = [prompt(n, seed=5) for n in LENGTHS]
     tokens, gaps = hf_greedy_with_gaps(model, prompts, MAX_TOKENS)
     kw = dict(device="cuda", dtype="float32", kv_cache_memory="2GiB", kv_store=store_url, chunk_size=256)
-    producer = LLM(str(model), kv_role="producer", **kw)
-    consumer = LLM(str(model), kv_role="consumer", **kw)
+    producer = LLM(str(model), kv_role="kv_producer", **kw)
+    consumer = LLM(str(model), kv_role="kv_consumer", **kw)
     transfers = [e.engine.connector.transfer for e in (producer, consumer)]
     assert all(isinstance(t, StagedTransfer) for t in transfers)
     first = producer.generate(prompts, PREFILL)
