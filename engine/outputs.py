@@ -15,8 +15,11 @@ class Logprob:
 
 @dataclass
 class RequestOutput:
-    """One choice of a request after a step: the delta of this step plus everything so far.
+    """One choice of a request after a step: the delta of this step, plus everything so far once it finished.
 
+    `token_ids` and `text` (the whole output) are filled on the final output only; while the
+    request runs they are empty and the `new_*` fields carry the step's delta. Copying the
+    whole output into every step's output would cost O(n) per step, O(n^2) per stream.
     `text` excludes a matched stop string (unless include_stop_str_in_output); while a request
     runs, text that could still turn out to be the start of a stop string is held back from
     `new_text`. With n > 1 each choice reports separately under the same `request_id`, told
@@ -28,8 +31,8 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     new_logprobs: list[float]
-    token_ids: list[int]
-    text: str
+    token_ids: list[int]  # the whole output, on the final output only ([] while running)
+    text: str  # the whole output text, on the final output only ("" while running)
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     num_cached_tokens: int  # prompt tokens that came from the prefix cache or the KV store

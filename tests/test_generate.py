@@ -116,6 +116,20 @@ def test_temperature_zero_is_greedy_whatever_top_k_top_p(llm, llama_refs):
     assert generate(llm, PROMPTS[4:6], params) == llama_refs[4:6]
 
 
+def test_running_outputs_carry_the_delta_and_the_final_one_everything(llm):
+    """A step's output holds only that step's tokens and text while the request runs (no O(n) copy
+    per step); the final output holds the whole output, equal to the deltas joined."""
+    engine = llm.engine
+    engine.add_request("deltas", PROMPTS[3], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert len(outs) == 12 and outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert all(o.token_ids == [] and o.text == "" for o in outs[:-1])
+    assert outs[-1].token_ids == [t for o in outs for t in o.new_token_ids]
+    assert outs[-1].text == "".join(o.new_text for o in outs)
+
+
 def test_seeded_sampling_is_reproducible(llm):
     params = SamplingParams(max_tokens=16, temperature=1.0, seed=1234)
     alone = llm.generate([PROMPTS[4]], params)[0].token_ids
