@@ -213,18 +213,20 @@ def test_sharded_safetensors_index(tmp_path, tiny_qwen2):
         make_runner(sharded)
 
 
-def test_bf16_linear_is_a_bf16_gemm_with_fp32_accumulation():
-    """Packed bf16 weights (oneDNN's bf16 path, or fp32 compute on CPUs without bf16 instructions)
-    give the fp32 product of the bf16 inputs, rounded to bf16."""
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 40])
+def test_bf16_linear_is_a_bf16_gemm_with_fp32_accumulation(rows):
+    """Packed bf16 weights (oneDNN's bf16 path; on CPUs without bf16 instructions the small-batch
+    kernel up to SMALL_BATCH rows, an fp32 packed copy above) give the fp32 product of the bf16
+    inputs plus the bias, rounded to bf16. 50 outputs: the kernel's 4-row weight tiles leave a tail."""
     from engine.models.linear import Linear
 
-    g = torch.Generator().manual_seed(0)
-    lin = Linear(64, 48, True, torch.bfloat16)
-    lin.weight.data.copy_(torch.randn(48, 64, generator=g))
-    lin.bias.data.copy_(torch.randn(48, generator=g))
+    g = torch.Generator().manual_seed(rows)
+    lin = Linear(64, 50, True, torch.bfloat16)
+    lin.weight.data.copy_(torch.randn(50, 64, generator=g))
+    lin.bias.data.copy_(torch.randn(50, generator=g))
     w, b = lin.weight.detach().float().clone(), lin.bias.detach().float().clone()
     lin.pack()
-    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows + 3, 64, generator=g).to(torch.bfloat16)[3:]  # rows at an offset
     y = lin(x)
-    assert y.dtype == torch.bfloat16
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 50)
     torch.testing.assert_close(y.float(), (x.float() @ w.T + b).to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2)
