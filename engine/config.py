@@ -10,7 +10,7 @@ from typing import Any
 from common.units import parse_bytes
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -35,7 +35,7 @@ class DeviceConfig:
     """The engine's one device (engine/device.py places every tensor on it) and attention backend."""
 
     device: str = "auto"  # auto (CUDA when available) | cpu | cuda | cuda:N
-    attention_backend: str = "auto"  # auto: torch reference on CPU, Triton on CUDA
+    attention_backend: str = "auto"  # auto: the compiled CPU kernel on CPU, Triton on CUDA
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not DEVICE_RE.fullmatch(self.device):

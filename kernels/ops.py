@@ -41,9 +41,14 @@ def _check(name: str, source: str) -> str:
     return name
 
 
+def requested_backend() -> str:
+    """The forced choice (use_backend, else PDSERVE_KERNELS), or 'auto'."""
+    return _forced[-1] if _forced else _check(os.environ.get("PDSERVE_KERNELS", "auto"), "PDSERVE_KERNELS")
+
+
 def default_backend(device: torch.device) -> str:
     """'triton' or 'torch' for kernels on `device`: forced (use_backend, PDSERVE_KERNELS), else by device."""
-    name = _forced[-1] if _forced else _check(os.environ.get("PDSERVE_KERNELS", "auto"), "PDSERVE_KERNELS")
+    name = requested_backend()
     if name == "auto":
         return "triton" if device.type == "cuda" else "torch"
     return name

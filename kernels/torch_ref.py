@@ -42,20 +42,32 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         _attend_single_queries(query, kv_cache, block_tables, [starts[b] for b in singles],
                                [lens[b] for b in singles], singles, scale, out)
     for b, seq_len in enumerate(lens):
-        q_start, q_len = starts[b], q_lens[b]
-        if q_len <= 1:
-            continue
-        kv = _gather_blocks(kv_cache, block_tables[b:b + 1], seq_len)[:, 0, :seq_len].to(query.dtype)
-        k, v = kv[0].transpose(0, 1).unsqueeze(0), kv[1].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, L, D]
-        q = query[q_start:q_start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-        if q_len == seq_len:  # no cached history: plain causal attention
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[q_start:q_start + q_len] = o[0].transpose(0, 1)
+        if q_lens[b] > 1:
+            attend_request(query, kv_cache, block_tables[b], starts[b], q_lens[b], seq_len, scale, out)
     return out
+
+
+def attend_request(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, q_start: int,
+                   q_len: int, seq_len: int, scale: float, out: torch.Tensor,
+                   new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Causal attention of one request's query rows [q_start, q_start + q_len), the last q_len of its
+    seq_len tokens, into the same rows of `out`. `new_kv` (key, value rows of the same tokens) may be
+    given when the request has no cached history (q_len == seq_len): attention then reads them
+    instead of copying them back out of paged memory."""
+    if new_kv is not None and q_len == seq_len:
+        key, value = (t[q_start:q_start + q_len].to(query.dtype) for t in new_kv)
+    else:
+        kv = _gather_blocks(kv_cache, block_table[None], seq_len)[:, 0, :seq_len].to(query.dtype)
+        key, value = kv[0], kv[1]
+    k, v = key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)  # [1, kv_heads, L, D]
+    q = query[q_start:q_start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+    if q_len == seq_len:  # no cached history: plain causal attention
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    out[q_start:q_start + q_len] = o[0].transpose(0, 1)
 
 
 def _gather_blocks(kv_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:

@@ -80,7 +80,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="auto (CUDA when available), cpu, cuda or cuda:N: where the weights, KV cache and "
                         "sampling live (default auto)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
-                   help="attention kernels (default auto: torch reference on CPU, Triton on CUDA)")
+                   help="attention kernels: torch (the reference), cpu (compiled at first use) or triton "
+                        "(default auto: cpu on CPU, triton on CUDA)")
     g.add_argument("--kv-cache-memory", default=None,
                    help="bytes for the paged KV cache of all layers, e.g. 2GiB (default on CPU: 1GiB; on CUDA "
                         "the KV cache is sized by --gpu-memory-utilization)")

@@ -4,7 +4,8 @@
   values backends choose kernels from; built once per step by the model runner.
 - `AttentionBackend` (backends/base.py): `forward(query, key, value, kv_cache, meta, scale)`
   writes the new K/V into paged memory and attends; chosen once per engine by
-  `select_attention_backend` (selector.py): torch reference on CPU, Triton on CUDA.
+  `select_attention_backend` (selector.py): the compiled CPU kernel on CPU (torch reference as
+  fallback and oracle), Triton on CUDA.
 - `PagedAttention` (layer.py): the model's attention layer; reads the `ForwardContext` the
   runner sets around each forward pass and calls the KV connector's per-layer hooks.
 """

@@ -1,0 +1,62 @@
+"""Fast CPU paged decode attention: a compiled C kernel that reads K/V where they lie in paged memory.
+
+Decode steps dominate serving time, and in them the torch reference spends about as long
+copying each request's KV blocks out of paged memory (an index_select per layer) as attending
+over the copy. `kernels/csrc/cpu_decode_attention.c` walks the block tables instead and reads
+every key and value once (see its header for the work split). The torch reference
+(kernels/torch_ref.py) stays the oracle the tests compare this kernel against.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from kernels.cpu_build import load_library
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_decode_attention.c"
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_GROUP = 16  # query heads per kv head (MAX_GROUP in the C source)
+
+_c_ptr, _c_int, _c_i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+
+
+class CpuDecodeAttention:
+    """The compiled decode kernel; construct once per process (it builds or loads the library)."""
+
+    def __init__(self, build_dir: Path) -> None:
+        self._fn = load_library(SOURCE, build_dir).pd_paged_decode_attention
+        self._fn.restype = _c_int
+        self._fn.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int, _c_int, _c_int, _c_int, _c_int,
+                             _c_i64, _c_i64, _c_i64, _c_i64, ctypes.c_float, _c_int, _c_int]
+
+    @staticmethod
+    def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """CPU tensors of one supported dtype, heads dense within a query row, a contiguous cache."""
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        num_kv_heads = kv_cache.shape[3]
+        return (query.device.type == "cpu" and kv_cache.device.type == "cpu"
+                and query.dtype == kv_cache.dtype and query.dtype in _DTYPE_CODES
+                and kv_cache.is_contiguous() and query.stride(2) == 1 and query.stride(1) == head_dim
+                and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP)
+
+    def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+        """out[b] = attention of query[b] (request b's one new token) over its first seq_lens[b] keys,
+        for b < len(seq_lens). Call `supports` first; `out` rows must be dense like the query's."""
+        num_reqs = seq_lens.numel()
+        if num_reqs == 0:
+            return
+        _, num_heads, head_dim = query.shape
+        _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+        if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+            block_tables = block_tables.to(torch.int32).contiguous()
+        if seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
+            seq_lens = seq_lens.to(torch.int32).contiguous()
+        rc = self._fn(out.data_ptr(), query.data_ptr(), kv_cache.data_ptr(), block_tables.data_ptr(),
+                      seq_lens.data_ptr(), num_reqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
+                      block_tables.stride(0), query.stride(0), out.stride(0), scale, _DTYPE_CODES[query.dtype],
+                      torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("CPU decode attention could not allocate its scratch buffers")
