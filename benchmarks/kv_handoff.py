@@ -28,9 +28,12 @@ from typing import Iterator
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from benchmarks import kvstore_throughput as kvbench  # noqa: E402
 from benchmarks.engine_throughput import bench_model_path, prompts  # noqa: E402
+from benchmarks.machine import describe  # noqa: E402
+from benchmarks.timing import PartTimer  # noqa: E402
 from common.hashing import chunk_keys  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
 from tests.utils import free_port, wait_for_port  # noqa: E402
@@ -71,25 +74,48 @@ def bench_recompute(model: Path, lengths: list[int], repeats: int, seed: int) ->
     return out
 
 
-def bench_store(model: Path, url: str, lengths: list[int], repeats: int, seed: int) -> dict[int, tuple[float, float]]:
-    """{length: (best consumer TTFT seconds, load GB/s of that run)}."""
+def consumer_parts(consumer: LLM) -> PartTimer:
+    """Time the parts of the consumer's TTFT: the store lookup at admission, the step (forward pass
+    with the layer-wise load inside it) and, within the step, the time spent waiting for layers."""
+    timer = PartTimer()
+    connector, runner = consumer.engine.connector, consumer.engine.model_runner
+    timer.wrap(connector, "get_num_new_matched_tokens", "lookup", exclusive=False)
+    timer.wrap(connector, "start_load_kv", "load start", exclusive=False)
+    timer.wrap(connector, "wait_for_layer_load", "load wait", exclusive=False)
+    timer.wrap(runner, "execute_model", "step", exclusive=False)
+    return timer
+
+
+def breakdown(ttft: float, parts: dict[str, float]) -> dict[str, float]:
+    """TTFT split into lookup, exposed load wait, forward compute and the rest (seconds)."""
+    load = parts.get("load start", 0.0) + parts.get("load wait", 0.0)
+    step = parts.get("step", 0.0)
+    return {"lookup": parts.get("lookup", 0.0), "load (exposed)": load, "compute": step - load,
+            "other": ttft - parts.get("lookup", 0.0) - step}
+
+
+def bench_store(model: Path, url: str, lengths: list[int], repeats: int, seed: int
+                ) -> dict[int, tuple[float, float, dict[str, float]]]:
+    """{length: (best consumer TTFT seconds, load GB/s of that run, its TTFT breakdown)}."""
     producer = LLM(str(model), kv_store=url, kv_role="kv_producer", **ENGINE_KW)
     consumer = LLM(str(model), kv_store=url, kv_role="kv_consumer", **ENGINE_KW)
     metrics = consumer.engine.connector.metrics
+    timer = consumer_parts(consumer)
     warm = prompts(1, 300, seed)[0]
     producer.generate([warm], FIRST_TOKEN)
     timed_first_token(consumer, warm)
     out = {}
     for n in lengths:
-        best = (float("inf"), 0.0)
+        best = (float("inf"), 0.0, {})
         for prompt in prompts(repeats, n, seed + n):
             producer.generate([prompt], FIRST_TOKEN)
             nbytes, secs = metrics.value("pdserve_kv_load_bytes_total"), metrics.value("pdserve_kv_load_seconds_sum")
+            timer.reset()
             ttft = timed_first_token(consumer, prompt)
             loaded = metrics.value("pdserve_kv_load_bytes_total") - nbytes
             assert loaded > 0, f"{url}: the consumer loaded nothing for a {n}-token prompt"
             gbps = loaded / 1e9 / (metrics.value("pdserve_kv_load_seconds_sum") - secs)
-            best = min(best, (ttft, gbps))
+            best = min(best, (ttft, gbps, breakdown(ttft, timer.totals)), key=lambda r: r[0])
         out[n] = best
     producer.engine.shutdown()
     consumer.engine.shutdown()
@@ -123,24 +149,39 @@ def main() -> int:
     model = bench_model_path()
     tmp = Path(tempfile.mkdtemp(prefix="kv-handoff-"))
     try:
-        recompute = bench_recompute(model, args.lengths, args.repeats, seed=1)
-        stores = {}
-        for name in args.stores:
-            with backend(name, tmp) as url:
-                stores[name] = bench_store(model, url, args.lengths, args.repeats, seed=100 * len(stores) + 7)
-        ceilings = raw_ceilings(tmp)
+        with tqdm(["recompute", *args.stores, "raw ceilings"], desc="kv hand-off", unit="part") as bar:
+            stores = {}
+            for name in bar:
+                bar.set_postfix_str(name)
+                if name == "recompute":
+                    recompute = bench_recompute(model, args.lengths, args.repeats, seed=1)
+                elif name == "raw ceilings":
+                    ceilings = raw_ceilings(tmp)
+                else:
+                    with backend(name, tmp) as url:
+                        stores[name] = bench_store(model, url, args.lengths, args.repeats,
+                                                   seed=100 * len(stores) + 7)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
+    print(describe())
     print(f"decode-side TTFT on the bench model, best of {args.repeats} (ms; speed-up vs recompute; load GB/s)")
     header = f"{'tokens':>6} {'recompute':>10}" + "".join(f" {name:>26}" for name in stores)
     print(header)
     for n in args.lengths:
         row = f"{n:6d} {recompute[n] * 1000:10.0f}"
         for name, res in stores.items():
-            ttft, gbps = res[n]
+            ttft, gbps, _ = res[n]
             row += f" {ttft * 1000:8.0f} ({recompute[n] / ttft:5.1f}x, {gbps:5.2f} GB/s)"
         print(row)
+    print("\nwhere the consumer's TTFT goes (ms): lookup = store lookup at admission; load (exposed) = "
+          "waiting for layers inside the forward pass (reads overlap compute); compute = the rest of the step")
+    print(f"{'store':>8} {'tokens':>6} {'TTFT':>7} {'lookup':>7} {'load':>7} {'compute':>8} {'other':>7}")
+    for name, res in stores.items():
+        for n in args.lengths:
+            ttft, _, parts = res[n]
+            print(f"{name:>8} {n:6d} {ttft * 1000:7.1f} {parts['lookup'] * 1000:7.1f} "
+                  f"{parts['load (exposed)'] * 1000:7.1f} {parts['compute'] * 1000:8.1f} {parts['other'] * 1000:7.1f}")
     print("raw read ceiling (kvstore benchmark, 32 MiB chunk): "
           + ", ".join(f"{name} {gbps:.2f} GB/s" for name, gbps in ceilings.items()))
     ok = True

@@ -1,0 +1,89 @@
+"""One decode step of the engine at a given batch and context length, with its per-part breakdown.
+
+Default: the `bench` model, 16 requests whose prompts (576 tokens) are prefilled first
+(untimed), then --steps decode steps timed one by one (contexts ~577..600 tokens). The
+breakdown times each part's calls inside the steps: attention (the backend: cache write +
+paged attention, per layer), linear layers (qkv/o/gate-up/down projections), logits + sampling,
+and the rest (embedding, norms, RoPE, scheduling, input preparation, output processing).
+The bar: <= 25 ms per step at batch 16 with ~600-token contexts.
+
+    .venv/bin/python benchmarks/decode_step.py [--batch 16] [--context 576] [--steps 24]
+        [--attention-backend auto|torch|cpu]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from tqdm import tqdm  # noqa: E402
+
+from benchmarks.engine_throughput import bench_model_path, prompts  # noqa: E402
+from benchmarks.machine import describe  # noqa: E402
+from benchmarks.timing import PartTimer  # noqa: E402
+from engine import SamplingParams  # noqa: E402
+from engine.attention import PagedAttention  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.models.linear import Linear  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None, help="HF model directory (default: the bench preset)")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--context", type=int, default=576, help="prompt tokens per request")
+    parser.add_argument("--steps", type=int, default=24, help="timed decode steps")
+    parser.add_argument("--attention-backend", default="auto")
+    args = parser.parse_args()
+    path = args.model or bench_model_path()
+    print(describe(), flush=True)
+    engine = LLMEngine.from_kwargs(str(path), kv_cache_memory="1GiB", max_num_seqs=args.batch,
+                                   max_num_batched_tokens=max(2048, args.context + args.batch),
+                                   attention_backend=args.attention_backend)
+    print(f"model {path}, batch {args.batch}, prompts {args.context} tokens, attention backend "
+          f"{engine.model_runner.attn_backend.name}", flush=True)
+    params = SamplingParams(max_tokens=args.steps + 4, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts(args.batch, args.context, seed=3)):
+        engine.add_request(f"decode-{i}", prompt, params)
+    requests = list(engine.scheduler.requests.values())
+    with tqdm(desc="prefill", total=args.batch, unit="req") as bar:
+        while any(r.num_output_tokens == 0 for r in requests):
+            engine.step()
+            bar.n = sum(r.num_output_tokens > 0 for r in requests)
+            bar.refresh()
+    for _ in range(2):  # warm-up decode steps
+        engine.step()
+
+    timer = PartTimer()
+    runner = engine.model_runner
+    timer.wrap(PagedAttention, "forward", "attention")
+    timer.wrap(Linear, "forward", "linear layers")
+    timer.wrap(runner.model, "compute_logits", "logits + sampling")
+    timer.wrap(runner.sampler, "__call__", "logits + sampling")
+    step_ms = []
+    for _ in tqdm(range(args.steps), desc="decode steps", unit="step"):
+        start = time.perf_counter()
+        engine.step()
+        step_ms.append((time.perf_counter() - start) * 1000)
+    total = sum(step_ms)
+    parts = {k: v * 1000 for k, v in timer.totals.items()}
+    parts["rest (embedding, norms, RoPE, scheduler, inputs, outputs)"] = total - sum(parts.values())
+    ctx = args.context + 1 + 2
+    print(f"\ndecode step, batch {args.batch}, contexts {ctx}..{ctx + args.steps - 1} tokens: "
+          f"mean {statistics.mean(step_ms):.1f} ms, median {statistics.median(step_ms):.1f} ms, "
+          f"min {min(step_ms):.1f} ms (bar: <= 25 ms)")
+    print("| part | ms per step | share |")
+    print("|---|---|---|")
+    for name, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
+        print(f"| {name} | {ms / args.steps:.2f} | {100 * ms / total:.0f}% |")
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
