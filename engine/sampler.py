@@ -62,6 +62,23 @@ class Sampler:
             min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
             probs = scaled.softmax(dim=-1)
             scaled = scaled.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+        # Only rows with top-k or top-p need the vocabulary sorted; the others race in token order.
+        ranked = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+        if not ranked:
+            return self._race(scaled.softmax(dim=-1), requests)
+        plain = [i for i in range(len(params)) if i not in set(ranked)]
+        tokens = torch.empty(len(params), dtype=torch.long, device=device)
+        if plain:
+            tokens[plain] = self._race(scaled[plain].softmax(dim=-1), [requests[i] for i in plain])
+        probs, order = self._top_k_top_p(scaled[ranked], [params[i] for i in ranked])
+        choice = self._race(probs, [requests[i] for i in ranked])
+        tokens[ranked] = order.gather(1, choice[:, None]).squeeze(1)
+        return tokens
+
+    @staticmethod
+    def _top_k_top_p(scaled: torch.Tensor, params: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """Probabilities in descending order with the tokens outside top-k / top-p zeroed, and that order."""
+        vocab, device = scaled.shape[1], scaled.device
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=device)
         top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
@@ -70,14 +87,17 @@ class Sampler:
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
         # Drop a token when the tokens ranked above it already hold top_p of the mass (the first always stays).
         outside = (probs.cumsum(dim=-1) - probs >= top_p[:, None]) & (top_p[:, None] < 1.0)
-        probs.masked_fill_(outside, 0.0)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws index i with probability p_i / sum(p).
+        return probs.masked_fill_(outside, 0.0), order
+
+    def _race(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Exponential race: argmax(p / E) with E ~ Exp(1) draws index i with probability p_i / sum(p).
+        Seeded requests draw their row's noise from their own (seed, position) generator."""
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, (req, p) in enumerate(zip(requests, params)):
-            if p.seed is not None:
-                noise[row].exponential_(generator=seeded_generator(p.seed, req.num_tokens, device))
-        choice = (probs / noise).argmax(dim=-1, keepdim=True)
-        return order.gather(1, choice).squeeze(1)
+        for row, req in enumerate(requests):
+            seed = req.sampling_params.seed
+            if seed is not None:
+                noise[row].exponential_(generator=seeded_generator(seed, req.num_tokens, probs.device))
+        return (probs / noise).argmax(dim=-1)
 
     @staticmethod
     def top_logprobs(logits: torch.Tensor, requests: Sequence[Request]) -> dict[int, list[tuple[int, float]]]:

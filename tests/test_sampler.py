@@ -57,6 +57,13 @@ def test_seeded_token_depends_on_seed_and_position_not_batch():
     others = [req(str(i), n_tokens=10) for i in range(3)]
     batched = Sampler(seed=2)(logits.expand(4, -1).clone(), others[:2] + [req(seed=42, n_tokens=10)] + others[2:])[0]
     assert batched[2] == alone[0]
+    # Beside requests with top-k / top-p (which sort the vocabulary; plain rows do not) it is the same too.
+    ranked = [req("k", n_tokens=10, top_k=5), req("p", n_tokens=10, top_p=0.5)]
+    mixed = Sampler(seed=3)(logits.expand(3, -1).clone(), ranked[:1] + [req(seed=42, n_tokens=10)] + ranked[1:])[0]
+    assert mixed[1] == alone[0]
+    top_k_alone = Sampler(seed=4)(logits, [req(seed=7, n_tokens=10, top_k=5)])[0]
+    top_k_mixed = Sampler(seed=5)(logits.expand(2, -1).clone(), [req(n_tokens=10), req(seed=7, n_tokens=10, top_k=5)])[0]
+    assert top_k_mixed[1] == top_k_alone[0]
     firsts = {Sampler()(logits, [req(seed=s, n_tokens=10)])[0][0] for s in range(20)}
     positions = {Sampler()(logits, [req(seed=42, n_tokens=n)])[0][0] for n in range(10, 30)}
     assert len(firsts) > 10 and len(positions) > 10
