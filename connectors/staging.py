@@ -2,8 +2,10 @@
 
 Two ways, one interface (`KVTransfer`), picked by `make_kv_transfer` from the engine's device:
 
-- `DirectTransfer` (CPU): the store decodes into fresh tensors and the scatter writes them into
-  the cache; saves gather each chunk into its own contiguous tensor. Nothing is asynchronous.
+- `KVTransfer` (CPU): a store read of one layer of a request's chunks lands in one reusable host
+  buffer [2, T, H, D] (`PinnedPool`, plain memory on CPU; each chunk in its token slice: no
+  allocation or page faults per load), and one scatter per layer writes the needed rows into
+  their slots; saves gather each chunk into its own contiguous tensor. Nothing is asynchronous.
 - `StagedTransfer` (CUDA): a store read of one layer of a request's chunks lands in one reusable
   pinned host buffer [2, T, H, D] (`PinnedPool`; each chunk in its token slice); a dedicated
   copy stream moves it to the device in one copy and scatters the needed rows into their slots
@@ -37,7 +39,7 @@ _MIN_PINNED_BYTES = 1 << 20
 
 
 class PinnedPool:
-    """Reusable page-locked host buffers. A released buffer carries the event of the device work
+    """Reusable host buffers (page-locked on CUDA). A released buffer carries the event of the device work
     still reading or writing it, and is handed out again only after that event completed."""
 
     def __init__(self, platform: Platform) -> None:
@@ -110,25 +112,31 @@ class KVTransfer:
 
     def __init__(self, platform: Platform) -> None:
         self.platform = platform
+        self.pool = PinnedPool(platform)
 
     def begin_step(self) -> None:
         """Called on the compute thread before a step's loads are issued."""
 
     def read_target(self, chunk_lens: list[int], kv_shape: tuple[int, int], dtype: torch.dtype) -> ReadTarget:
-        """Host tensors for one layer of consecutive chunks of chunk_lens tokens (I/O thread)."""
-        return ReadTarget()
+        """One pooled buffer [2, T, H, D] for one layer of consecutive chunks of chunk_lens tokens, and
+        each chunk's token slice of it for the store to read into (I/O thread)."""
+        total = sum(chunk_lens)
+        buf = self.pool.acquire(2 * total * kv_shape[0] * kv_shape[1] * torch.empty((), dtype=dtype).element_size())
+        full = view_as(buf, (2, total, *kv_shape), dtype)
+        out, start = [], 0
+        for n in chunk_lens:  # token slices: each chunk's K half and V half stay contiguous
+            out.append(full[:, start:start + n])
+            start += n
+        return ReadTarget(out, buf, full)
 
     def load(self, kv_cache: torch.Tensor, chunks: list[torch.Tensor], lo: int, hi: int, slots: torch.Tensor,
              target: ReadTarget) -> Any:
-        """Write tokens [lo, hi) of the chunks (back to back, [2, n_j, H, D] each) into `slots`; returns the
-        event marking the end (I/O thread). hi <= lo writes nothing and just hands the buffers back."""
-        start = 0
-        for chunk in chunks:
-            end = start + chunk.shape[1]
-            a, b = max(lo, start), min(hi, end)
-            if b > a:
-                kernels.scatter_kv(kv_cache, slots[a - lo:b - lo], chunk[:, a - start:b - start])
-            start = end
+        """Write tokens [lo, hi) of the chunks (read into `target`, back to back) into `slots` with one
+        scatter, then hand the buffer back; returns the event marking the end (I/O thread). hi <= lo
+        writes nothing and just hands the buffer back."""
+        if hi > lo:
+            kernels.scatter_kv(kv_cache, slots, target.full[:, lo:hi])
+        self.pool.release(target.buffer)
         return self.platform.new_event()
 
     def wait(self, event: Any) -> None:
@@ -156,7 +164,6 @@ class KVTransfer:
 class StagedTransfer(KVTransfer):
     def __init__(self, platform: Platform) -> None:
         super().__init__(platform)
-        self.pool = PinnedPool(platform)
         self.copy_stream = platform.new_stream()  # store reads -> device
         self.save_stream = platform.new_stream()  # device -> pinned host
 
@@ -164,16 +171,6 @@ class StagedTransfer(KVTransfer):
         # Blocks this step's loads write may have been read (gathered for a save) or written by
         # kernels already issued on the compute stream: the copy stream goes after them.
         self.platform.wait_stream(self.copy_stream)
-
-    def read_target(self, chunk_lens: list[int], kv_shape: tuple[int, int], dtype: torch.dtype) -> ReadTarget:
-        total = sum(chunk_lens)
-        buf = self.pool.acquire(2 * total * kv_shape[0] * kv_shape[1] * torch.empty((), dtype=dtype).element_size())
-        full = view_as(buf, (2, total, *kv_shape), dtype)
-        out, start = [], 0
-        for n in chunk_lens:  # token slices: each chunk's K half and V half stay contiguous
-            out.append(full[:, start:start + n])
-            start += n
-        return ReadTarget(out, buf, full)
 
     def load(self, kv_cache: torch.Tensor, chunks: list[torch.Tensor], lo: int, hi: int, slots: torch.Tensor,
              target: ReadTarget) -> Any:

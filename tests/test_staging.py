@@ -85,10 +85,15 @@ def test_staged_load_is_one_buffer_per_layer_and_writes_only_the_needed_rows():
     transfer.wait(event)
     transfer.fence()
     assert torch.equal(cache, expected) and transfer.pool.num_free == 1
-    # the direct (CPU) path writes the same rows from per-chunk tensors
-    KVTransfer(CPU).load(direct_cache, [t.clone() for t in target.out], 10, 94, slots[:84], KVTransfer(CPU).read_target(
-        [64, 30], (2, 8), torch.bfloat16))
-    assert torch.equal(direct_cache, expected)
+    # the direct (CPU) path reads into one pooled buffer too and writes the same rows with one scatter
+    direct = KVTransfer(CPU)
+    for _ in range(2):  # the second load reuses the first one's buffer
+        direct_target = direct.read_target([64, 30], (2, 8), torch.bfloat16)
+        for t, src in zip(direct_target.out, target.out):
+            t.copy_(src)
+        direct.load(direct_cache, direct_target.out, 10, 94, slots[:84], direct_target)
+        assert torch.equal(direct_cache, expected)
+    assert direct.pool.num_allocations == 1 and direct.pool.num_free == 1
 
 
 def test_the_device_picks_the_transfer():
