@@ -3,10 +3,22 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from pathlib import Path
 from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
+
+# Python (slow) tokenizers rebuild their special-id set on every decode with skip_special_tokens:
+# several times the cost of the decode itself, twice per request per step. Computed once here.
+_SPECIAL_IDS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def _special_ids(tokenizer: Any) -> frozenset[int]:
+    ids = _SPECIAL_IDS.get(tokenizer)
+    if ids is None:
+        ids = _SPECIAL_IDS[tokenizer] = frozenset(tokenizer.all_special_ids)
+    return ids
 
 
 def load_tokenizer(path: str | os.PathLike) -> Any:
@@ -68,7 +80,13 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        tokenizer = self.tokenizer
+        if self.skip_special_tokens and not getattr(tokenizer, "is_fast", False):
+            # What the slow tokenizer's skip_special_tokens does (drop ids in all_special_ids), with
+            # the set computed once; fast tokenizers skip in Rust, cheaply and by their own rules.
+            special = _special_ids(tokenizer)
+            return tokenizer.decode([i for i in ids if i not in special], skip_special_tokens=False)
+        return tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_tokens(self, new_token_ids: list[int]) -> str:
         """Append tokens; return the newly completed text (possibly empty)."""

@@ -72,6 +72,14 @@ def test_tokenizer_prompt_chat_and_incremental_text(tiny_llama, tmp_path):
     assert detok.text == "é😀!"
     assert detok.add_tokens([0xF0 + 3]) == "" and detok.flush() == ""  # a dangling lead byte never shows up
 
+    # Special ids (pad 0, eos 1) are skipped exactly as the tokenizer's own skip_special_tokens does.
+    mixed = encode_prompt(tokenizer, "ab") + [tokenizer.eos_token_id, tokenizer.pad_token_id] + encode_prompt(tokenizer, "c")
+    skipping = IncrementalDetokenizer(tokenizer)
+    assert "".join(skipping.add_tokens([t]) for t in mixed) + skipping.flush() == \
+        tokenizer.decode(mixed, skip_special_tokens=True) == "abc"
+    keeping = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    assert "".join(keeping.add_tokens([t]) for t in mixed) + keeping.flush() == tokenizer.decode(mixed)
+
     tokenizer.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         apply_chat_template(tokenizer, [{"role": "user", "content": "hi"}])
