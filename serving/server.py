@@ -110,7 +110,7 @@ class OpenAIServer:
             try:
                 first = await anext(outputs)
                 if req.stream:
-                    last = await self._stream(request, builder, outputs, first)
+                    last, num_output_tokens = await self._stream(request, builder, outputs, first)
                 else:
                     last, logprobs, tops = first, list(first.new_logprobs), list(first.new_top_logprobs)
                     async for last in outputs:
@@ -118,6 +118,7 @@ class OpenAIServer:
                         tops += last.new_top_logprobs
                     delta = self.output_delta(req, last.text, last.token_ids, logprobs, tops, last.finish_reason)
                     body = builder.response(delta, self.usage(last), prompt_ids)
+                    num_output_tokens = len(last.token_ids)
             except Exception as e:  # before a stream started, or a non-streamed request
                 err = errors.from_engine_error(e, kind)
                 if err is None:
@@ -125,21 +126,28 @@ class OpenAIServer:
                 raise err from None
         request["outcome"] = last.finish_reason or "abort"
         request["summary"] = (f", prompt {len(prompt_ids)} tokens (cached {last.num_cached_tokens}), "
-                              f"output {len(last.token_ids)} tokens")
+                              f"output {num_output_tokens} tokens")
         if req.stream:
             return request["sse"]
         return json_response(body)
 
     @staticmethod
-    def usage(out: Any) -> dict[str, Any]:
-        return oai.usage_dict(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
+    def usage(out: Any, num_output_tokens: int | None = None) -> dict[str, Any]:
+        """Usage of a final RequestOutput (the whole output rides on it), or of a stream cut short
+        (`num_output_tokens` sent so far: running outputs carry only their step's tokens)."""
+        n = len(out.token_ids) if num_output_tokens is None else num_output_tokens
+        return oai.usage_dict(len(out.prompt_token_ids), n, out.num_cached_tokens)
 
-    async def _stream(self, request: web.Request, builder: oai.ResponseBuilder, outputs: Any, out: Any) -> Any:
-        """Write SSE chunks until the request finishes; returns the last RequestOutput."""
+    async def _stream(self, request: web.Request, builder: oai.ResponseBuilder, outputs: Any,
+                      out: Any) -> tuple[Any, int]:
+        """Write SSE chunks until the request finishes; returns the last RequestOutput and the
+        number of output tokens sent."""
         req = builder.req
         sse = SSEStream(builder)
         await sse.start(request, request["request_id"])
+        num_output_tokens = 0
         while True:
+            num_output_tokens += len(out.new_token_ids)
             finish = out.finish_reason if out.finished else None
             await sse.delta(self.output_delta(req, out.new_text, out.new_token_ids, out.new_logprobs,
                                               out.new_top_logprobs, finish))
@@ -150,8 +158,8 @@ class OpenAIServer:
             except RequestAbortedError:  # shutdown or engine failure: end the stream properly
                 await sse.delta(oai.Delta("", finish_reason="abort"))
                 break
-        await sse.finish(self.usage(out))
-        return out
+        await sse.finish(self.usage(out, num_output_tokens))
+        return out, num_output_tokens
 
     # ------------------------------------------------------------ other endpoints
 
