@@ -40,14 +40,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=576, help="prompt tokens per request")
     parser.add_argument("--steps", type=int, default=24, help="timed decode steps")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--device", default="auto", help="engine device: auto|cpu|cuda|cuda:N (default auto)")
     args = parser.parse_args()
     path = args.model or bench_model_path()
     print(describe(), flush=True)
     engine = LLMEngine.from_kwargs(str(path), kv_cache_memory="1GiB", max_num_seqs=args.batch,
                                    max_num_batched_tokens=max(2048, args.context + args.batch),
-                                   attention_backend=args.attention_backend)
-    print(f"model {path}, batch {args.batch}, prompts {args.context} tokens, attention backend "
-          f"{engine.model_runner.attn_backend.name}", flush=True)
+                                   attention_backend=args.attention_backend, device=args.device)
+    runner = engine.model_runner
+    print(f"model {path}, batch {args.batch}, prompts {args.context} tokens, device {runner.device}, "
+          f"attention backend {runner.attn_backend.name}", flush=True)
     params = SamplingParams(max_tokens=args.steps + 4, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts(args.batch, args.context, seed=3)):
         engine.add_request(f"decode-{i}", prompt, params)
@@ -61,7 +63,6 @@ def main() -> None:
         engine.step()
 
     timer = PartTimer()
-    runner = engine.model_runner
     timer.wrap(PagedAttention, "forward", "attention")
     timer.wrap(Linear, "forward", "linear layers")
     timer.wrap(runner.model, "compute_logits", "logits + sampling")
@@ -78,6 +79,8 @@ def main() -> None:
     print(f"\ndecode step, batch {args.batch}, contexts {ctx}..{ctx + args.steps - 1} tokens: "
           f"mean {statistics.mean(step_ms):.1f} ms, median {statistics.median(step_ms):.1f} ms, "
           f"min {min(step_ms):.1f} ms (bar: <= 25 ms)")
+    if runner.device.type == "cuda":
+        print("(CUDA: the parts are host time spent launching them; the step time includes the device's work)")
     print("| part | ms per step | share |")
     print("|---|---|---|")
     for name, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
