@@ -26,11 +26,9 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks.engine_throughput import bench_model_path, prompts  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
-from benchmarks.timing import PartTimer  # noqa: E402
+from benchmarks.timing import engine_parts, print_parts  # noqa: E402
 from engine import SamplingParams  # noqa: E402
-from engine.attention import PagedAttention  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.models.linear import Linear  # noqa: E402
 
 
 def main() -> None:
@@ -62,29 +60,19 @@ def main() -> None:
     for _ in range(2):  # warm-up decode steps
         engine.step()
 
-    timer = PartTimer()
-    timer.wrap(PagedAttention, "forward", "attention")
-    timer.wrap(Linear, "forward", "linear layers")
-    timer.wrap(runner.model, "compute_logits", "logits + sampling")
-    timer.wrap(runner.sampler, "__call__", "logits + sampling")
+    timer = engine_parts(runner)
     step_ms = []
     for _ in tqdm(range(args.steps), desc="decode steps", unit="step"):
         start = time.perf_counter()
         engine.step()
         step_ms.append((time.perf_counter() - start) * 1000)
-    total = sum(step_ms)
-    parts = {k: v * 1000 for k, v in timer.totals.items()}
-    parts["rest (embedding, norms, RoPE, scheduler, inputs, outputs)"] = total - sum(parts.values())
     ctx = args.context + 1 + 2
     print(f"\ndecode step, batch {args.batch}, contexts {ctx}..{ctx + args.steps - 1} tokens: "
           f"mean {statistics.mean(step_ms):.1f} ms, median {statistics.median(step_ms):.1f} ms, "
           f"min {min(step_ms):.1f} ms (bar: <= 25 ms)")
     if runner.device.type == "cuda":
         print("(CUDA: the parts are host time spent launching them; the step time includes the device's work)")
-    print("| part | ms per step | share |")
-    print("|---|---|---|")
-    for name, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
-        print(f"| {name} | {ms / args.steps:.2f} | {100 * ms / total:.0f}% |")
+    print_parts(timer.totals, sum(step_ms) / 1000, per=args.steps)
     engine.shutdown()
 
 
