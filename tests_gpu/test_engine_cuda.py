@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from serving import LLM, SamplingParams
 from engine.attention import ForwardContext, set_forward_context
 from engine.request import Request
 from engine.scheduler_output import SchedulerOutput
+from serving import LLM, SamplingParams
 from tests_gpu.helpers import count_tolerated_divergences, hf_greedy_with_gaps, hf_model, prompt
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from connectors.staging import PinnedPool, StagedTransfer
-from serving import LLM, SamplingParams
 from engine.device import Platform
 from kernels import torch_ref
+from serving import LLM, SamplingParams
 from tests_gpu.helpers import count_tolerated_divergences, hf_greedy_with_gaps, prompt
 
 LENGTHS = [1, 17, 255, 256, 257, 1000, 3000]  # chunk (256) and block (16) boundaries
