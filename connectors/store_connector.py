@@ -75,8 +75,8 @@ class StoreConnector(ChunkedConnector):
         return chunk_keys(self.fingerprint, token_ids, self.chunk_size, cache_salt)
 
     def _prompt_keys(self, request_id: str, token_ids: list[int], cache_salt: str | None) -> list[str]:
-        """Keys of every chunk of a prompt, hashed once per request: loads and each chunked-prefill
-        save take slices (a chain's prefix keys do not depend on the tokens after them)."""
+        """Keys of every chunk of a prompt, hashed once per request: the lookup, the load and each
+        chunked-prefill save take slices (a chain's prefix keys do not depend on the tokens after them)."""
         keys = self._keys.get(request_id)
         if keys is None:
             keys = self._keys[request_id] = self.keys_for(token_ids, cache_salt)
@@ -84,7 +84,7 @@ class StoreConnector(ChunkedConnector):
 
     # ---- scheduler side ----
     def lookup_hit(self, request: Request) -> int:
-        keys = self.keys_for(request.prompt_token_ids, request.cache_salt)
+        keys = self._prompt_keys(request.request_id, request.prompt_token_ids, request.cache_salt)
         present = self.store.result(self.store.submit(self.store.lookup, keys), self.load_timeout_s)
         return hit_tokens(present, request.num_prompt_tokens, self.chunk_size)
 
