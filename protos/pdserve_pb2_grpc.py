@@ -59,6 +59,16 @@ class PDNodeStub(object):
                 request_serializer=protos_dot_pdserve__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/pdserve.PDNode/Tokenize',
+                request_serializer=protos_dot_pdserve__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/pdserve.PDNode/Detokenize',
+                request_serializer=protos_dot_pdserve__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class PDNodeServicer(object):
@@ -97,6 +107,19 @@ class PDNodeServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """vLLM's /tokenize and /detokenize, answered with the node's tokenizer (the proxy has none).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PDNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +147,16 @@ def add_PDNodeServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_pdserve__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_pdserve__pb2.StatsResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=protos_dot_pdserve__pb2.TokenizeRequest.FromString,
+                    response_serializer=protos_dot_pdserve__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=protos_dot_pdserve__pb2.DetokenizeRequest.FromString,
+                    response_serializer=protos_dot_pdserve__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +294,60 @@ class PDNode(object):
             '/pdserve.PDNode/Stats',
             protos_dot_pdserve__pb2.StatsRequest.SerializeToString,
             protos_dot_pdserve__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.PDNode/Tokenize',
+            protos_dot_pdserve__pb2.TokenizeRequest.SerializeToString,
+            protos_dot_pdserve__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.PDNode/Detokenize',
+            protos_dot_pdserve__pb2.DetokenizeRequest.SerializeToString,
+            protos_dot_pdserve__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

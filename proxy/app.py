@@ -22,13 +22,16 @@ from protos import pdserve_pb2 as pb
 from proxy import dashboard
 from proxy.health import HealthMonitor, Node
 from proxy.router import DEFAULT_POLICY, Router
-from serving import errors
+from serving import errors, tokenize_api
 from serving import protocol as oai
 from serving.auth import GrpcSecurity
+from serving.choices import Assembler, ChoiceOutput, merge, sub_request_id
 from serving.http import api_middleware
 from serving.metrics import CONTENT_TYPE, ProxyMetrics
+from serving.responses import ResponseBuilder, models_list
 from serving.sse import SSEStream
-from serving.wire import delta_from_pb, prompt_to_pb, sampling_to_pb, token_ids_to_pb, usage_from_pb
+from serving.wire import (delta_from_pb, positions_from_pb, prompt_to_pb, sampling_to_pb, token_ids_to_pb,
+                          tokenize_to_pb, usage_from_pb)
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +95,9 @@ class Proxy:
         app.router.add_get("/status", self.status)
         app.router.add_get("/metrics", self.prometheus)
         dashboard.add_routes(app)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/version", self.version)
         app.on_startup.append(self.start)
         app.on_cleanup.append(self.stop)
         return app
@@ -105,7 +111,7 @@ class Proxy:
 
     async def models(self, request: web.Request) -> web.Response:
         names, max_len = self._model_names()
-        return web.json_response(oai.models_list(names, max_len, self.created))
+        return web.json_response(models_list(names, max_len, self.created))
 
     async def health(self, request: web.Request) -> web.Response:
         ok = bool(self.decode.healthy())
@@ -122,6 +128,33 @@ class Proxy:
                                   "prefill": [n.status() for n in self.prefill.nodes],
                                   "decode": [n.status() for n in self.decode.nodes]})
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        req = tokenize_api.parse_tokenize(await request.read())
+        oai.check_model(req.model, self._model_names()[0])
+        reply = await self._ask_node("Tokenize", tokenize_to_pb(req))
+        return web.json_response(tokenize_api.tokenize_response(
+            list(reply.tokens), reply.max_model_len, list(reply.token_strs) if req.return_token_strs else None))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        model, token_ids = tokenize_api.parse_detokenize(await request.read())
+        oai.check_model(model, self._model_names()[0])
+        reply = await self._ask_node("Detokenize", pb.DetokenizeRequest(tokens=token_ids))
+        return web.json_response(tokenize_api.detokenize_response(reply.prompt))
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response(tokenize_api.version_response())
+
+    async def _ask_node(self, method: str, call: object, timeout_s: float = 30.0) -> object:
+        """A unary call on the first healthy node that answers (decode nodes first): the tokenizer's endpoints."""
+        for node in self.decode.healthy() + self.prefill.healthy():
+            try:
+                return await getattr(node.stub, method)(call, timeout=timeout_s)
+            except grpc.aio.AioRpcError as e:
+                if (err := _client_error(e)) is not None:
+                    raise err from None
+                logger.warning("%s on %s failed (%s); trying the next node", method, node.address, e.code().name)
+        raise oai.service_unavailable("no healthy node to ask", "no_healthy_node")
+
     # ------------------------------------------------------------ generation
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, oai.COMPLETION)
@@ -132,53 +165,75 @@ class Proxy:
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         rid = request["request_id"]
         t0 = time.perf_counter()
-        req = oai.parse_request(kind, await request.read())
+        req = oai.parse_request(kind, await request.read(), check_grammar=False)  # nodes check grammars
         names, max_model_len = self._model_names()
-        model = oai.check_model(req, names)
+        model = oai.check_model(req.model, names)
+        subs = req.per_prompt()  # each prompt of a batch: its own Prefill + Generate, all at once
+        prompt_ids: dict[int, list[int]] = {}  # known once prefilled (return_token_ids reports them)
+        streams = [self._one_prompt(sub_request_id(rid, p, len(subs)), sub, max_model_len, prompt_ids, p)
+                   for p, sub in enumerate(subs)]
+        builder = ResponseBuilder(req, rid, model)
+        assembler = Assembler(req, len(subs))
+        async with contextlib.aclosing(merge(streams)) as outputs:  # closing cancels every RPC
+            first = await anext(outputs)  # errors before the first token are still plain HTTP errors
+            if req.stream:
+                return await self._stream(request, builder, assembler, subs, first, outputs, t0)
+            assembler.add(self._choice_output(subs, *first))
+            async for p, d in outputs:
+                assembler.add(self._choice_output(subs, p, d))
+        usage = assembler.usage()
+        logger.info("Reqid: %s, done: %d tokens, finish %s, %.1f ms", rid, usage["completion_tokens"],
+                    assembler.finish_reason, (time.perf_counter() - t0) * 1e3)
+        return web.json_response(builder.response(assembler.all(), usage, prompt_ids.get(0) if len(subs) == 1 else None),
+                                 headers={"X-Request-Id": rid})
+
+    def _choice_output(self, subs: list[oai.GenerationRequest], p: int, d: pb.GenerateDelta) -> ChoiceOutput:
+        sub = subs[p]
+        text = sub.prompt if isinstance(sub.prompt, str) else d.prompt_text  # token ids: the node decoded them
+        return ChoiceOutput(p, delta_from_pb(d, sub.logprobs), lambda: text,
+                            lambda: positions_from_pb(d.prompt_logprobs), usage_from_pb(d) if d.finish_reason else None)
+
+    async def _stream(self, request: web.Request, builder: ResponseBuilder, assembler: Assembler,
+                      subs: list[oai.GenerationRequest], first: tuple[int, pb.GenerateDelta],
+                      outputs: AsyncIterator[tuple[int, pb.GenerateDelta]], t0: float) -> web.StreamResponse:
+        rid = request["request_id"]
+        sse = SSEStream(builder)
+        await sse.start(request, rid)
+        n = 0
+        try:
+            await sse.delta(assembler.delta(self._choice_output(subs, *first)))
+            async for p, d in outputs:
+                n += len(d.token_ids)
+                await sse.delta(assembler.delta(self._choice_output(subs, p, d)))
+        except oai.APIError as e:  # the decode node died mid-stream: tell the client in-band
+            logger.warning("Reqid: %s, stream failed after %d tokens: %s", rid, n, e.message)
+            await sse.error(e)
+            return await sse.finish(None)
+        usage = assembler.usage()
+        logger.info("Reqid: %s, done: %d tokens, finish %s, %.1f ms", rid, usage["completion_tokens"],
+                    assembler.finish_reason, (time.perf_counter() - t0) * 1e3)
+        return await sse.finish(usage)
+
+    async def _one_prompt(self, rid: str, req: oai.GenerationRequest, max_model_len: int,
+                          prompt_ids: dict[int, list[int]], p: int) -> AsyncIterator[pb.GenerateDelta]:
+        """One prompt's deltas: Prefill on a prefill node (or not), then Generate on a decode node."""
         prompt = prompt_to_pb(req)
         token_ids = await self._prefill(rid, req, prompt)
         if token_ids is not None:  # the same 400 as pd-serve before any decoding starts
             req.sampling_params(len(token_ids), max_model_len)
             prompt = token_ids_to_pb(token_ids)
-        async with contextlib.aclosing(self._decode(rid, req, prompt)) as deltas:  # closing cancels the RPC
-            first = await anext(deltas)  # errors before the first token are still plain HTTP errors
-            builder = oai.ResponseBuilder(req, rid, model)
-            if req.stream:
-                return await self._stream(request, builder, first, deltas, t0)
-            parts, last = [], first
-            async for last in _chain(first, deltas):
-                parts.append(delta_from_pb(last, req.logprobs))
-        whole = oai.Delta("".join(p.text for p in parts), [t for p in parts for t in p.token_ids],
-                          [lp for p in parts for lp in p.logprobs],
-                          [t for p in parts for t in p.tokens] if req.logprobs else None,
-                          [top for p in parts for top in p.top_logprobs], last.finish_reason)
-        logger.info("Reqid: %s, done: %d tokens, finish %s, %.1f ms", rid, len(whole.token_ids), last.finish_reason,
-                    (time.perf_counter() - t0) * 1e3)
-        return web.json_response(builder.response(whole, usage_from_pb(last), token_ids),
-                                 headers={"X-Request-Id": rid})
-
-    async def _stream(self, request: web.Request, builder: oai.ResponseBuilder, first: pb.GenerateDelta,
-                      deltas: AsyncIterator[pb.GenerateDelta], t0: float) -> web.StreamResponse:
-        rid = request["request_id"]
-        sse = SSEStream(builder)
-        await sse.start(request, rid)
-        last, n = first, 0
-        try:
-            async for d in _chain(first, deltas):
-                last, n = d, n + len(d.token_ids)
-                await sse.delta(delta_from_pb(d, builder.req.logprobs))
-        except oai.APIError as e:  # the decode node died mid-stream: tell the client in-band
-            logger.warning("Reqid: %s, stream failed after %d tokens: %s", rid, n, e.message)
-            await sse.error(e)
-            return await sse.finish(None)
-        logger.info("Reqid: %s, done: %d tokens, finish %s, %.1f ms", rid, n, last.finish_reason,
-                    (time.perf_counter() - t0) * 1e3)
-        return await sse.finish(usage_from_pb(last))
+            prompt_ids[p] = token_ids
+        async with contextlib.aclosing(self._decode(rid, req, prompt)) as deltas:
+            async for d in deltas:
+                yield d
 
     async def _prefill(self, rid: str, req: oai.GenerationRequest, prompt: pb.Prompt) -> list[int] | None:
         """Prompt token ids once a prefill node has committed the KV; None: let decode prefill locally."""
         if prompt_size_bound(req) < self.config.local_prefill_threshold:
             logger.info("Reqid: %s, short prompt: decode node prefills locally", rid)
+            return None
+        if req.sampling["prompt_logprobs"] is not None:  # they need every prompt position's logits
+            logger.info("Reqid: %s, prompt_logprobs: decode node computes the whole prompt itself", rid)
             return None
         call = pb.PrefillRequest(request_id=rid, prompt=prompt, params=sampling_to_pb(req),
                                  cache_salt=req.cache_salt or "")
@@ -240,8 +295,3 @@ class Proxy:
                 node.load.in_flight -= 1
         raise last_error
 
-
-async def _chain(first: pb.GenerateDelta, rest: AsyncIterator[pb.GenerateDelta]) -> AsyncIterator[pb.GenerateDelta]:
-    yield first
-    async for d in rest:
-        yield d

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import time
@@ -21,7 +20,8 @@ from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from serving import errors
 from serving import protocol as oai
-from serving import wire
+from serving import tokenize_api, wire
+from serving.choices import prompt_positions
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,8 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         req = wire.request_from_pb(request.prompt, request.params, request.cache_salt)
         try:
             ids = await self._token_ids(req)
-            params = dataclasses.replace(req.sampling_params(len(ids), self.engine.max_model_len), max_tokens=1)
+            # Only the prompt's KV matters here: decode samples every output token (and checks the rest).
+            params = (await self.server.engine_params(req, len(ids))).prefill_only()
         except oai.APIError as e:
             await self._abort(context, e)
         last = None
@@ -91,15 +92,20 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         req = wire.request_from_pb(request.prompt, request.params, request.cache_salt)
         try:
             ids = await self._token_ids(req)
-            params = req.sampling_params(len(ids), self.engine.max_model_len)
+            params = await self.server.engine_params(req, len(ids))
         except oai.APIError as e:
             await self._abort(context, e)
         if request.prompt.WhichOneof("kind") != "token_ids":
             logger.info("Reqid: %s, local prefill: prompt tokenized here (%d tokens)", request.request_id, len(ids))
+        started: set[int] = set()  # choices that sent their first delta
         async for out in self._outputs(request.request_id, req, ids, params, context):
-            delta = self.server.output_delta(req, out.new_text, out.new_token_ids, out.new_logprobs,
-                                             out.new_top_logprobs, out.finish_reason if out.finished else None)
-            yield wire.delta_to_pb(delta, self.server.usage(out) if out.finished else None)
+            # A choice's first delta carries what the proxy needs for echo and prompt_logprobs.
+            first = out.index not in started
+            started.add(out.index)
+            positions = prompt_positions(ids, out.prompt_logprobs, self.server.tokenizer.decode) if first else None
+            text = self.server.tokenizer.decode(ids) if first and req.echo else ""
+            yield wire.delta_to_pb(self.server.output_delta(req, out), self.server.usage(out) if out.finished else None,
+                                   positions, text)
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         """A routing hint: read-only peeks at the prefix cache and the store, never blocking the engine."""
@@ -126,6 +132,24 @@ class NodeServicer(pb_grpc.PDNodeServicer):
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         return pb.HealthResponse(ok=self.async_engine.accepting, role=self.role,
                                  served_model_names=self.server.served_names, max_model_len=self.engine.max_model_len)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        """The proxy's /tokenize: this node's tokenizer, the HTTP endpoint's rules."""
+        try:
+            reply = tokenize_api.tokenize_reply(self.server.tokenizer, wire.tokenize_from_pb(request),
+                                                self.engine.max_model_len)
+        except oai.APIError as e:
+            await self._abort(context, e)
+        return pb.TokenizeResponse(tokens=reply["tokens"], token_strs=reply["token_strs"] or [],
+                                   max_model_len=reply["max_model_len"])
+
+    async def Detokenize(self, request: pb.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DetokenizeResponse:
+        try:
+            text = tokenize_api.detokenize(self.server.tokenizer, list(request.tokens), self.engine.vocab_size)
+        except oai.APIError as e:
+            await self._abort(context, e)
+        return pb.DetokenizeResponse(prompt=text)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         s = self.async_engine.stats

@@ -1,25 +1,46 @@
-"""OpenAI-compatible request validation and response formatting (bodies and stream chunks), transport-neutral.
+"""OpenAI-compatible request validation, transport-neutral: the supported parameters and their rules.
 
-The node server and the routing proxy must accept and answer exactly the same API, so the
-rules live here once, as pure functions over JSON-decoded values (no HTTP library inside;
-sse.py puts the chunks on the wire, errors.py maps errors between transports).
+The node server and the routing proxy must accept exactly the same API, so the rules live here
+once, as pure functions over JSON-decoded values (no HTTP library inside; responses.py formats
+the answers, sse.py puts chunks on the wire, errors.py maps errors between transports).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
-import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, parse_logit_bias
+from serving.structured_outputs import FIELDS as STRUCTURED_OUTPUT_FIELDS
+from serving.structured_outputs import parse_structured_outputs
 
 COMPLETION, CHAT = "completion", "chat"
 # X-Request-Id values honoured as given (printable ASCII, no spaces): the id starts every log line.
 REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")
-# Accepted OpenAI fields we do not implement: allowed only at their neutral value.
-_NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "best_of": 1, "echo": False, "logit_bias": {},
-            "suffix": None, "tools": [], "functions": []}
+# The one list of request fields this server honours: OpenAI's and vLLM's names and meanings.
+# Any other field is a 400 naming it (never silently ignored), except the OpenAI fields below
+# at the value that means "off". tests/test_openai_params.py walks the `openai` client's
+# create() parameters against these tables.
+_SAMPLING_FIELDS = (
+    "model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos",
+    "include_stop_str_in_output", "skip_special_tokens", "logprobs", "prompt_logprobs", "echo", "stream",
+    "stream_options", "user", "cache_salt", "return_token_ids", *STRUCTURED_OUTPUT_FIELDS)
+SUPPORTED_PARAMETERS: dict[str, frozenset[str]] = {
+    COMPLETION: frozenset(_SAMPLING_FIELDS + ("prompt",)),
+    CHAT: frozenset(_SAMPLING_FIELDS + ("messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
+                                        "safety_identifier")),
+}
+# OpenAI fields for features this server does not have, accepted only at their "off" values.
+NEUTRAL_PARAMETERS: dict[str, tuple[Any, ...]] = {
+    "best_of": (1,), "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "function_call": ("none",), "parallel_tool_calls": (True, False), "store": (False,), "metadata": ({},),
+    "modalities": (["text"],), "service_tier": ("auto", "default"), "audio": (), "prediction": (),
+    "reasoning_effort": (), "verbosity": (), "web_search_options": (), "moderation": (), "prompt_cache_key": (),
+    "prompt_cache_options": (), "prompt_cache_retention": (),
+}
 _CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
@@ -114,22 +135,31 @@ def _token_ids(v: Any, name: str) -> list[int] | None:
     return None
 
 
-def _parse_prompt(body: dict) -> str | list[int]:
-    if "prompt" not in body or body["prompt"] is None:
-        raise bad_request("prompt is required", "prompt", "missing_required_parameter")
-    p = body["prompt"]
-    if isinstance(p, list) and len(p) == 1 and (isinstance(p[0], str) or isinstance(p[0], list)):
-        p = p[0]  # a batch of one
-    elif isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
-        raise bad_request("batched prompts are not supported: send one prompt per request", "prompt")
+MAX_BATCHED_PROMPTS = 1024
+
+
+def _one_prompt(p: Any) -> str | list[int]:
     if isinstance(p, str):
         if not p:
             raise bad_request("prompt must not be empty", "prompt")
         return p
     ids = _token_ids(p, "prompt")
     if ids is None:
-        raise bad_request("prompt must be a non-empty string or a non-empty list of token ids", "prompt")
+        raise bad_request("prompt must be a non-empty string, a non-empty list of token ids, or a list of those",
+                          "prompt")
     return ids
+
+
+def _parse_prompts(body: dict) -> list[str | list[int]]:
+    """One prompt or a batch: a string, token ids, or a list of strings / of token-id lists."""
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad_request("prompt is required", "prompt", "missing_required_parameter")
+    p = body["prompt"]
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        if len(p) > MAX_BATCHED_PROMPTS:
+            raise bad_request(f"at most {MAX_BATCHED_PROMPTS} prompts per request, got {len(p)}", "prompt")
+        return [_one_prompt(x) for x in p]
+    return [_one_prompt(p)]
 
 
 def _content_text(content: Any, i: int) -> str:
@@ -141,7 +171,7 @@ def _content_text(content: Any, i: int) -> str:
     raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
 
-def _parse_messages(body: dict) -> list[dict[str, str]]:
+def parse_messages(body: dict) -> list[dict[str, str]]:
     msgs = body.get("messages")
     if msgs is None:
         raise bad_request("messages is required", "messages", "missing_required_parameter")
@@ -184,9 +214,32 @@ class GenerationRequest:
     user: str | None = None
     cache_salt: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields except max_tokens
+    # Completions with a list of prompts: every prompt (`prompt` is then the first); see per_prompt().
+    prompts: list[str | list[int]] | None = None
+    echo: bool = False  # completions: prompt (+ its logprobs) before the output; chat: vLLM's echo
+    add_generation_prompt: bool = True  # chat
+    # prompt_logprobs the client asked for (vLLM's field; `sampling` may ask more, for echo)
+    prompt_logprobs: int | None = None
+    structured_field: str | None = None  # the field structured outputs came from (errors name it)
 
-    def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
-        """Resolve max_tokens against the context and build the engine's params (400 on misfit)."""
+    @property
+    def n(self) -> int:
+        return self.sampling.get("n", 1)
+
+    def per_prompt(self) -> list[GenerationRequest]:
+        """One request per prompt of a batch (itself when there is one prompt). Choice `i` of prompt
+        `p` is choice `p * n + i` of the response, as OpenAI numbers them."""
+        if not self.prompts or len(self.prompts) == 1:
+            return [self]
+        return [dataclasses.replace(self, prompt=p, prompts=None) for p in self.prompts]
+
+    def sampling_params(self, prompt_len: int, max_model_len: int, vocab_size: int | None = None) -> SamplingParams:
+        """Resolve max_tokens against the context and build the engine's params (400 on misfit);
+        with `vocab_size` (nodes know it, the proxy does not) logit_bias ids are checked too."""
+        bias = self.sampling.get("logit_bias") or {}
+        if vocab_size is not None and any(t >= vocab_size for t in bias):
+            raise bad_request(f"logit_bias token id {max(bias)} is outside the vocabulary [0, {vocab_size})",
+                              "logit_bias")
         room = max_model_len - prompt_len
         if room < 1 or (self.max_tokens is not None and self.max_tokens > room):
             asked = "" if self.max_tokens is None else f" + {self.max_tokens} max_tokens"
@@ -198,11 +251,12 @@ class GenerationRequest:
             return SamplingParams(max_tokens=self.max_tokens or room, logprobs=self.logprobs,
                                   top_logprobs=self.top_logprobs, **self.sampling)
         except ValueError as e:
-            raise bad_request(str(e)) from None
+            name = str(e).split(maxsplit=1)[0]
+            raise bad_request(str(e), name if name in SUPPORTED_PARAMETERS[self.kind] else None) from None
 
 
-def parse_request(kind: str, raw: bytes | str | Any) -> GenerationRequest:
-    """Validate a request body (raw JSON bytes or an already decoded object); raises APIError(400)."""
+def decode_json_body(raw: bytes | str | Any) -> dict[str, Any]:
+    """A request body as a JSON object (raw bytes/text, or already decoded); 400 otherwise."""
     if isinstance(raw, (bytes, str)):
         try:
             body = json.loads(raw)
@@ -212,14 +266,19 @@ def parse_request(kind: str, raw: bytes | str | Any) -> GenerationRequest:
         body = raw
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
-    for name, neutral in _NEUTRAL.items():
-        if body.get(name) not in (None, neutral):
-            raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
-    if _int(body, "n", 1) != 1:
-        raise bad_request("n must be 1: only one choice per request is supported", "n")
+    return body
+
+
+def parse_request(kind: str, raw: bytes | str | Any, check_grammar: bool = True) -> GenerationRequest:
+    """Validate a request body (raw JSON bytes or an already decoded object); raises APIError(400).
+
+    `check_grammar=False` (the proxy) leaves compiling a structured-output grammar to the nodes."""
+    body = decode_json_body(raw)
+    _check_fields(kind, body)
     model = _str(body, "model")
+    prompts = None
     if kind == CHAT:
-        prompt, messages = None, _parse_messages(body)
+        prompt, messages = None, parse_messages(body)
         max_tokens = _int(body, "max_completion_tokens", None, 1)
         max_tokens = _int(body, "max_tokens", max_tokens, 1)
         top_logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
@@ -227,139 +286,91 @@ def parse_request(kind: str, raw: bytes | str | Any) -> GenerationRequest:
         if top_logprobs and not logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     else:
-        prompt, messages = _parse_prompt(body), None
+        prompts, messages = _parse_prompts(body), None
+        prompt = prompts[0]
         max_tokens = _int(body, "max_tokens", 16, 1)
         top_logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
         logprobs, top_logprobs = top_logprobs is not None, top_logprobs or 0
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
+    stream, echo = _bool(body, "stream"), _bool(body, "echo")
+    prompt_logprobs = _int(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if prompt_logprobs is not None and stream:
+        raise bad_request("prompt_logprobs is not available with stream=true", "prompt_logprobs")
+    structured, structured_field = parse_structured_outputs(body, bad_request, check_grammar)
     sampling = {
+        "n": _int(body, "n", 1, 1, MAX_N),
         "temperature": _float(body, "temperature", 1.0, 0.0, 2.0),
         "top_p": _float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         "top_k": _int(body, "top_k", 0, -1),
+        "min_p": _float(body, "min_p", 0.0, 0.0, 1.0),
         "seed": _int(body, "seed", None),
         "stop": _parse_stop(body),
+        "stop_token_ids": _parse_token_list(body, "stop_token_ids"),
         "ignore_eos": _bool(body, "ignore_eos"),
+        "presence_penalty": _float(body, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": _float(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        "repetition_penalty": _float(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        "logit_bias": _parse_logit_bias(body),
+        "min_tokens": _int(body, "min_tokens", 0, 0),
+        "include_stop_str_in_output": _bool(body, "include_stop_str_in_output"),
+        "skip_special_tokens": _bool(body, "skip_special_tokens", True),
+        # echo with logprobs reports the prompt's logprobs too: the engine computes them
+        "prompt_logprobs": max(prompt_logprobs or 0, top_logprobs) if echo and logprobs and kind == COMPLETION
+        else prompt_logprobs,
+        "structured_outputs": structured,
     }
+    if sampling["min_tokens"] > (max_tokens or sampling["min_tokens"]):
+        raise bad_request(f"min_tokens ({sampling['min_tokens']}) must not exceed max_tokens ({max_tokens})",
+                          "min_tokens")
     return GenerationRequest(
         kind=kind, model=model, prompt=prompt, messages=messages, max_tokens=max_tokens,
-        stream=_bool(body, "stream"), include_usage=_bool(stream_options or {}, "include_usage"),
-        logprobs=logprobs, top_logprobs=top_logprobs, return_token_ids=_bool(body, "return_token_ids"), user=_str(body, "user"),
-        cache_salt=_str(body, "cache_salt"), sampling=sampling)
+        stream=stream, include_usage=_bool(stream_options or {}, "include_usage"),
+        logprobs=logprobs, top_logprobs=top_logprobs, return_token_ids=_bool(body, "return_token_ids"),
+        user=_str(body, "user") or _str(body, "safety_identifier"), cache_salt=_str(body, "cache_salt"),
+        sampling=sampling, prompts=prompts, echo=echo, add_generation_prompt=_bool(body, "add_generation_prompt", True),
+        prompt_logprobs=prompt_logprobs, structured_field=structured_field)
 
 
-def check_model(req: GenerationRequest, served_names: list[str]) -> str:
+MAX_N = 128
+
+
+def _check_fields(kind: str, body: dict) -> None:
+    """400 naming the first field this server would otherwise ignore."""
+    supported = SUPPORTED_PARAMETERS[kind]
+    for name, value in body.items():
+        if name in supported or value is None:
+            continue
+        if name in NEUTRAL_PARAMETERS and value in NEUTRAL_PARAMETERS[name]:
+            continue
+        if name in NEUTRAL_PARAMETERS:
+            raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
+        raise bad_request(f"Unrecognized request argument supplied: {name}", name, "unsupported_parameter")
+
+
+def _parse_token_list(body: dict, name: str) -> list[int]:
+    v = body.get(name)
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
+        raise bad_request(f"{name} must be a list of non-negative token ids", name)
+    return list(v)
+
+
+def _parse_logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias in [-100, 100]}; the engine checks the ids against its vocabulary."""
+    v = body.get("logit_bias")
+    if v is None:
+        return None
+    try:
+        return parse_logit_bias(v)
+    except ValueError as e:
+        raise bad_request(str(e), "logit_bias") from None
+
+
+def check_model(model: str | None, served_names: list[str]) -> str:
     """The model name to answer with; 404 when the request names a model we do not serve."""
-    if req.model is None or req.model in served_names:
-        return req.model or served_names[0]
-    raise model_not_found(req.model)
-
-
-# ---------------------------------------------------------------- responses
-
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def models_list(names: list[str], max_model_len: int, created: int) -> dict[str, Any]:
-    """Lists the first (public) name only: the others are accepted aliases, such as the model's path."""
-    return {"object": "list", "data": [{"id": names[0], "object": "model", "created": created,
-                                        "owned_by": "pdserve", "max_model_len": max_model_len}]}
-
-
-@dataclass
-class Delta:
-    """New output of one request since the last delta (what the engine or a decode node streams)."""
-
-    text: str
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    tokens: list[str] | None = None  # token strings for logprobs; None: not available
-    top_logprobs: list[list[tuple[str, float]]] = field(default_factory=list)  # per token, best first
-    finish_reason: str | None = None
-
-
-def top_token_texts(decode: Callable[[list[int]], str],
-                    tops: list[list[tuple[int, float]]]) -> list[list[tuple[str, float]]]:
-    """The engine's (token id, logprob) lists with each id decoded alone, as the sampled tokens are."""
-    return [[(decode([t]), lp) for t, lp in top] for top in tops]
-
-
-def top_by_text(top: list[tuple[str, float]]) -> dict[str, float]:
-    """Completions key top tokens by text: ids that decode alike (partial UTF-8) keep the best logprob."""
-    out: dict[str, float] = {}
-    for text, logprob in top:
-        out.setdefault(text, logprob)
-    return out
-
-
-class ResponseBuilder:
-    """Formats one request's answer: SSE chunks while streaming, or the final JSON body."""
-
-    def __init__(self, req: GenerationRequest, request_id: str, model: str, created: int | None = None) -> None:
-        self.req = req
-        self.id = ("chatcmpl-" if req.kind == CHAT else "cmpl-") + request_id
-        self.model = model
-        self.created = int(time.time()) if created is None else created
-        self._text_offset = 0  # completions logprobs: character offset of the next token
-
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
-
-    def _logprobs(self, d: Delta) -> dict[str, Any] | None:
-        if not self.req.logprobs:
-            return None
-        tokens = d.tokens if d.tokens is not None else [""] * len(d.logprobs)
-        tops = d.top_logprobs or [[] for _ in tokens]
-        if self.req.kind == CHAT:
-            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                                 "top_logprobs": [{"token": tt, "logprob": tlp, "bytes": list(tt.encode())}
-                                                  for tt, tlp in top]}
-                                for t, lp, top in zip(tokens, d.logprobs, tops)]}
-        offsets = []
-        for t in tokens:
-            offsets.append(self._text_offset)
-            self._text_offset += len(t)
-        return {"tokens": tokens, "token_logprobs": d.logprobs, "text_offset": offsets,
-                "top_logprobs": [top_by_text(top) for top in tops] if self.req.top_logprobs else None}
-
-    def _choice(self, d: Delta, *, stream: bool, role: bool = False) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
-        if self.req.kind == CHAT:
-            message = {"role": "assistant", "content": d.text} if (role or not stream) else (
-                {"content": d.text} if d.text else {})
-            choice["delta" if stream else "message"] = message
-        else:
-            choice["text"] = d.text
-        choice["logprobs"] = self._logprobs(d)
-        choice["finish_reason"] = d.finish_reason
-        if self.req.return_token_ids:
-            choice["token_ids"] = d.token_ids
-        return choice
-
-    def chunk(self, d: Delta, *, role: bool = False) -> dict[str, Any]:
-        """A streaming chunk; `role=True` for a chat stream's first chunk."""
-        obj = "chat.completion.chunk" if self.req.kind == CHAT else "text_completion"
-        out = self._envelope(obj, [self._choice(d, stream=True, role=role)])
-        if self.req.include_usage:
-            out["usage"] = None
-        return out
-
-    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
-        """The extra last chunk of `stream_options.include_usage`: no choices, only usage."""
-        obj = "chat.completion.chunk" if self.req.kind == CHAT else "text_completion"
-        out = self._envelope(obj, [])
-        out["usage"] = usage
-        return out
-
-    def response(self, d: Delta, usage: dict[str, Any], prompt_token_ids: list[int] | None = None) -> dict:
-        """The non-streaming body; `d` holds the whole output."""
-        obj = "chat.completion" if self.req.kind == CHAT else "text_completion"
-        out = self._envelope(obj, [self._choice(d, stream=False)])
-        if self.req.return_token_ids and prompt_token_ids is not None:
-            out["prompt_token_ids"] = prompt_token_ids
-        out["usage"] = usage
-        return out
+    if model is None or model in served_names:
+        return model or served_names[0]
+    raise model_not_found(model)

@@ -21,12 +21,16 @@ from aiohttp import web
 
 from engine.async_engine import RequestAbortedError
 from engine.tokenizer import apply_chat_template, encode_prompt
+from engine.sampling_params import SamplingParams
 from serving import errors
 from serving import protocol as oai
+from serving import tokenize_api
+from serving.choices import Assembler, ChoiceOutput, merge, prompt_positions, sub_request_id
 from serving.cli import ArgumentParser, add_engine_args, add_server_args, setup_logging
 from serving.errors import StartupError
 from serving.http import api_middleware, json_response, listen_socket, serve_app
 from serving.metrics import CONTENT_TYPE
+from serving.responses import Delta, ResponseBuilder, models_list, top_token_texts, usage_dict
 from serving.sse import SSEStream
 from serving.startup import create_async_engine
 
@@ -54,6 +58,9 @@ class OpenAIServer:
             web.get("/health", self.health),
             web.get("/stats", self.stats),
             web.get("/metrics", self.prometheus),
+            web.post("/tokenize", self.tokenize),
+            web.post("/detokenize", self.detokenize),
+            web.get("/version", self.version),
         ])
 
     @property
@@ -75,7 +82,7 @@ class OpenAIServer:
     def _encode(self, req: oai.GenerationRequest) -> list[int]:
         if req.kind == oai.CHAT:
             try:
-                return apply_chat_template(self.tokenizer, req.messages)
+                return apply_chat_template(self.tokenizer, req.messages, req.add_generation_prompt)
             except ValueError as e:
                 raise oai.bad_request(str(e), "messages") from None
         if isinstance(req.prompt, list):
@@ -90,81 +97,96 @@ class OpenAIServer:
             return self._encode(req)
         return await asyncio.get_running_loop().run_in_executor(None, self._encode, req)
 
-    def output_delta(self, req: oai.GenerationRequest, text: str, token_ids: list[int], logprobs: list[float],
-                     tops: list[list[tuple[int, float]]], finish_reason: str | None) -> oai.Delta:
-        """New engine output as the protocol's Delta, token texts decoded (HTTP and gRPC alike)."""
-        tokens = [self.tokenizer.decode([t]) for t in token_ids] if req.logprobs else None
-        return oai.Delta(text=text, token_ids=list(token_ids), logprobs=list(logprobs) if req.logprobs else [],
-                         tokens=tokens, top_logprobs=oai.top_token_texts(self.tokenizer.decode, tops),
-                         finish_reason=finish_reason)
+    async def engine_params(self, req: oai.GenerationRequest, prompt_len: int) -> SamplingParams:
+        """The engine's params (400 on misfit); a grammar is compiled here, off the event loop and
+        the engine's step thread, so the engine finds it in its cache."""
+        params = req.sampling_params(prompt_len, self.max_model_len, self.engine.vocab_size)
+        if params.structured_outputs is not None:
+            try:
+                await asyncio.to_thread(self.engine.structured_output.compile, params.structured_outputs)
+            except ValueError as e:
+                raise oai.bad_request(str(e), req.structured_field) from None
+        return params
+
+    def output_delta(self, req: oai.GenerationRequest, out: Any) -> Delta:
+        """New engine output of one choice as a Delta, token texts decoded (HTTP and gRPC alike)."""
+        decode = self.tokenizer.decode
+        return Delta(text=out.new_text, token_ids=list(out.new_token_ids),
+                     logprobs=list(out.new_logprobs) if req.logprobs else [],
+                     tokens=[decode([t]) for t in out.new_token_ids] if req.logprobs else None,
+                     top_logprobs=top_token_texts(decode, out.new_top_logprobs),
+                     finish_reason=out.finish_reason if out.finished else None, index=out.index)
+
+    def choice_output(self, req: oai.GenerationRequest, prompt_index: int, out: Any) -> ChoiceOutput:
+        prompt = req.prompt
+        return ChoiceOutput(
+            prompt_index, self.output_delta(req, out),
+            (lambda: prompt) if isinstance(prompt, str) else (lambda: self.tokenizer.decode(out.prompt_token_ids)),
+            lambda: prompt_positions(out.prompt_token_ids, out.prompt_logprobs, self.tokenizer.decode),
+            self.usage(out) if out.finished else None, (len(out.prompt_token_ids), out.num_cached_tokens))
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         rid = request["request_id"]
         req = oai.parse_request(kind, await request.read())
-        model = oai.check_model(req, self.served_names)
-        prompt_ids = await self.prompt_token_ids_of(req)
-        params = req.sampling_params(len(prompt_ids), self.max_model_len)
-        builder = oai.ResponseBuilder(req, rid, model)
-        outputs = self.async_engine.generate(rid, prompt_ids, params, req.cache_salt)
+        model = oai.check_model(req.model, self.served_names)
+        subs = req.per_prompt()
+        prompts = [await self.prompt_token_ids_of(sub) for sub in subs]
+        params = [await self.engine_params(sub, len(ids)) for sub, ids in zip(subs, prompts)]
+        builder = ResponseBuilder(req, rid, model)
+        assembler = Assembler(req, len(subs))
+        outputs = merge([self.async_engine.generate(sub_request_id(rid, p, len(subs)), ids, prm, req.cache_salt)
+                         for p, (ids, prm) in enumerate(zip(prompts, params))])
         async with contextlib.aclosing(outputs):
             try:
                 first = await anext(outputs)
                 if req.stream:
-                    last, num_output_tokens = await self._stream(request, builder, outputs, first)
+                    await self._stream(request, builder, assembler, subs, outputs, first)
                 else:
-                    last, logprobs, tops = first, list(first.new_logprobs), list(first.new_top_logprobs)
-                    async for last in outputs:
-                        logprobs += last.new_logprobs
-                        tops += last.new_top_logprobs
-                    delta = self.output_delta(req, last.text, last.token_ids, logprobs, tops, last.finish_reason)
-                    body = builder.response(delta, self.usage(last), prompt_ids)
-                    num_output_tokens = len(last.token_ids)
+                    assembler.add(self.choice_output(subs[first[0]], first[0], first[1]))
+                    async for p, out in outputs:
+                        assembler.add(self.choice_output(subs[p], p, out))
             except Exception as e:  # before a stream started, or a non-streamed request
                 err = errors.from_engine_error(e, kind)
                 if err is None:
                     raise
                 raise err from None
-        request["outcome"] = last.finish_reason or "abort"
-        request["summary"] = (f", prompt {len(prompt_ids)} tokens (cached {last.num_cached_tokens}), "
-                              f"output {num_output_tokens} tokens")
+        usage = assembler.usage()
+        request["outcome"] = assembler.finish_reason or "abort"
+        request["summary"] = (f", prompt {usage['prompt_tokens']} tokens (cached "
+                              f"{usage['prompt_tokens_details']['cached_tokens']}), output "
+                              f"{usage['completion_tokens']} tokens" + (f", {assembler.num_choices} choices"
+                                                                         if assembler.num_choices > 1 else ""))
         if req.stream:
             return request["sse"]
-        return json_response(body)
+        return json_response(builder.response(assembler.all(), usage, prompts[0] if len(prompts) == 1 else None))
 
     @staticmethod
-    def usage(out: Any, num_output_tokens: int | None = None) -> dict[str, Any]:
-        """Usage of a final RequestOutput (the whole output rides on it), or of a stream cut short
-        (`num_output_tokens` sent so far: running outputs carry only their step's tokens)."""
-        n = len(out.token_ids) if num_output_tokens is None else num_output_tokens
-        return oai.usage_dict(len(out.prompt_token_ids), n, out.num_cached_tokens)
+    def usage(out: Any) -> dict[str, Any]:
+        """Usage of a choice's final RequestOutput (the whole output rides on the final one only)."""
+        return usage_dict(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
 
-    async def _stream(self, request: web.Request, builder: oai.ResponseBuilder, outputs: Any,
-                      out: Any) -> tuple[Any, int]:
-        """Write SSE chunks until the request finishes; returns the last RequestOutput and the
-        number of output tokens sent."""
-        req = builder.req
+    async def _stream(self, request: web.Request, builder: ResponseBuilder, assembler: Assembler,
+                      subs: list[oai.GenerationRequest], outputs: Any, first: Any) -> None:
+        """Write SSE chunks, the choices interleaved as their tokens come, until every choice finished."""
         sse = SSEStream(builder)
         await sse.start(request, request["request_id"])
-        num_output_tokens = 0
+        p, out = first
         while True:
-            num_output_tokens += len(out.new_token_ids)
-            finish = out.finish_reason if out.finished else None
-            await sse.delta(self.output_delta(req, out.new_text, out.new_token_ids, out.new_logprobs,
-                                              out.new_top_logprobs, finish))
-            if out.finished:
-                break
+            await sse.delta(assembler.delta(self.choice_output(subs[p], p, out)))
             try:
-                out = await anext(outputs)
-            except RequestAbortedError:  # shutdown or engine failure: end the stream properly
-                await sse.delta(oai.Delta("", finish_reason="abort"))
+                p, out = await anext(outputs)
+            except StopAsyncIteration:
                 break
-        await sse.finish(self.usage(out, num_output_tokens))
-        return out, num_output_tokens
+            except RequestAbortedError:  # shutdown or engine failure: end the stream properly
+                for index in assembler.unfinished:
+                    await sse.delta(Delta("", finish_reason="abort", index=index))
+                break
+        await sse.finish(assembler.usage())
 
     # ------------------------------------------------------------ other endpoints
 
     async def models(self, request: web.Request) -> web.Response:
-        return json_response(oai.models_list(self.served_names, self.max_model_len, self.created))
+        return json_response(models_list(self.served_names, self.max_model_len, self.created))
 
     async def health(self, request: web.Request) -> web.Response:
         if not self.async_engine.accepting:
@@ -179,6 +201,20 @@ class OpenAIServer:
                      max_waiting_requests=a.max_waiting_requests, accepting=a.accepting,
                      num_steps=a.num_steps, step_running_s=a.step_running_s)
         return json_response(stats)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        req = tokenize_api.parse_tokenize(await request.read())
+        oai.check_model(req.model, self.served_names)
+        return json_response(tokenize_api.tokenize_reply(self.tokenizer, req, self.max_model_len))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        model, token_ids = tokenize_api.parse_detokenize(await request.read())
+        oai.check_model(model, self.served_names)
+        return json_response(tokenize_api.detokenize_response(
+            tokenize_api.detokenize(self.tokenizer, token_ids, self.engine.vocab_size)))
+
+    async def version(self, request: web.Request) -> web.Response:
+        return json_response(tokenize_api.version_response())
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

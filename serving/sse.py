@@ -11,7 +11,8 @@ from typing import Any
 
 from aiohttp import web
 
-from serving.protocol import CHAT, APIError, Delta, ResponseBuilder
+from serving.protocol import CHAT, APIError
+from serving.responses import Delta, ResponseBuilder
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 SSE_DONE = b"data: [DONE]\n\n"

@@ -7,15 +7,20 @@ both ends.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from engine.sampling_params import StructuredOutputsParams
 from protos import pdserve_pb2 as pb
 from serving import protocol as oai
+from serving.responses import Delta, PromptPosition, usage_dict
+from serving.tokenize_api import TokenizeRequest
 
 
 def prompt_to_pb(req: oai.GenerationRequest) -> pb.Prompt:
     if req.kind == oai.CHAT:
-        return pb.Prompt(chat=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in req.messages]))
+        return pb.Prompt(chat=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in req.messages],
+                                              add_generation_prompt=req.add_generation_prompt))
     if isinstance(req.prompt, str):
         return pb.Prompt(text=req.prompt)
     return token_ids_to_pb(req.prompt)
@@ -27,34 +32,94 @@ def token_ids_to_pb(token_ids: list[int]) -> pb.Prompt:
     return pb.Prompt(token_ids=pb.TokenIds(ids=token_ids))
 
 
+def structured_to_pb(spec: StructuredOutputsParams | None, field: str | None) -> pb.StructuredOutputs | None:
+    if spec is None:
+        return None
+    out = pb.StructuredOutputs(disable_any_whitespace=spec.disable_any_whitespace, field=field or "")
+    if spec.kind == "json":
+        out.json = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+    elif spec.kind == "choice":
+        out.choice.CopyFrom(pb.ChoiceList(choices=spec.choice))
+    elif spec.kind == "json_object":
+        out.json_object = True
+    else:
+        setattr(out, spec.kind, getattr(spec, spec.kind))
+    return out
+
+
+def structured_from_pb(params: pb.SamplingParams) -> StructuredOutputsParams | None:
+    if not params.HasField("structured_outputs"):
+        return None
+    so = params.structured_outputs
+    kind = so.WhichOneof("kind")
+    value = list(so.choice.choices) if kind == "choice" else getattr(so, kind)
+    return StructuredOutputsParams(**{kind: value}, disable_any_whitespace=so.disable_any_whitespace)
+
+
 def sampling_to_pb(req: oai.GenerationRequest) -> pb.SamplingParams:
     s = req.sampling
-    return pb.SamplingParams(max_tokens=req.max_tokens or 0, temperature=s["temperature"], top_p=s["top_p"],
-                             top_k=s["top_k"], seed=s["seed"], stop=s["stop"], ignore_eos=s["ignore_eos"],
-                             logprobs=req.logprobs, top_logprobs=req.top_logprobs)
+    return pb.SamplingParams(
+        max_tokens=req.max_tokens or 0, temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"],
+        seed=s["seed"], stop=s["stop"], stop_token_ids=s["stop_token_ids"], ignore_eos=s["ignore_eos"],
+        logprobs=req.logprobs, top_logprobs=req.top_logprobs, n=s["n"], presence_penalty=s["presence_penalty"],
+        frequency_penalty=s["frequency_penalty"], repetition_penalty=s["repetition_penalty"],
+        logit_bias=s["logit_bias"] or {}, min_tokens=s["min_tokens"], min_p=s["min_p"],
+        include_stop_str_in_output=s["include_stop_str_in_output"], skip_special_tokens=s["skip_special_tokens"],
+        prompt_logprobs=s["prompt_logprobs"], structured_outputs=structured_to_pb(s["structured_outputs"], req.structured_field),
+        echo=req.echo)
 
 
 def request_from_pb(prompt: pb.Prompt, params: pb.SamplingParams, cache_salt: str) -> oai.GenerationRequest:
     """The protocol module's request for a gRPC call, so limits and messages match the HTTP API."""
     kind_of = prompt.WhichOneof("kind")
     kind = oai.CHAT if kind_of == "chat" else oai.COMPLETION
+    prompt_logprobs = params.prompt_logprobs if params.HasField("prompt_logprobs") else None
     sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                 "seed": params.seed if params.HasField("seed") else None, "stop": list(params.stop),
-                "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos}
+                "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos, "n": params.n or 1,
+                "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+                "repetition_penalty": params.repetition_penalty if params.HasField("repetition_penalty") else 1.0,
+                "logit_bias": dict(params.logit_bias) or None, "min_tokens": params.min_tokens, "min_p": params.min_p,
+                "include_stop_str_in_output": params.include_stop_str_in_output,
+                "skip_special_tokens": params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
+                "prompt_logprobs": prompt_logprobs, "structured_outputs": structured_from_pb(params)}
     return oai.GenerationRequest(
         kind=kind, model=None, max_tokens=params.max_tokens or None, logprobs=params.logprobs,
         top_logprobs=params.top_logprobs,
-        cache_salt=cache_salt or None, sampling=sampling,
+        cache_salt=cache_salt or None, sampling=sampling, echo=params.echo,
+        add_generation_prompt=not prompt.chat.HasField("add_generation_prompt") or prompt.chat.add_generation_prompt,
+        structured_field=(params.structured_outputs.field or None) if params.HasField("structured_outputs") else None,
         prompt=prompt.text if kind_of == "text" else (list(prompt.token_ids.ids) if kind_of == "token_ids" else None),
         messages=[{"role": m.role, "content": m.content} for m in prompt.chat.messages] if kind == oai.CHAT else None)
 
 
-def delta_to_pb(d: oai.Delta, usage: dict[str, Any] | None = None) -> pb.GenerateDelta:
-    """A node's output delta; `usage` (protocol.usage_dict) rides on the last one."""
+def positions_to_pb(positions: list[PromptPosition]) -> list[pb.PromptLogprobs]:
+    return [pb.PromptLogprobs(token_ids=[e[0] for e in p], logprobs=[e[1] for e in p if e[1] is not None],
+                              ranks=[e[2] for e in p if e[2] is not None], tokens=[e[3] for e in p])
+            for p in positions]
+
+
+def positions_from_pb(entries: Any) -> list[PromptPosition] | None:
+    if not entries:
+        return None
+    out: list[PromptPosition] = []
+    for p in entries:
+        if not p.logprobs:  # the first prompt token: nothing predicts it
+            out.append([(p.token_ids[0], None, None, p.tokens[0])])
+        else:
+            out.append(list(zip(p.token_ids, p.logprobs, p.ranks, p.tokens)))
+    return out
+
+
+def delta_to_pb(d: Delta, usage: dict[str, Any] | None = None, positions: list[PromptPosition] | None = None,
+                prompt_text: str = "") -> pb.GenerateDelta:
+    """A node's output delta of choice `d.index`; `usage` (responses.usage_dict) rides on a choice's
+    last one, the prompt's logprobs and text (when asked for) on its first."""
     out = pb.GenerateDelta(text=d.text, token_ids=d.token_ids, finish_reason=d.finish_reason or "",
-                           logprobs=d.logprobs, tokens=d.tokens or [],
+                           logprobs=d.logprobs, tokens=d.tokens or [], index=d.index, prompt_text=prompt_text,
                            top_logprobs=[pb.TopLogprobs(tokens=[t for t, _ in top], logprobs=[lp for _, lp in top])
-                                         for top in d.top_logprobs])
+                                         for top in d.top_logprobs],
+                           prompt_logprobs=positions_to_pb(positions) if positions else [])
     if usage is not None:
         out.usage.CopyFrom(pb.Usage(prompt_tokens=usage["prompt_tokens"],
                                     completion_tokens=usage["completion_tokens"],
@@ -62,11 +127,26 @@ def delta_to_pb(d: oai.Delta, usage: dict[str, Any] | None = None) -> pb.Generat
     return out
 
 
-def delta_from_pb(d: pb.GenerateDelta, logprobs: bool) -> oai.Delta:
-    return oai.Delta(d.text, list(d.token_ids), list(d.logprobs), list(d.tokens) if logprobs else None,
-                     [list(zip(t.tokens, t.logprobs)) for t in d.top_logprobs], d.finish_reason or None)
+def delta_from_pb(d: pb.GenerateDelta, logprobs: bool) -> Delta:
+    return Delta(d.text, list(d.token_ids), list(d.logprobs), list(d.tokens) if logprobs else None,
+                 [list(zip(t.tokens, t.logprobs)) for t in d.top_logprobs], d.finish_reason or None, d.index)
 
 
 def usage_from_pb(d: pb.GenerateDelta) -> dict[str, Any]:
     u = d.usage
-    return oai.usage_dict(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+    return usage_dict(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+
+
+def tokenize_to_pb(req: TokenizeRequest) -> pb.TokenizeRequest:
+    prompt = pb.Prompt(chat=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in req.messages])) \
+        if req.messages is not None else pb.Prompt(text=req.prompt)
+    return pb.TokenizeRequest(prompt=prompt, add_special_tokens=req.add_special_tokens,
+                              add_generation_prompt=req.add_generation_prompt, return_token_strs=req.return_token_strs)
+
+
+def tokenize_from_pb(call: pb.TokenizeRequest) -> TokenizeRequest:
+    chat = call.prompt.WhichOneof("kind") == "chat"
+    return TokenizeRequest(model=None, prompt=None if chat else call.prompt.text,
+                           messages=[{"role": m.role, "content": m.content} for m in call.prompt.chat.messages]
+                           if chat else None, add_special_tokens=call.add_special_tokens,
+                           add_generation_prompt=call.add_generation_prompt, return_token_strs=call.return_token_strs)

@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 
-from serving.protocol import top_by_text
+from serving.responses import top_by_text
 from tests.serve_helpers import ServerProcess, open_stream, sse_events
 from tests.test_generate import hf_greedy, random_prompt
 

@@ -1,0 +1,169 @@
+"""OpenAI response bodies and stream chunks, built from Deltas (transport-neutral, like serving.protocol).
+
+pd-serve builds Deltas from engine outputs, pd-proxy from a decode node's gRPC deltas; either way
+this module alone decides how choices, logprobs (completions' and chat's shapes), echoed prompts,
+vLLM's prompt_logprobs and usage look on the wire.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from serving.protocol import CHAT, COMPLETION, GenerationRequest
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def models_list(names: list[str], max_model_len: int, created: int) -> dict[str, Any]:
+    """Lists the first (public) name only: the others are accepted aliases, such as the model's path."""
+    return {"object": "list", "data": [{"id": names[0], "object": "model", "created": created,
+                                        "owned_by": "pdserve", "max_model_len": max_model_len}]}
+
+
+@dataclass
+class Delta:
+    """New output of one choice since the last delta (what the engine or a decode node streams)."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)  # None: an echoed first prompt token
+    tokens: list[str] | None = None  # token strings for logprobs; None: not available
+    # per token, best first; None: an echoed first prompt token
+    top_logprobs: list[list[tuple[str, float]] | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    index: int = 0  # the choice (prompt index x n + the engine's choice index)
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's field, JSON-ready
+
+    def __add__(self, later: Delta) -> Delta:
+        """This delta followed by `later` (an echoed prompt and the output; the chunks of one choice)."""
+        tokens = None if self.tokens is None and later.tokens is None else (self.tokens or []) + (later.tokens or [])
+        return Delta(self.text + later.text, self.token_ids + later.token_ids, self.logprobs + later.logprobs,
+                     tokens, self.top_logprobs + later.top_logprobs, later.finish_reason, later.index,
+                     later.prompt_logprobs if later.prompt_logprobs is not None else self.prompt_logprobs)
+
+
+# One prompt position's logprobs, transport-neutral: (token id, logprob, rank, token text) with the
+# prompt token first, then the position's most likely tokens. Position 0 has only the prompt token,
+# with logprob and rank None (nothing predicts it).
+PromptPosition = list[tuple[int, float | None, int | None, str]]
+
+
+def prompt_logprobs_json(positions: list[PromptPosition], k: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt_logprobs: null for the first token, then {token id: {logprob, rank, decoded_token}}
+    holding the prompt token and the k most likely tokens."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for position in positions[1:]:
+        out.append({str(t): {"logprob": lp, "rank": rank, "decoded_token": text}
+                    for j, (t, lp, rank, text) in enumerate(position) if j == 0 or (rank or 0) <= k})
+    return out
+
+
+def echo_delta(text: str, positions: list[PromptPosition] | None, top_logprobs: int) -> Delta:
+    """The echoed prompt as the start of a completions choice: its text and, when `positions` are
+    given (echo with logprobs), its tokens with their logprobs as OpenAI reports them."""
+    if positions is None:
+        return Delta(text)
+    tokens = [p[0][3] for p in positions]
+    logprobs = [p[0][1] for p in positions]
+    tops: list[list[tuple[str, float]] | None] = [None]
+    for position in positions[1:]:
+        best = sorted((e for e in position if e[2] is not None and e[2] <= top_logprobs), key=lambda e: e[2])
+        tops.append([(e[3], e[1]) for e in best])
+    return Delta(text, logprobs=logprobs, tokens=tokens, top_logprobs=tops)
+
+
+def top_token_texts(decode: Callable[[list[int]], str],
+                    tops: list[list[tuple[int, float]]]) -> list[list[tuple[str, float]]]:
+    """The engine's (token id, logprob) lists with each id decoded alone, as the sampled tokens are."""
+    return [[(decode([t]), lp) for t, lp in top] for top in tops]
+
+
+def top_by_text(top: list[tuple[str, float]]) -> dict[str, float]:
+    """Completions key top tokens by text: ids that decode alike (partial UTF-8) keep the best logprob."""
+    out: dict[str, float] = {}
+    for text, logprob in top:
+        out.setdefault(text, logprob)
+    return out
+
+
+class ResponseBuilder:
+    """Formats one request's answer: SSE chunks while streaming, or the final JSON body."""
+
+    def __init__(self, req: GenerationRequest, request_id: str, model: str, created: int | None = None) -> None:
+        self.req = req
+        self.id = ("chatcmpl-" if req.kind == CHAT else "cmpl-") + request_id
+        self.model = model
+        self.created = int(time.time()) if created is None else created
+        self._text_offset: dict[int, int] = {}  # completions logprobs: per choice, offset of the next token
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def _logprobs(self, d: Delta) -> dict[str, Any] | None:
+        if not self.req.logprobs:
+            return None
+        tokens = d.tokens if d.tokens is not None else [""] * len(d.logprobs)
+        tops = d.top_logprobs or [[] for _ in tokens]
+        if self.req.kind == CHAT:
+            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                                 "top_logprobs": [{"token": tt, "logprob": tlp, "bytes": list(tt.encode())}
+                                                  for tt, tlp in top]}
+                                for t, lp, top in zip(tokens, d.logprobs, tops)]}
+        offsets = []
+        offset = self._text_offset.get(d.index, 0)
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        self._text_offset[d.index] = offset
+        return {"tokens": tokens, "token_logprobs": d.logprobs, "text_offset": offsets,
+                "top_logprobs": [None if top is None else top_by_text(top) for top in tops]
+                if self.req.top_logprobs else None}
+
+    def _choice(self, d: Delta, *, stream: bool, role: bool = False) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": d.index}
+        if self.req.kind == CHAT:
+            message = {"role": "assistant", "content": d.text} if (role or not stream) else (
+                {"content": d.text} if d.text else {})
+            choice["delta" if stream else "message"] = message
+        else:
+            choice["text"] = d.text
+        choice["logprobs"] = self._logprobs(d)
+        choice["finish_reason"] = d.finish_reason
+        if self.req.return_token_ids:
+            choice["token_ids"] = d.token_ids
+        if d.prompt_logprobs is not None and self.req.kind == COMPLETION:
+            choice["prompt_logprobs"] = d.prompt_logprobs
+        return choice
+
+    def chunk(self, d: Delta, *, role: bool = False) -> dict[str, Any]:
+        """A streaming chunk; `role=True` for a chat stream's first chunk."""
+        obj = "chat.completion.chunk" if self.req.kind == CHAT else "text_completion"
+        out = self._envelope(obj, [self._choice(d, stream=True, role=role)])
+        if self.req.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The extra last chunk of `stream_options.include_usage`: no choices, only usage."""
+        obj = "chat.completion.chunk" if self.req.kind == CHAT else "text_completion"
+        out = self._envelope(obj, [])
+        out["usage"] = usage
+        return out
+
+    def response(self, choices: Delta | list[Delta], usage: dict[str, Any],
+                 prompt_token_ids: list[int] | None = None) -> dict:
+        """The non-streaming body: each choice's whole output, in index order."""
+        choices = sorted([choices] if isinstance(choices, Delta) else choices, key=lambda d: d.index)
+        obj = "chat.completion" if self.req.kind == CHAT else "text_completion"
+        out = self._envelope(obj, [self._choice(d, stream=False) for d in choices])
+        if self.req.return_token_ids and prompt_token_ids is not None:
+            out["prompt_token_ids"] = prompt_token_ids
+        if self.req.kind == CHAT and self.req.prompt_logprobs is not None and choices:
+            out["prompt_logprobs"] = choices[0].prompt_logprobs  # vLLM puts the chat's beside the choices
+        out["usage"] = usage
+        return out

@@ -1,0 +1,123 @@
+"""vLLM's /tokenize, /detokenize and /version endpoints: requests, the tokenizer work, responses.
+
+/tokenize takes a completions-style {"prompt"} or a chat-style {"messages"} body and answers
+{"count", "max_model_len", "tokens", "token_strs"}; with the defaults a prompt tokenizes exactly
+as /v1/completions and /v1/chat/completions would tokenize it. /detokenize takes {"tokens"}
+and answers {"prompt"}. Nodes answer them with their tokenizer; the proxy asks a node over gRPC.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+from serving.protocol import bad_request, decode_json_body, parse_messages
+
+_TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                    "return_token_strs", "continue_final_message"}
+
+
+@dataclass
+class TokenizeRequest:
+    model: str | None
+    prompt: str | None  # completions style
+    messages: list[dict[str, str]] | None  # chat style
+    add_special_tokens: bool
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+def _model(body: dict) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("model must be a string", "model")
+    return model
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_request(f"{name} must be a boolean", name)
+    return v
+
+
+def parse_tokenize(raw: bytes | str | Any) -> TokenizeRequest:
+    body = decode_json_body(raw)
+    unknown = sorted(set(body) - _TOKENIZE_FIELDS)
+    if unknown:
+        raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unsupported_parameter")
+    if body.get("continue_final_message"):
+        raise bad_request("continue_final_message is not supported by this server", "continue_final_message",
+                          "unsupported_parameter")
+    chat = body.get("messages") is not None
+    if chat == (body.get("prompt") is not None):
+        raise bad_request("give either prompt (a string) or messages", "prompt")
+    prompt = None if chat else body["prompt"]
+    if not chat and not isinstance(prompt, str):
+        raise bad_request("prompt must be a string", "prompt")
+    return TokenizeRequest(model=_model(body), prompt=prompt, messages=parse_messages(body) if chat else None,
+                           add_special_tokens=_flag(body, "add_special_tokens", not chat),
+                           add_generation_prompt=_flag(body, "add_generation_prompt", True),
+                           return_token_strs=_flag(body, "return_token_strs", False))
+
+
+def parse_detokenize(raw: bytes | str | Any) -> tuple[str | None, list[int]]:
+    """(model, token ids)."""
+    body = decode_json_body(raw)
+    unknown = sorted(set(body) - {"model", "tokens"})
+    if unknown:
+        raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unsupported_parameter")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                               for t in tokens):
+        raise bad_request("tokens must be a list of non-negative token ids", "tokens")
+    return _model(body), tokens
+
+
+def tokenize(tokenizer: Any, req: TokenizeRequest) -> list[int]:
+    """The token ids, as the generation endpoints would compute them with the default flags."""
+    from engine.tokenizer import apply_chat_template, encode_prompt
+
+    if req.messages is not None:
+        try:
+            ids = apply_chat_template(tokenizer, req.messages, req.add_generation_prompt)
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+        if req.add_special_tokens and tokenizer.bos_token_id is not None and ids[:1] != [tokenizer.bos_token_id]:
+            ids = [tokenizer.bos_token_id] + ids
+        return ids
+    if req.add_special_tokens:
+        return encode_prompt(tokenizer, req.prompt)
+    return tokenizer.encode(req.prompt, add_special_tokens=False)
+
+
+def detokenize(tokenizer: Any, token_ids: list[int], vocab_size: int) -> str:
+    bad = [t for t in token_ids if t >= vocab_size]
+    if bad:
+        raise bad_request(f"token ids must be below the vocabulary size {vocab_size}; got {bad[0]}", "tokens")
+    return tokenizer.decode(token_ids)
+
+
+def tokenize_response(token_ids: list[int], max_model_len: int, token_strs: list[str] | None) -> dict[str, Any]:
+    return {"count": len(token_ids), "max_model_len": max_model_len, "tokens": token_ids, "token_strs": token_strs}
+
+
+def tokenize_reply(tokenizer: Any, req: TokenizeRequest, max_model_len: int) -> dict[str, Any]:
+    """The /tokenize answer of a node (its gRPC Tokenize carries the same fields)."""
+    ids = tokenize(tokenizer, req)
+    strs = [str(t) for t in tokenizer.convert_ids_to_tokens(ids)] if req.return_token_strs else None
+    return tokenize_response(ids, max_model_len, strs)
+
+
+def detokenize_response(text: str) -> dict[str, Any]:
+    return {"prompt": text}
+
+
+def version_response() -> dict[str, Any]:
+    try:
+        version = metadata.version("pdserve")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    return {"version": version}
