@@ -291,10 +291,8 @@ def parse_request(kind: str, raw: bytes | str | Any, check_grammar: bool = True)
         max_tokens = _int(body, "max_tokens", 16, 1)
         top_logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
         logprobs, top_logprobs = top_logprobs is not None, top_logprobs or 0
-    stream_options = body.get("stream_options")
-    if stream_options is not None and not isinstance(stream_options, dict):
-        raise bad_request("stream_options must be an object", "stream_options")
     stream, echo = _bool(body, "stream"), _bool(body, "echo")
+    include_usage = _parse_stream_options(body, stream)
     prompt_logprobs = _int(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if prompt_logprobs is not None and stream:
         raise bad_request("prompt_logprobs is not available with stream=true", "prompt_logprobs")
@@ -326,7 +324,7 @@ def parse_request(kind: str, raw: bytes | str | Any, check_grammar: bool = True)
                           "min_tokens")
     return GenerationRequest(
         kind=kind, model=model, prompt=prompt, messages=messages, max_tokens=max_tokens,
-        stream=stream, include_usage=_bool(stream_options or {}, "include_usage"),
+        stream=stream, include_usage=include_usage,
         logprobs=logprobs, top_logprobs=top_logprobs, return_token_ids=_bool(body, "return_token_ids"),
         user=_str(body, "user") or _str(body, "safety_identifier"), cache_salt=_str(body, "cache_salt"),
         sampling=sampling, prompts=prompts, echo=echo, add_generation_prompt=_bool(body, "add_generation_prompt", True),
@@ -347,6 +345,29 @@ def _check_fields(kind: str, body: dict) -> None:
         if name in NEUTRAL_PARAMETERS:
             raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
         raise bad_request(f"Unrecognized request argument supplied: {name}", name, "unsupported_parameter")
+
+
+# stream_options keys: OpenAI's include_usage; the others only at the value that means "off"
+# (vLLM's continuous_usage_stats, OpenAI's include_obfuscation padding).
+_STREAM_OPTIONS_OFF = {"continuous_usage_stats": False, "include_obfuscation": False}
+
+
+def _parse_stream_options(body: dict, stream: bool) -> bool:
+    """include_usage; 400 for stream_options without stream=true (as vLLM) or a key it would ignore."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise bad_request("stream_options must be an object", "stream_options")
+    if not stream:
+        raise bad_request("stream_options can only be set when stream=true", "stream_options")
+    for key, value in options.items():
+        if key == "include_usage" or value is None or (key in _STREAM_OPTIONS_OFF and _STREAM_OPTIONS_OFF[key] is value):
+            continue
+        message = f"stream_options.{key}={json.dumps(value)} is not supported by this server" \
+            if key in _STREAM_OPTIONS_OFF else f"Unrecognized stream_options key: {key}"
+        raise bad_request(message, "stream_options", "unsupported_parameter")
+    return _bool(options, "include_usage")
 
 
 def _parse_token_list(body: dict, name: str) -> list[int]:

@@ -1,7 +1,7 @@
 """The one Server-Sent-Events writer of the OpenAI API, used by pd-serve and pd-proxy alike.
 
-Everything that makes an OpenAI stream lives here once: the headers, the chat role chunk that
-opens a chat stream, the rule for when a delta is worth a chunk, the closing usage chunk of
+Everything that makes an OpenAI stream lives here once: the headers, the chat role chunks that
+open a chat stream, the rule for when a delta is worth a chunk, the closing usage chunk of
 `stream_options.include_usage`, and `data: [DONE]`. Callers only feed it Deltas.
 """
 from __future__ import annotations
@@ -30,12 +30,14 @@ class SSEStream:
         self.response: web.StreamResponse | None = None
 
     async def start(self, request: web.Request, request_id: str) -> None:
-        """Send the headers (the status is 200 from here on) and, for chat, the role chunk."""
+        """Send the headers (the status is 200 from here on) and, for chat, each choice's role chunk
+        (OpenAI opens every one of the n choices with its own)."""
         self.response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": request_id})
         request["sse"] = self.response  # the middleware answers with it when the client goes away
         await self.response.prepare(request)
         if self.builder.req.kind == CHAT:
-            await self._write(self.builder.chunk(Delta(""), role=True))
+            for index in range(self.builder.req.n):
+                await self._write(self.builder.chunk(Delta("", index=index), role=True))
 
     async def delta(self, d: Delta) -> None:
         """A chunk when the delta carries text, a finish reason, or token ids the client asked for."""

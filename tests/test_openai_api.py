@@ -1,9 +1,12 @@
-"""The OpenAI API that vLLM users send, with the `openai` client, through pd-serve and through pd-proxy
-over P/D with a file store (decode samples everything): batched prompts, n, echo, prompt_logprobs,
-penalties and logit_bias, structured outputs, vLLM's stop/min_tokens extras, /tokenize /detokenize
-/version. Greedy outputs stay token-identical to HF where nothing reshapes the logits."""
+"""The OpenAI API that vLLM users send, with the `openai` client, through pd-serve, through pd-proxy over
+P/D with a file store (decode samples everything) and on each P/D node's own HTTP port: batched
+prompts, n, streams that interleave choices, echo, prompt_logprobs, penalties and logit_bias,
+structured outputs, vLLM's stop/min_tokens extras, /tokenize /detokenize /version, and every
+parameter of the client's create() honoured or refused by name. Greedy outputs stay token-identical
+to HF where nothing reshapes the logits; penalties and logit_bias match a reference over HF's logits."""
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from dataclasses import dataclass
@@ -14,11 +17,15 @@ import jsonschema
 import openai
 import pytest
 import torch
+from openai.resources.chat.completions import Completions as ChatCompletions
+from openai.resources.completions import Completions
 
 from serving import LLM, SamplingParams
+from serving.protocol import CHAT, COMPLETION, NEUTRAL_PARAMETERS, SUPPORTED_PARAMETERS
 from tests.cluster_helpers import NODE_ARGS, client, log_lines, start_cluster
 from tests.serve_helpers import ServerProcess
 from tests.test_generate import hf_greedy, random_prompt
+from tests.test_penalties import reference_penalties
 
 PROMPTS = [random_prompt(n, seed=900 + n) for n in (20, 37)]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4},
@@ -26,9 +33,12 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "size"], "additionalProperties": False}
 
 
+KINDS = ["pd-serve", "proxy", "prefill-node", "decode-node"]
+
+
 @dataclass
 class API:
-    kind: str  # pd-serve | proxy
+    kind: str  # one of KINDS
     url: str
     oai: openai.OpenAI
     model: str
@@ -58,13 +68,17 @@ def cluster(tiny_llama, tmp_path_factory):
     c.stop()
 
 
-@pytest.fixture(scope="module", params=["pd-serve", "proxy"])
+@pytest.fixture(scope="module", params=KINDS)
 def api(request, pd_serve, cluster) -> API:
+    decode = cluster.decode[0]
+    node = {"prefill-node": cluster.prefill[0], "decode-node": decode}.get(request.param)
     if request.param == "pd-serve":
         url, stats_url, log = pd_serve.url, pd_serve.url, None
-    else:
-        decode = cluster.decode[0]
+    elif request.param == "proxy":
         url, stats_url, log = cluster.url, f"http://127.0.0.1:{decode.http_port}", decode.log_file
+    else:  # a node's own OpenAI server: the same API, with its own engine and connector
+        url = stats_url = f"http://127.0.0.1:{node.http_port}"
+        log = None
     oai = client(url)
     return API(request.param, url, oai, oai.models.list().data[0].id, stats_url, log,
                cluster.proxy.proc.pid if request.param == "proxy" else None)
@@ -78,6 +92,13 @@ def llm(tiny_llama):
 @pytest.fixture(scope="module")
 def hf_refs(tiny_llama):
     return hf_greedy(tiny_llama, PROMPTS, 8)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
 
 
 def ids_of(choice) -> list[int]:
@@ -96,15 +117,15 @@ def test_batched_prompts_times_n_greedy_match_hf(api, hf_refs):
 
 
 def test_n_shares_the_prompt_and_streams_interleaved(api, llm):
-    prompt = random_prompt(45, seed=77)
+    prompt = random_prompt(45, seed=77 + KINDS.index(api.kind))  # new to every engine and to the store
     before = api.stats()
     resp = api.oai.completions.create(model=api.model, prompt=prompt, n=3, max_tokens=6, temperature=1.0, seed=5,
                                       extra_body={"return_token_ids": True, "ignore_eos": True},
                                       extra_headers={"X-Request-Id": f"{api.kind}-n3"})
     after = api.stats()
-    # The prompt is computed once: all of it on pd-serve; on P/D decode computes only its last token.
+    # The prompt is computed once: all of it on one engine; on P/D decode computes only its last token.
     computed = after["num_prompt_tokens_computed"] - before["num_prompt_tokens_computed"]
-    assert computed == (len(prompt) if api.kind == "pd-serve" else 1)
+    assert computed == (1 if api.kind == "proxy" else len(prompt))
     if api.decode_log is not None:  # ... and loads it from the store once
         assert len([x for x in log_lines(api.decode_log, f"{api.kind}-n3") if "Retrieved" in x]) == 1
     offline = llm.generate([prompt], SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=5, ignore_eos=True))
@@ -118,13 +139,45 @@ def test_n_shares_the_prompt_and_streams_interleaved(api, llm):
             resp.choices[i].text
 
 
-def test_echo_and_prompt_logprobs_match_hf(api, tiny_llama):
-    from transformers import AutoModelForCausalLM
+def by_index(chunks: list, text: Any) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            out[c.index] = out.get(c.index, "") + (text(c) or "")
+    return out
 
+
+def counts(usage) -> tuple[int, int, int]:
+    """Usage without cached_tokens (a repeated prompt hits the prefix cache)."""
+    return usage.prompt_tokens, usage.completion_tokens, usage.total_tokens
+
+
+def test_streams_open_count_and_close_every_choice(api):
+    """Chat: a role chunk per choice first; completions: batched prompts x n with echo; both with the
+    usage chunk last, equal to the whole response's usage (each prompt once, every choice's tokens)."""
+    chat = dict(model=api.model, messages=[{"role": "user", "content": "two"}], n=2, max_tokens=5, seed=11,
+                temperature=1.0)
+    whole = api.oai.chat.completions.create(**chat)
+    chunks = list(api.oai.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True}))
+    assert [(c.choices[0].index, c.choices[0].delta.role) for c in chunks[:2]] == [(0, "assistant"), (1, "assistant")]
+    assert by_index(chunks, lambda c: c.delta.content) == {c.index: c.message.content for c in whole.choices}
+    assert {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices and
+            c.choices[0].finish_reason} == {c.index: c.finish_reason for c in whole.choices}
+    assert chunks[-1].choices == [] and counts(chunks[-1].usage) == counts(whole.usage)
+    assert all(c.usage is None for c in chunks[:-1])
+    text = dict(model=api.model, prompt=["Once", "Twice upon"], n=2, max_tokens=4, seed=3, temperature=1.0,
+                echo=True)
+    whole = api.oai.completions.create(**text)
+    chunks = list(api.oai.completions.create(**text, stream=True, stream_options={"include_usage": True}))
+    assert by_index(chunks, lambda c: c.text) == {c.index: c.text for c in whole.choices}
+    assert [whole.choices[i].text.startswith(p) for i, p in enumerate(["Once"] * 2 + ["Twice upon"] * 2)] == [True] * 4
+    assert counts(chunks[-1].usage) == counts(whole.usage) and whole.usage.prompt_tokens == len("OnceTwice upon")
+
+
+def test_echo_and_prompt_logprobs_match_hf(api, hf_model):
     prompt = PROMPTS[0]
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
     with torch.inference_mode():
-        hf = torch.log_softmax(model(torch.tensor([prompt])).logits[0], dim=-1)
+        hf = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0], dim=-1)
     want = [hf[j - 1, prompt[j]].item() for j in range(1, len(prompt))]
     resp = api.oai.completions.create(model=api.model, prompt=prompt, max_tokens=3, temperature=0, echo=True,
                                       logprobs=2, extra_body={"prompt_logprobs": 1})
@@ -142,16 +195,36 @@ def test_echo_and_prompt_logprobs_match_hf(api, tiny_llama):
     assert text.choices[0].text.startswith("Echo me")
 
 
-def test_penalties_and_logit_bias_match_the_engine(api, llm):
-    prompt = PROMPTS[1]
-    kw = dict(frequency_penalty=1.2, presence_penalty=0.6, logit_bias={"101": 4.0, "40": -100})
-    extra = {"repetition_penalty": 1.3, "return_token_ids": True, "ignore_eos": True}
-    resp = api.oai.completions.create(model=api.model, prompt=prompt, max_tokens=12, temperature=0, **kw,
-                                      extra_body=extra)
-    want = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, frequency_penalty=1.2,
-                                                 presence_penalty=0.6, repetition_penalty=1.3, ignore_eos=True,
-                                                 logit_bias={101: 4.0, 40: -100}))[0].token_ids
-    assert ids_of(resp.choices[0]) == want and 40 not in want
+PENALTIES = dict(presence=0.6, frequency=1.2, repetition=1.3)
+BIAS = {101: 4.0, 40: -100.0}
+
+
+@pytest.fixture(scope="module")
+def penalized_reference(hf_model) -> list[int]:
+    """Greedy tokens over HF's logits with logit_bias, then vLLM's penalty formulas (the reference loop)."""
+    prompt, output = PROMPTS[1], []
+    with torch.inference_mode():
+        for _ in range(12):
+            logits = hf_model(torch.tensor([prompt + output])).logits[0, -1].clone()
+            for token, bias in BIAS.items():
+                logits[token] += bias
+            output.append(int(reference_penalties(logits, prompt, output, **PENALTIES).argmax()))
+    return output
+
+
+def test_offline_penalties_and_logit_bias_match_the_reference(llm, penalized_reference):
+    out = llm.generate([PROMPTS[1]], SamplingParams(
+        max_tokens=12, temperature=0, presence_penalty=PENALTIES["presence"], ignore_eos=True,
+        frequency_penalty=PENALTIES["frequency"], repetition_penalty=PENALTIES["repetition"], logit_bias=BIAS))
+    assert out[0].token_ids == penalized_reference
+
+
+def test_penalties_and_logit_bias_match_the_reference(api, penalized_reference):
+    resp = api.oai.completions.create(
+        model=api.model, prompt=PROMPTS[1], max_tokens=12, temperature=0, presence_penalty=PENALTIES["presence"],
+        frequency_penalty=PENALTIES["frequency"], logit_bias={str(t): b for t, b in BIAS.items()},
+        extra_body={"repetition_penalty": PENALTIES["repetition"], "return_token_ids": True, "ignore_eos": True})
+    assert ids_of(resp.choices[0]) == penalized_reference and 40 not in penalized_reference
     chat = api.oai.chat.completions.create(model=api.model, messages=[{"role": "user", "content": "hi"}],
                                            max_tokens=5, temperature=0, logit_bias={"66": 100})
     assert chat.choices[0].message.content == "?????"  # token 66 is the byte 63, "?"
@@ -218,3 +291,63 @@ def test_tokenize_detokenize_version(api, pd_serve):
     assert status == 400 and err["error"]["param"] == "tokens"
     version = httpx.get(api.url + "/version", timeout=10)
     assert version.status_code == 200 and version.json()["version"]
+
+
+# ------------------------------------------------------------ every openai client parameter
+
+TRANSPORT = {"self", "extra_headers", "extra_query", "extra_body", "timeout"}
+BOOL_SCHEMA = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+               "additionalProperties": False}
+# A value each honoured parameter is sent with (the request must succeed)...
+HONOURED = {
+    "best_of": 1, "echo": True, "frequency_penalty": 0.5, "logit_bias": {"70": 2.0}, "logprobs": 2, "max_tokens": 3,
+    "n": 2, "presence_penalty": 0.5, "seed": 3, "stop": ["\n"], "stream": False, "stream_options": None,
+    "suffix": None, "temperature": 0.7, "top_p": 0.9, "user": "u-1", "max_completion_tokens": 3, "top_logprobs": 2,
+    "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": BOOL_SCHEMA}},
+    "safety_identifier": "s-1", "store": False, "metadata": {}, "modalities": ["text"], "tools": [],
+    "tool_choice": "none", "functions": [], "function_call": "none", "parallel_tool_calls": True,
+    "service_tier": "auto",
+}
+WITH = {"top_logprobs": {"logprobs": True}}  # what a parameter needs beside it
+# ... and a value that asks for a feature this server does not have (must be a 400 naming it).
+REFUSED = {
+    "best_of": 3, "suffix": "tail", "audio": {"voice": "alloy", "format": "wav"}, "function_call": "auto",
+    "functions": [{"name": "f", "parameters": {}}], "metadata": {"k": "v"}, "modalities": ["text", "audio"],
+    "moderation": {"mode": "block"}, "parallel_tool_calls": "maybe", "prediction": {"type": "content", "content": "x"},
+    "prompt_cache_key": "k", "prompt_cache_options": {"x": 1}, "prompt_cache_retention": "24h",
+    "reasoning_effort": "low", "service_tier": "flex", "store": True,
+    "tool_choice": "auto", "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    "verbosity": "low", "web_search_options": {},
+}
+
+
+def client_parameters(method) -> list[str]:
+    return [p for p in inspect.signature(method).parameters if p not in TRANSPORT]
+
+
+@pytest.mark.parametrize("kind,method", [(COMPLETION, Completions.create), (CHAT, ChatCompletions.create)])
+def test_every_client_parameter_is_honoured_or_refused_by_name(api, kind, method):
+    """Walks the installed client's create() signature against serving.protocol's tables: a parameter
+    a newer client adds fails here until it is placed in one of them."""
+    base = {"model": api.model, "prompt": "Hi"} if kind == COMPLETION else \
+        {"model": api.model, "messages": [{"role": "user", "content": "Hi"}]}
+    create = api.oai.completions.create if kind == COMPLETION else api.oai.chat.completions.create
+    for name in client_parameters(method):
+        if name in base:
+            continue
+        supported, neutral = name in SUPPORTED_PARAMETERS[kind], name in NEUTRAL_PARAMETERS
+        assert supported or neutral, f"{kind}: the openai client's {name!r} is in neither table"
+        if supported or name in HONOURED:
+            value = True if (kind, name) == (CHAT, "logprobs") else HONOURED[name]
+            extra = {} if name in ("max_tokens", "max_completion_tokens", "response_format") else {"max_tokens": 3}
+            create(**base, **extra, **WITH.get(name, {}), **{name: value})  # honoured: no error
+        if not supported:
+            with pytest.raises(openai.BadRequestError) as refused:
+                create(**base, max_tokens=3, **{name: REFUSED[name]})
+            assert refused.value.body["param"] == name and name in refused.value.body["message"]
+
+
+def test_unknown_fields_are_refused_by_name(api):
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.oai.completions.create(model=api.model, prompt="Hi", max_tokens=2, extra_body={"temprature": 0.5})
+    assert refused.value.body["param"] == "temprature" and refused.value.body["code"] == "unsupported_parameter"

@@ -63,6 +63,11 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "guided_json": {"type": "nope"}}, "guided_json", None),
     ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", None),
     ({"prompt": "x", "stream_options": 3}, "stream_options", None),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", None),  # without stream
+    ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options",
+     "unsupported_parameter"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "usage_every": 2}}, "stream_options",
+     "unsupported_parameter"),
     ({"prompt": LONG}, "prompt", "context_length_exceeded"),
     ({"prompt": LONG[:1000], "max_tokens": 100}, "max_tokens", "context_length_exceeded"),
 ]
