@@ -8,9 +8,11 @@ Bytes move through `PagedKVCPUConnector`. Two deliberate departures from LMCache
   builtin when vLLM is absent, and our keys must never depend on the interpreter;
 - the partial last chunk is saved (`save_unfull_chunk: true`), as docs/architecture.md (Chunk alignment) requires.
 
-LMCache's retrieve/store are whole-sequence calls, so the load runs in the background from
-`start_load_kv` and layer 0 waits for it; the save starts after the last layer wrote its KV.
-Either way one I/O thread serialises every LMCache call, bounded by `load_timeout_s`.
+LMCache's retrieve/store are whole-sequence calls, so a load runs in the background from
+`start_load_kv` (a layer-wise one is waited for before layer 0); a save copies its tokens out of
+paged memory after the last layer wrote its KV (the blocks may be reused right after the step)
+and stores the copy in the background. One I/O thread serialises every LMCache call; a second
+thread waits for saves to become visible, so no step ever waits for LMCache.
 """
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheMetadata
 
 from common.hashing import digest, token_bytes
-from connectors.chunked import ChunkedConnector, ChunkedConnectorMetadata, InFlightLoad, SaveSpec
+from connectors.chunked import ChunkedConnector, ChunkedConnectorMetadata, InFlightLoad, LoadSpec, PendingSave, SaveSpec
 from connectors.lmcache_cpu import PagedKVCPUConnector
+import kernels
 from engine.config import KVRole
 
 if TYPE_CHECKING:
@@ -88,9 +91,9 @@ class LMCacheConnector(ChunkedConnector):
         if chunk_size % config.cache.block_size:
             raise ValueError(f"LMCache chunk_size ({chunk_size}) must be a multiple of block_size "
                              f"({config.cache.block_size})")
-        super().__init__(KVRole(kt.kv_role or KVRole.BOTH), chunk_size, config.cache.block_size)
+        super().__init__(KVRole(kt.kv_role or KVRole.BOTH), chunk_size, config.cache.block_size,
+                         kt.load_timeout_s, kt.save_timeout_s)
         self.num_layers: int = runner.num_layers
-        self.timeout_s = kt.load_timeout_s
         self.token_bytes = 2 * runner.num_layers * runner.num_kv_heads * runner.head_dim * \
             torch.empty((), dtype=runner.dtype).element_size()
         metadata = LMCacheMetadata(
@@ -108,39 +111,39 @@ class LMCacheConnector(ChunkedConnector):
         self.engine.token_database.hash_func = chunk_hash
         self._remote_only = ["RemoteBackend"] if self.lmcache_config.remote_url else None
         self._io = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-io")
+        self._save_waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-save")
         self.kv_caches: list[torch.Tensor] = []
-        self._loads: list[tuple[InFlightLoad, concurrent.futures.Future]] = []
-        self._saves: list[tuple[SaveSpec, concurrent.futures.Future, float]] = []
+        self._saves: list[tuple[SaveSpec, torch.Tensor]] = []  # this step's saves: spec, [L, 2, n, heads, dim] copy
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run one LMCache call on the I/O thread, bounded by load_timeout_s."""
-        return self._io.submit(fn, *args, **kwargs).result(timeout=self.timeout_s)
+        return self._io.submit(fn, *args, **kwargs).result(timeout=self.load_timeout_s)
 
     def _failure_reason(self, exc: BaseException) -> str:
         if isinstance(exc, concurrent.futures.TimeoutError):
-            return f"timeout: LMCache did not answer within {self.timeout_s:g}s"
+            return f"timeout: LMCache did not answer within {self.load_timeout_s:g}s"
         if isinstance(exc, LookupError):
             return f"missing: {exc}"
         return f"error: {type(exc).__name__}: {exc}"
 
     # ---- scheduler side ----
-    def lookup_hit(self, request: Request) -> int:
-        return self._call(self.engine.lookup, tokens=list(request.prompt_token_ids),
-                          request_configs=salt_configs(request.cache_salt))
+    def _start_lookup(self, request: Request) -> concurrent.futures.Future:
+        return self._io.submit(self.engine.lookup, tokens=list(request.prompt_token_ids),
+                               request_configs=salt_configs(request.cache_salt))
 
     # ---- worker side ----
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = list(kv_caches)
 
-    def start_load_kv(self, metadata: ChunkedConnectorMetadata) -> None:
-        self._begin_step(metadata)
-        self._loads = []
-        for spec in metadata.loads:
+    def _start_loads(self, specs: list[LoadSpec]) -> list[InFlightLoad]:
+        loads = []
+        for spec in specs:
             load = InFlightLoad(spec)
-            self._loads.append((load, self._io.submit(self._retrieve, load)))
-        self._load_deadline = time.monotonic() + self.timeout_s
+            load.futures[0] = self._io.submit(self._retrieve, load)
+            loads.append(load)
+        return loads
 
-    def _retrieve(self, load: InFlightLoad) -> None:
+    def _retrieve(self, load: InFlightLoad) -> int:
         """Read chunks [aligned_start, H) and write only tokens [N, N + need) (slot -1 elsewhere)."""
         plan = load.spec.plan
         mask = torch.ones(plan.hit, dtype=torch.bool)
@@ -153,37 +156,57 @@ class LMCacheConnector(ChunkedConnector):
                                        request_configs=salt_configs(load.spec.cache_salt)).sum())
         if got < plan.retrieved:
             raise LookupError(f"partial: retrieved {got} of {plan.retrieved} tokens")
-        load.num_bytes = got * self.token_bytes
         load.finished = time.perf_counter()
+        return got * self.token_bytes
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
-        if layer_idx != 0:  # the whole-sequence retrieve finished (or failed) before layer 0
+        """Layer-wise loads only: the whole-sequence retrieve must be done before layer 0."""
+        if layer_idx != 0:
             return
-        for load, future in self._loads:
+        for load in self._loads:
             try:
-                future.result(timeout=max(0.0, self._load_deadline - time.monotonic()))
+                load.futures[0].result(timeout=max(0.0, load.deadline - time.monotonic()))
             except Exception as exc:  # timeout, unreachable server, missing chunk: recompute
                 self._fail_load(load, exc)
                 continue
-            self.metrics.on_load(load.spec.request_id, load.spec.plan, load.num_bytes, load.io_seconds)
-        self._loads = []
+            self._settle_load(load)
 
     def save_kv_layer(self, layer_idx: int, kv_cache: torch.Tensor, metadata: ChunkedConnectorMetadata) -> None:
         if layer_idx != self.num_layers - 1:
             return
         for spec in metadata.saves:
             if spec.request_id not in self._failed:
-                self._saves.append((spec, self._io.submit(self._store, spec), time.perf_counter()))
+                # a copy (on the KV's device), so the put may outlive the step and the blocks be reused
+                slots = spec.slots.to(self.kv_caches[0].device, non_blocking=True)
+                self._saves.append((spec, kernels.gather_kv_layers(self.kv_caches, slots)))
 
-    def _store(self, spec: SaveSpec) -> None:
+    def wait_for_save(self) -> None:
+        dropped = self._drop_saves_of_failed_loads()
+        saves, self._saves = self._saves, []
+        for spec, kv in saves:
+            if spec.request_id not in dropped:
+                pending = self._track_save(spec)
+                pending.done = self._save_waiter.submit(self._store_and_confirm, spec, kv, pending)
+
+    def _store_and_confirm(self, spec: SaveSpec, kv: torch.Tensor, pending: PendingSave) -> tuple[int, int, float]:
+        """Store the copied tokens, then wait until the remote shows every chunk (the commit)."""
+        started = time.perf_counter()
+        self._call(self._store, spec, kv)
+        self._wait_committed(spec, pending)
+        num_chunks = -(-(spec.end - spec.start) // self.chunk_size)
+        return num_chunks, (spec.end - spec.start) * self.token_bytes, time.perf_counter() - started
+
+    def _store(self, spec: SaveSpec, kv: torch.Tensor) -> None:
+        """The copy as a paged cache of one-token blocks: token i of [start, end) sits in slot i - start."""
         mask = torch.ones(spec.end, dtype=torch.bool)
         mask[:spec.start] = False
         slot_mapping = torch.full((spec.end,), -1, dtype=torch.long)
-        slot_mapping[spec.start:spec.end] = spec.slots
-        self.engine.store(spec.token_ids[:spec.end], mask=mask, kvcaches=self.kv_caches, slot_mapping=slot_mapping,
-                          req_id=spec.request_id, request_configs=salt_configs(spec.cache_salt))
+        slot_mapping[spec.start:spec.end] = torch.arange(spec.end - spec.start)
+        self.engine.store(spec.token_ids[:spec.end], mask=mask, kvcaches=[layer.unsqueeze(2) for layer in kv],
+                          slot_mapping=slot_mapping, req_id=spec.request_id,
+                          request_configs=salt_configs(spec.cache_salt))
 
-    def _wait_committed(self, spec: SaveSpec, deadline: float) -> None:
+    def _wait_committed(self, spec: SaveSpec, pending: PendingSave) -> None:
         """LMCache puts to the remote asynchronously: the save is done once a lookup sees every chunk."""
         configs = salt_configs(spec.cache_salt)
         target = spec.end if self.lmcache_config.save_unfull_chunk else spec.end // self.chunk_size * self.chunk_size
@@ -192,27 +215,11 @@ class LMCacheConnector(ChunkedConnector):
                                search_range=self._remote_only)
             if found >= target:
                 return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"only {found} of {spec.end} tokens visible after {self.timeout_s:g}s")
+            if pending.abandoned or time.monotonic() > pending.deadline:
+                raise TimeoutError(f"only {found} of {spec.end} tokens visible after {self.save_timeout_s:g}s")
             time.sleep(_POLL_S)
 
-    def wait_for_save(self) -> None:
-        dropped = self._drop_saves_of_failed_loads()
-        saves, self._saves = self._saves, []
-        for spec, future, started in saves:
-            if spec.request_id in dropped:
-                continue
-            try:
-                future.result(timeout=self.timeout_s)
-                self._wait_committed(spec, time.monotonic() + self.timeout_s)
-            except Exception as exc:  # a save failure never fails the request
-                self.metrics.on_save_failure(spec.request_id, self._failure_reason(exc))
-                continue
-            num_chunks = -(-(spec.end - spec.start) // self.chunk_size)
-            self.metrics.on_save(spec.request_id, spec.start, spec.end, len(spec.token_ids),
-                                 spec.skip_leading_tokens, num_chunks, (spec.end - spec.start) * self.token_bytes,
-                                 time.perf_counter() - started)
-
     def shutdown(self) -> None:
+        self._save_waiter.shutdown(wait=True)
         self._io.shutdown(wait=True)
         LMCacheEngineBuilder.destroy(self.instance_id)

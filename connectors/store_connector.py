@@ -1,17 +1,20 @@
 """KV hand-off through a pdserve kvstore (file:// or redis://), layer by layer in the background.
 
-Worker half: `start_load_kv` queues one read per (request, layer) on the store's I/O pool, in
+Worker half: `_start_loads` queues one read per (request, layer) on the store's I/O pool, in
 layer order, and each read's chunk rows go into paged memory through the engine device's
 `KVTransfer` (connectors/staging.py: directly on CPU; pinned buffers, a copy stream and one
-event per layer on CUDA). The forward pass waits for layer i only right before layer i's
-attention, so reads overlap compute. Saves gather a layer's complete chunks right after the
-layer wrote its KV and put them in the background; `wait_for_save` commits the chunks once
-every layer is written. Every store failure turns into "recompute" (loads) or a warning
+event per layer on CUDA). A layer-wise load (ChunkedConnector decides which) is waited for
+right before each layer's attention, so reads overlap compute; a background load is polled
+between steps while its request waits, and the compute stream waits for its copies' events
+once it is done. Saves gather a layer's complete chunks right after the layer wrote its KV
+and put them in the background; once every layer's put is done the chunks are committed,
+still in the background. Every store failure turns into "recompute" (loads) or a warning
 (saves), never a failed request or a hang (docs/architecture.md, Invariants).
 """
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -20,7 +23,8 @@ import torch
 
 from common.hashing import chunk_keys
 from connectors.chunk_math import chunk_bounds, hit_tokens
-from connectors.chunked import ChunkedConnector, ChunkedConnectorMetadata, InFlightLoad, SaveSpec
+from connectors.chunked import (ChunkedConnector, ChunkedConnectorMetadata, InFlightLoad, LoadSpec, PendingSave,
+                                SaveSpec)
 from connectors.staging import HostChunks, make_kv_transfer
 from engine.config import KVRole
 from kvstore import CorruptObject, KVStore, NotFound, StoreTimeout, StoreUnavailable, open_store
@@ -37,7 +41,7 @@ _REASONS = ((StoreUnavailable, "unavailable"), (StoreTimeout, "timeout"), (Corru
 class _Load(InFlightLoad):
     keys: list[str] = field(default_factory=list)
     slots: torch.Tensor | None = None  # spec.slots on the engine's device
-    futures: dict[int, concurrent.futures.Future] = field(default_factory=dict)  # layer -> its copy's event
+    events: dict[int, Any] = field(default_factory=dict)  # layer -> the event of its copy into paged memory
 
 
 @dataclass
@@ -55,10 +59,10 @@ class StoreConnector(ChunkedConnector):
 
     def __init__(self, config: EngineConfig, runner: Any, store: KVStore | None = None) -> None:
         kt = config.kv_transfer
-        super().__init__(KVRole(kt.kv_role or KVRole.BOTH), kt.chunk_size, config.cache.block_size)
+        super().__init__(KVRole(kt.kv_role or KVRole.BOTH), kt.chunk_size, config.cache.block_size,
+                         kt.load_timeout_s, kt.save_timeout_s)
         self.fingerprint: str = runner.fingerprint
         self.num_layers: int = runner.num_layers
-        self.load_timeout_s = kt.load_timeout_s
         self.store = store or open_store(kt.kv_store, fingerprint=runner.fingerprint, num_layers=runner.num_layers,
                                          dtype=runner.dtype, kv_shape=(runner.num_kv_heads, runner.head_dim),
                                          timeout=min(kt.load_timeout_s, 5.0))
@@ -66,8 +70,6 @@ class StoreConnector(ChunkedConnector):
         self.transfer = make_kv_transfer(runner.platform)
         self.dtype: torch.dtype = runner.dtype
         self.kv_shape: tuple[int, int] = (runner.num_kv_heads, runner.head_dim)
-        self._loads: list[_Load] = []
-        self._load_deadline = 0.0
         self._saves: dict[str, _Save] = {}
         self._keys: dict[str, list[str]] = {}  # request id -> its prompt's chunk keys
 
@@ -83,10 +85,13 @@ class StoreConnector(ChunkedConnector):
         return keys
 
     # ---- scheduler side ----
-    def lookup_hit(self, request: Request) -> int:
-        keys = self._prompt_keys(request.request_id, request.prompt_token_ids, request.cache_salt)
-        present = self.store.result(self.store.submit(self.store.lookup, keys), self.load_timeout_s)
-        return hit_tokens(present, request.num_prompt_tokens, self.chunk_size)
+    def _start_lookup(self, request: Request) -> concurrent.futures.Future:
+        return self.store.submit(self._hit, list(request.prompt_token_ids), request.cache_salt)
+
+    def _hit(self, token_ids: list[int], cache_salt: str | None) -> int:
+        """Hash the prompt's chunk keys and ask the store (on an I/O thread: both take time; the keys are
+        not cached, a routing probe's lookup has no request to forget them with)."""
+        return hit_tokens(self.store.lookup(self.keys_for(token_ids, cache_salt)), len(token_ids), self.chunk_size)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._keys.pop(request.request_id, None)
@@ -102,28 +107,24 @@ class StoreConnector(ChunkedConnector):
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = list(kv_caches)
 
-    def start_load_kv(self, metadata: ChunkedConnectorMetadata) -> None:
-        self._loads = []
-        self._begin_step(metadata)
-        if not metadata.loads:
-            return
-        self._load_deadline = time.monotonic() + self.load_timeout_s
-        for spec in metadata.loads:
+    def _start_loads(self, specs: list[LoadSpec]) -> list[InFlightLoad]:
+        loads = []
+        for spec in specs:
             keys = self._prompt_keys(spec.request_id, spec.token_ids, spec.cache_salt)
-            self._loads.append(_Load(spec, keys=keys[spec.plan.chunk_range.start:spec.plan.chunk_range.stop],
-                                     slots=self.transfer.device_slots(spec.slots)))
+            loads.append(_Load(spec, keys=keys[spec.plan.chunk_range.start:spec.plan.chunk_range.stop],
+                               slots=self.transfer.device_slots(spec.slots)))
         self.transfer.begin_step()
         for layer in range(self.num_layers):  # layer-major, so layer 0 of every request arrives first
-            for load in self._loads:
+            for load in loads:
                 load.futures[layer] = self.store.submit(self._load_layer, load, layer)
+        return loads
 
-    def _load_layer(self, load: _Load, layer: int) -> tuple[int, Any]:
-        """Read one layer's chunks and write the rows of tokens [N, N + need) into their slots.
-
-        Returns (bytes read, the event marking the end of the copy into paged memory)."""
+    def _load_layer(self, load: _Load, layer: int) -> int:
+        """Read one layer's chunks and write the rows of tokens [N, N + need) into their slots; the bytes
+        read. The copy's event (end of the write into paged memory) goes to `load.events[layer]`."""
         plan = load.spec.plan
         if load.failed:  # an earlier layer already failed: the request recomputes, skip the read
-            return 0, None
+            return 0
         bounds = [chunk_bounds(idx, plan.num_tokens, self.chunk_size) for idx in plan.chunk_range]
         target = self.transfer.read_target([end - start for start, end in bounds], self.kv_shape, self.dtype)
         try:
@@ -139,26 +140,38 @@ class StoreConnector(ChunkedConnector):
         write_start, write_end = plan.write_range
         with load.lock:
             lo, hi = (0, 0) if load.failed else (write_start - first, write_end - first)
-            event = self.transfer.load(self.kv_caches[layer], tensors, lo, hi, load.slots, target)
+            load.events[layer] = self.transfer.load(self.kv_caches[layer], tensors, lo, hi, load.slots, target)
             load.finished = max(load.finished, time.perf_counter())
-        return sum(t.nbytes for t in tensors), event
+        return sum(t.nbytes for t in tensors)
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
+        """Layer-wise loads only (background loads are polled by get_finished), bounded by their deadline."""
         for load in self._loads:
             future = load.futures.get(layer_idx)
             if load.failed or future is None:
                 continue
             try:
-                num_bytes, event = future.result(timeout=max(0.0, self._load_deadline - time.monotonic()))
+                future.result(timeout=max(0.0, load.deadline - time.monotonic()))
             except Exception as exc:  # timeout, store error or a bad object: recompute this request
                 self._fail_load(load, exc)
-                self.transfer.fence()  # copies issued before the failure land before the recompute
                 continue
-            load.num_bytes += num_bytes
+            event = load.events.get(layer_idx)
             if event is not None:  # the compute stream waits for this layer's copy, the host does not
                 self.transfer.wait(event)
             if layer_idx == self.num_layers - 1:
-                self.metrics.on_load(load.spec.request_id, load.spec.plan, load.num_bytes, load.io_seconds)
+                self._settle_load(load)
+
+    def _settle_load(self, load: InFlightLoad) -> bool:
+        ok = super()._settle_load(load)
+        if ok:  # a background load: the compute stream waits for all its copies before the request runs
+            for event in load.events.values():
+                if event is not None:
+                    self.transfer.wait(event)
+        return ok
+
+    def _fail_load(self, load: InFlightLoad, exc: BaseException) -> None:
+        super()._fail_load(load, exc)  # no copy is issued for it from now on
+        self.transfer.fence()  # and those issued before land before the engine recomputes the blocks
 
     # ---- worker side: saves ----
     def save_kv_layer(self, layer_idx: int, kv_cache: torch.Tensor, metadata: ChunkedConnectorMetadata) -> None:
@@ -190,25 +203,56 @@ class StoreConnector(ChunkedConnector):
         return time.perf_counter() - started
 
     def wait_for_save(self) -> None:
+        """Hand this step's saves to the background: each commits once all its layers are written."""
         saves, self._saves = self._saves, {}
         for rid in self._drop_saves_of_failed_loads():
             saves.pop(rid, None)
-        deadline = time.monotonic() + self.load_timeout_s  # one bound for the whole step, not per layer
-        for rid, save in saves.items():
-            spec = save.spec
+        for save in saves.values():
+            self._commit_when_written(save, self._track_save(save.spec))
+
+    def _commit_when_written(self, save: _Save, pending: PendingSave) -> None:
+        """Resolve `pending.done` after the last put: commit (on an I/O thread) unless a put failed or
+        the save was abandoned meanwhile. Callbacks, not a waiting thread: no pool thread blocks."""
+        if len(save.futures) != self.num_layers:
+            pending.done.set_exception(NotFound(f"only {len(save.futures)} of {self.num_layers} layers were written"))
+            return
+        left = [len(save.futures)]
+        lock = threading.Lock()
+
+        def on_put(_: concurrent.futures.Future) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
             try:
-                for future in save.futures:
-                    save.io_seconds += self.store.result(future, max(0.0, deadline - time.monotonic()))
-                if len(save.futures) != self.num_layers:
-                    raise NotFound(f"only {len(save.futures)} of {self.num_layers} layers were written")
-                started = time.perf_counter()
-                self.store.commit(save.keys)
-                save.io_seconds += time.perf_counter() - started
-            except Exception as exc:  # a save failure never fails the request
-                self.metrics.on_save_failure(rid, self._failure_reason(exc))
-                continue
-            self.metrics.on_save(rid, spec.start, spec.end, len(spec.token_ids), spec.skip_leading_tokens,
-                                 len(save.keys), save.num_bytes, save.io_seconds)
+                save.io_seconds += sum(future.result() for future in save.futures)
+                if pending.abandoned:
+                    raise StoreTimeout(f"not committed within {self.save_timeout_s:g}s")
+                commit = self.store.submit(self._commit, save, pending)
+            except Exception as exc:
+                pending.done.set_exception(exc)
+                return
+            commit.add_done_callback(lambda f: _resolve(pending.done, f))
+
+        for future in save.futures:
+            future.add_done_callback(on_put)
+
+    def _commit(self, save: _Save, pending: PendingSave) -> tuple[int, int, float]:
+        if pending.abandoned:
+            raise StoreTimeout(f"not committed within {self.save_timeout_s:g}s")
+        started = time.perf_counter()
+        self.store.commit(save.keys)
+        save.io_seconds += time.perf_counter() - started
+        return len(save.keys), save.num_bytes, save.io_seconds
 
     def shutdown(self) -> None:
         self.store.close()
+
+
+def _resolve(target: concurrent.futures.Future, source: concurrent.futures.Future) -> None:
+    """Copy a finished future's outcome into another."""
+    error = source.exception() if not source.cancelled() else concurrent.futures.CancelledError()
+    if error is not None:
+        target.set_exception(error)
+    else:
+        target.set_result(source.result())

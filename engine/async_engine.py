@@ -33,6 +33,11 @@ class RequestAbortedError(RuntimeError):
     """The server aborted the request (shutdown or an engine failure), not the client."""
 
 
+class RequestFailedError(RequestAbortedError):
+    """This request alone failed inside the engine (an unexpected error in its own handling); the
+    rest of its batch went on."""
+
+
 @dataclass
 class _Stream:
     request_id: str
@@ -170,6 +175,9 @@ class AsyncLLMEngine:
                 stream.last_token_time = now
             if n or out.finished:
                 stream.started = True
+            if out.error is not None:
+                stream.queue.put_nowait(RequestFailedError(f"request failed: {out.error}"))
+                continue
             stream.queue.put_nowait(out)
 
     def _fail(self, request_id: str, error: BaseException, stats: Any) -> None:

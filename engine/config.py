@@ -12,6 +12,12 @@ from common.units import parse_bytes
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 DEVICE_RE = re.compile(r"auto|cpu|cuda(:\d+)?")
+# How a decode request's external KV is loaded (README "KV load modes" has the measurement):
+#   async     - in the background while the request waits (WAITING_FOR_REMOTE_KVS); others keep stepping
+#   layerwise - inside the forward pass, layer i's read overlapping layers < i's compute (a slow store
+#               stalls the whole step, up to load_timeout_s)
+#   auto      - layerwise when the request would be alone in its step, async otherwise
+KV_LOAD_MODES = ("auto", "async", "layerwise")
 
 
 @dataclass(frozen=True)
@@ -125,7 +131,11 @@ class KVTransferConfig:
     kv_role: str | None = None  # kv_producer | kv_consumer | kv_both (vLLM's words; producer etc. accepted)
     chunk_size: int = 256
     lmcache_config: str | None = None
-    load_timeout_s: float = 10.0
+    load_timeout_s: float = 10.0  # a lookup or a load unanswered this long -> recompute
+    kv_load_mode: str = "async"
+    # A finished producer request's output (the prefill reply) waits at most this long for its
+    # chunks' commit; a slower save goes on in the background and never holds a step.
+    save_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.kv_role is not None:
@@ -134,6 +144,10 @@ class KVTransferConfig:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if self.load_timeout_s <= 0:
             raise ValueError(f"load_timeout_s must be positive, got {self.load_timeout_s}")
+        if self.save_timeout_s <= 0:
+            raise ValueError(f"save_timeout_s must be positive, got {self.save_timeout_s}")
+        if self.kv_load_mode not in KV_LOAD_MODES:
+            raise ValueError(f"kv_load_mode must be one of {', '.join(KV_LOAD_MODES)}, got {self.kv_load_mode!r}")
 
     @property
     def enabled(self) -> bool:

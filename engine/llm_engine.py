@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_IDLE_POLL_S = 0.001  # a step with nothing schedulable waits this long before polling the store I/O again
+
 
 @dataclass
 class _OutputState:
@@ -137,6 +139,9 @@ class LLMEngine:
                            parent_id=request_id, index=i, arrival_time=arrival) for i in range(params.n)]
         for choice in choices:
             choice.grammar = self.structured_output.request_grammar(grammar)
+            # Everything the step will need from this request's parameters is derived here, once: a
+            # value the step could not handle fails this request now, never the batch it would join.
+            self.model_runner.sampler.prepare(choice)
         choices[0].forks = choices[1:]
         self.scheduler.add_request(choices[0])
         for choice in choices:
@@ -163,13 +168,43 @@ class LLMEngine:
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
+        """One scheduled batch. With nothing to schedule (every request waits on store I/O) the step
+        still polls the connector, then sleeps `_IDLE_POLL_S` so waiting does not spin a core."""
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.total_num_scheduled_tokens:
+        if scheduler_output.total_num_scheduled_tokens or self.connector is not None:
             runner_output = self.model_runner.execute_model(scheduler_output)
         else:
             runner_output = ModelRunnerOutput()
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return [self._make_output(r) for r in updated]
+        outputs = [out for r in updated if (out := self._output_or_failure(r)) is not None]
+        if not scheduler_output.total_num_scheduled_tokens and not outputs:
+            time.sleep(_IDLE_POLL_S)
+        return outputs
+
+    def _output_or_failure(self, request: Request) -> RequestOutput | None:
+        """The request's output; an unexpected error making it fails this request alone."""
+        try:
+            return self._make_output(request)
+        except Exception as exc:
+            logger.exception("Reqid: %s, failed while making its output; failing this request alone",
+                             request.request_id)
+            return self.fail_request(request.request_id, f"{type(exc).__name__}: {exc}")
+
+    def fail_request(self, request_id: str, error: str) -> RequestOutput | None:
+        """End one request (one choice's id) with FINISHED_ERROR, its stream gets the error; None if
+        it is already gone."""
+        done = self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
+        if not done:
+            return None
+        request = done[0]
+        request.error = error
+        state = self._states.get(request_id)
+        if state is not None:
+            self._finish(state)
+        return RequestOutput(request_id=request.parent_id, prompt_token_ids=request.prompt_token_ids,
+                             new_token_ids=[], new_text="", new_logprobs=[], token_ids=list(request.output_token_ids),
+                             text=state.text if state else "", finished=True, finish_reason="error",
+                             num_cached_tokens=max(request.num_cached_tokens, 0), index=request.index, error=error)
 
     def _make_output(self, request: Request) -> RequestOutput:
         state = self._states[request.request_id]

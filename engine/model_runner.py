@@ -168,23 +168,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        if not so.scheduled_requests:
-            return ModelRunnerOutput()
-        inputs = self.inputs.prepare(so)
         if so.blocks_to_copy:  # before anything writes this step (the connector's loads included)
             self.copy_blocks(so.blocks_to_copy)
         connector = self.connector
+        if not so.scheduled_requests:  # nothing to compute: only the connector's background I/O moves
+            output = ModelRunnerOutput()
+            if connector is not None and so.kv_connector_metadata is not None:
+                connector.start_load_kv(so.kv_connector_metadata)
+                self._finish_connector_step(so, output)
+            return output
+        inputs = self.inputs.prepare(so)
         if connector is not None:
             connector.start_load_kv(so.kv_connector_metadata)
         hidden = self._forward(inputs, self.kv_caches, connector, so.kv_connector_metadata)
-        failed: set[str] = set()
+        output = ModelRunnerOutput()
         if connector is not None:
-            connector.wait_for_save()
-            failed = set(connector.get_failed_loads())
+            self._finish_connector_step(so, output)
+        failed = output.failed_load_req_ids
         # Rows whose KV load failed are recomputed by the scheduler: their token would be wrong.
         reqs = [inputs.requests[b] for b in inputs.sample_rows]
         keep = [i for i, r in enumerate(reqs) if r.request_id not in failed]
-        output = ModelRunnerOutput(failed_load_req_ids=failed)
         if any(r.needs_prompt_logprobs for r in inputs.requests):
             self._prompt_logprobs(so, inputs, hidden, output)
         if keep:
@@ -221,3 +224,12 @@ class ModelRunner:
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long).to(device, non_blocking=True)
         for kv in self.kv_caches:
             kv.index_copy_(1, dst, kv.index_select(1, src))
+
+    def _finish_connector_step(self, so: SchedulerOutput, output: ModelRunnerOutput) -> None:
+        """Hand this step's saves to the background, then collect what the connector's I/O finished."""
+        connector = self.connector
+        connector.wait_for_save()
+        sending, recving = connector.get_finished(so.finished_req_ids)
+        output.finished_sending = set(sending or ())
+        output.finished_recving = set(recving or ())
+        output.failed_load_req_ids = set(connector.get_failed_loads())

@@ -34,7 +34,7 @@ class RequestOutput:
     token_ids: list[int]  # the whole output, on the final output only ([] while running)
     text: str  # the whole output text, on the final output only ("" while running)
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
     num_cached_tokens: int  # prompt tokens that came from the prefix cache or the KV store
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     # Per new token, its `top_logprobs` most likely (token id, logprob), best first; [] unless asked.
@@ -43,6 +43,7 @@ class RequestOutput:
     # With prompt_logprobs, once the prompt is computed: None for the first prompt token, then
     # {token id: Logprob} holding the prompt token and the most likely tokens at that position.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error: str | None = None  # with finish_reason "error": what failed this request (and only it)
 
 
 @dataclass

@@ -17,11 +17,15 @@ logger = logging.getLogger(__name__)
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    # Admitted with blocks allocated, its external KV still loading in the background: the
+    # scheduler skips it (everyone else keeps stepping) until the load finishes or fails.
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # this request alone failed (an unexpected error in its own handling)
 
     @property
     def is_finished(self) -> bool:
@@ -32,6 +36,7 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -71,6 +76,7 @@ class Request:
     grammar: RequestGrammar | None = None  # structured outputs: the allowed next tokens
     # With prompt_logprobs: for prompt tokens 1..T-1, (logprob, rank, top (token id, logprob) list).
     prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] = field(default_factory=list)
+    error: str | None = None  # why it ended with FINISHED_ERROR
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -92,6 +98,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def waiting_for_remote_kvs(self) -> bool:
+        """Parked while its external KV loads in the background (what a connector asks; see scheduler)."""
+        return self.status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
     @property
     def finish_reason(self) -> str | None:

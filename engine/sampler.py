@@ -15,6 +15,7 @@ import torch
 from common.hashing import digest
 from engine.logits_processors import process_logits
 from engine.request import Request
+from engine.sampling_params import SEED_MAX, SEED_MIN
 
 
 def seeded_generator(seed: int, token_index: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -24,6 +25,8 @@ def seeded_generator(seed: int, token_index: int, device: torch.device | str = "
     request is the same whatever it was batched with, after a preemption, or after a step
     whose result was thrown away (a failed KV load).
     """
+    if not SEED_MIN <= seed <= SEED_MAX:  # struct would raise a less clear error
+        raise ValueError(f"seed must be a 64-bit signed integer, got {seed}")
     key = digest(b"pdserve-sample", struct.pack("<qQ", seed, token_index))
     return torch.Generator(device=device).manual_seed(int.from_bytes(key[:8], "little") >> 1)
 
@@ -34,6 +37,14 @@ class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+
+    @staticmethod
+    def prepare(request: Request) -> None:
+        """Run once per request before it joins any batch: builds what `__call__` will build for it,
+        so a parameter the sampler cannot use fails this request here and never a step."""
+        seed = request.sampling_params.seed
+        if seed is not None:
+            seeded_generator(seed, request.num_tokens)
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> tuple[list[int], list[float | None]]:
         """logits [num_reqs, vocab] float32 (raw) -> (token ids, logprob of each under the raw logits

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a seed is a 64-bit signed integer (the gRPC field is int64)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's limit on each logit_bias value
 
 
@@ -147,8 +148,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        # choice i of n uses seed + i: every one of them must be a 64-bit signed integer
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed
+                                      or self.seed + max(self.n, 1) - 1 > SEED_MAX):
+            raise ValueError(f"seed must be an integer in [-2^63, 2^63 - n], got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _is_number(v) or not -2.0 <= v <= 2.0:

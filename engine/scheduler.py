@@ -5,10 +5,17 @@ Each step every scheduled request's `num_computed_tokens` catches up towards its
 prompts are chunked to fit the budget). When the block pool runs dry, the newest running
 request is preempted: its blocks are freed and it is recomputed later, from the front of
 the waiting queue. KV-connector hooks are named `# connector hook:` below.
+
+Store I/O never runs inside a step (docs/architecture.md, "Failure behaviour"): a waiting
+request whose store lookup is still in flight is skipped; a request whose external KV loads
+in the background is parked in WAITING_FOR_REMOTE_KVS (blocks allocated) until the load ends;
+a finished request whose saves are still in flight keeps its blocks, and its final output
+waits for the commit at most `save_timeout_s`. Everyone else keeps stepping meanwhile.
 """
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -22,6 +29,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_SKIP = -1  # _admit: not schedulable this step (lookup in flight, or parked while its KV loads)
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager,
@@ -29,6 +38,8 @@ class Scheduler:
         self.config = config.scheduler
         self.kv_cache_manager = kv_cache_manager
         self.connector = connector
+        self.kv_load_mode = config.kv_transfer.kv_load_mode
+        self.save_timeout_s = config.kv_transfer.save_timeout_s
         # LLMEngine.max_model_len, the one effective limit (None: none, for model-less tests).
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -37,6 +48,9 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # since the last schedule(), for the runner
         self._fork_parents: dict[str, Request] = {}  # n > 1: choice id -> choice 0, until it forks
         self._blocks_to_copy: list[tuple[int, int]] = []  # forks' partial prompt blocks, for the next step
+        self._delayed_free: dict[str, Request] = {}  # finished, blocks held until the connector's save ended
+        self._held_outputs: dict[str, float] = {}  # finished, output held until its commit: id -> deadline
+        self._loaded: dict[str, bool] = {}  # parked request id -> its background load succeeded
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0
         self.num_failed_loads = 0
@@ -79,7 +93,8 @@ class Scheduler:
         return done
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Also true while finished requests wait for their saves: the engine keeps polling them."""
+        return bool(self.waiting or self.running or self._delayed_free)
 
     @property
     def num_running(self) -> int:
@@ -114,18 +129,26 @@ class Scheduler:
             i += 1
 
         # A step that had to preempt is short of blocks: admitting anyone would just thrash.
+        skipped: list[Request] = []  # waiting on store I/O: keep their place, look further
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            n = self._admit(request, budget)
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                n = self._resume_after_load(request, budget)
+            else:
+                n = self._admit(request, budget, alone=not scheduled)
             if n is None:
                 break
             self.waiting.popleft()
+            if n == _SKIP:
+                skipped.append(request)
+                continue
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             scheduled.append(request)
             num_scheduled[request.request_id] = n
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
 
         out = SchedulerOutput(
             scheduled_requests=scheduled,
@@ -149,29 +172,58 @@ class Scheduler:
             n = min(n, threshold)
         return min(n, budget)
 
-    def _admit(self, request: Request, budget: int) -> int | None:
-        """Prefix lookup + allocation for a waiting request; its new-token count, or None if no room."""
+    def _admit(self, request: Request, budget: int, alone: bool) -> int | None:
+        """Prefix lookup + allocation for a waiting request: its new-token count, None if no room,
+        or _SKIP (its store lookup is in flight, or it was parked while its KV loads)."""
         kv = self.kv_cache_manager
         # prompt_logprobs need every prompt position's logits: no prefix-cache hit, no KV load
         full_prompt = request.needs_prompt_logprobs
         computed_blocks, num_local = ([], 0) if full_prompt else kv.get_computed_blocks(request)
-        num_external = 0
+        num_external, load_async = 0, False
         if self.connector is not None and not (full_prompt and self.connector.role.loads):
             # connector hook: what the store adds beyond the local hit
-            num_external, _ = self.connector.get_num_new_matched_tokens(request, num_local)
-            num_external = max(0, min(num_external, request.num_tokens - 1 - num_local))  # last token: computed
-            # The layer-wise load runs inside the same forward pass, so async loads need no special path.
+            offered, load_async = self.connector.get_num_new_matched_tokens(request, num_local)
+            if offered is None:  # the lookup is still in flight: others go first
+                return _SKIP
+            num_external = max(0, min(offered, request.num_tokens - 1 - num_local))  # last token: computed
+        park = num_external > 0 and load_async and not (
+            self.kv_load_mode == "layerwise" or (self.kv_load_mode == "auto" and alone))
         n = self._num_tokens_to_schedule(request, num_local + num_external, budget)
         if kv.allocate_slots(request, n, computed_blocks, num_external) is None:
             return None
+        if request.status == RequestStatus.WAITING:  # first admission (a recompute is PREEMPTED); a failed
+            request.num_cached_tokens = num_local + num_external  # load corrects it (_rewind_failed_load)
+        if park:  # the connector reads the status: a background load, not one inside the forward pass
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         if self.connector is not None:  # connector hook: where the external tokens must be written
             self.connector.update_state_after_alloc(request, kv.get_block_ids(request.request_id), num_external)
         kv.record_prefix_lookup(request.num_tokens, num_local)
         request.num_local_computed_tokens = num_local
         request.num_external_computed_tokens = num_external
+        if park:
+            request.num_computed_tokens = num_local  # the external tokens count once they are loaded
+            return _SKIP
         request.num_computed_tokens = num_local + num_external
-        if request.status == RequestStatus.WAITING:  # first admission (a recompute is PREEMPTED)
-            request.num_cached_tokens = num_local + num_external
+        return n
+
+    def _resume_after_load(self, request: Request, budget: int) -> int | None:
+        """A parked request: _SKIP while its load runs; once it ended, its new-token count (None: no room)."""
+        ok = self._loaded.get(request.request_id)
+        if ok is None:
+            return _SKIP
+        if ok:
+            loaded = request.num_local_computed_tokens + request.num_external_computed_tokens
+        else:
+            loaded = request.num_local_computed_tokens
+        request.num_computed_tokens = loaded
+        n = self._num_tokens_to_schedule(request, loaded, budget)
+        if self.kv_cache_manager.allocate_slots(request, n) is None:  # only grows past what admission took
+            return None
+        del self._loaded[request.request_id]
+        if ok:
+            self.kv_cache_manager.cache_blocks(request, loaded)
+        else:
+            self._rewind_failed_load(request)
         return n
 
     def _preempt(self, request: Request) -> None:
@@ -189,6 +241,10 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[Request]:
         """Advance progress, append sampled tokens, apply stop checks; returns requests with news."""
         updated: list[Request] = []
+        for rid in runner_output.finished_recving:  # background loads that ended, either way
+            request = self.requests.get(rid)
+            if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self._loaded[rid] = rid not in runner_output.failed_load_req_ids
         for request in scheduler_output.scheduled_requests:
             if request.is_finished:  # aborted between schedule() and now
                 continue
@@ -210,11 +266,16 @@ class Scheduler:
                 continue
             forks = self._fork(request, runner_output) if request.forks else []
             request.append_output_token(token, runner_output.logprobs.get(rid), runner_output.top_logprobs.get(rid))
+            held = False
             if self._check_stop(request, token):
                 self.running.remove(request)
-                self._free_request(request)
-            updated.append(request)
+                if self._free_request(request):  # its final output waits for the commit of its KV
+                    self._held_outputs[rid] = time.monotonic() + self.save_timeout_s
+                    held = True
+            if not held:
+                updated.append(request)
             updated.extend(forks)
+        updated.extend(self._free_finished_saves(runner_output.finished_sending))
         return updated
 
     def _fork(self, parent: Request, runner_output: ModelRunnerOutput) -> list[Request]:
@@ -272,18 +333,47 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_LENGTH
         return request.is_finished
 
-    def _free_request(self, request: Request) -> None:
-        """Finished or aborted: tell the connector, then free the blocks.
+    def _free_request(self, request: Request) -> bool:
+        """Finished or aborted: tell the connector, then free the blocks unless it still saves from them.
 
-        Freeing at once is safe because a save never outlives its step: `wait_for_save` returns
-        only after every put (and, on CUDA, every device->host copy of it) is done, and a later
-        kernel that reuses a block is ordered after the save's gather on the device."""
+        Returns True when the blocks are held for a save in flight."""
         self.finished_req_ids.add(request.request_id)
         for fork in request.forks:  # choice 0 ended before its prompt was done: the others prefill alone
             del self._fork_parents[fork.request_id]
             self.waiting.append(fork)
         request.forks = []
+        self._loaded.pop(request.request_id, None)
+        delay = False
         if self.connector is not None:  # connector hook: the request is done
-            self.connector.request_finished(request, self.kv_cache_manager.get_block_ids(request.request_id))
+            delay, _ = self.connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(request.request_id))
+        if delay:
+            self._delayed_free[request.request_id] = request
+        else:
+            self._release(request)
+        return delay
+
+    def _free_finished_saves(self, finished_sending: set[str]) -> list[Request]:
+        """Free the blocks of saves that ended; returns finished requests whose held output is now due
+        (their commit ended, or save_timeout_s passed: the reply goes, the save may still finish)."""
+        due = []
+        for request_id in finished_sending:
+            request = self._delayed_free.pop(request_id, None)
+            if request is not None:
+                self._release(request)
+                if self._held_outputs.pop(request_id, None) is not None:
+                    due.append(request)
+        if self._held_outputs:
+            now = time.monotonic()
+            for request_id, deadline in list(self._held_outputs.items()):
+                if now >= deadline:
+                    del self._held_outputs[request_id]
+                    logger.warning("Reqid: %s, KV commit not done after %.1f s; replying without waiting for it",
+                                   request_id, self.save_timeout_s)
+                    due.append(self._delayed_free[request_id])
+        return due
+
+    def _release(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
-        del self.requests[request.request_id]
+        if self.requests.get(request.request_id) is request:
+            del self.requests[request.request_id]

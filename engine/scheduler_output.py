@@ -41,3 +41,9 @@ class ModelRunnerOutput:
     # Requests whose external KV failed to load this step: their sampled token (if any) is
     # discarded and the scheduler rewinds them to the locally computed prefix to recompute.
     failed_load_req_ids: set[str] = field(default_factory=set)
+    # The connector's get_finished(): requests whose saves no longer read their blocks (the
+    # blocks may be freed and a finished request's output released) and requests whose
+    # background (WAITING_FOR_REMOTE_KVS) load ended, either way (failures are also in
+    # failed_load_req_ids).
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
