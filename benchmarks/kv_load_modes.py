@@ -9,6 +9,9 @@ On the `bench` model with a producer and a consumer engine in this process, per 
   stream gap   the largest gap between two tokens of a running stream while one request loads
                through a store whose every reply is --delay-ms late (deploy.fault_relay in
                front of redis): how much one request's load costs another's stream
+  newcomer     time to first token of a short request (no store hit) that arrives 20 ms after a
+               lone request started loading through that slow store: what a request that
+               arrives during someone else's layer-wise load pays
 Each figure is the best (TTFT, batch) or the worst (gap) of --repeats, each with fresh prompts.
 
     .venv/bin/python benchmarks/kv_load_modes.py [--store file|redis] [--tokens 2048] [--repeats 3]
@@ -28,12 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.engine_throughput import bench_model_path, prompts  # noqa: E402
 from benchmarks.kv_handoff import backend  # noqa: E402
 from deploy.fault_relay import FaultRelay  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
+from serving import LLM, SamplingParams  # noqa: E402
 from engine.config import KV_LOAD_MODES  # noqa: E402
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 STREAM = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
-ENGINE_KW = dict(kv_cache_memory="2GiB", load_timeout_s=60.0)
+ENGINE_KW = dict(kv_cache_memory="2GiB", load_timeout_s=60.0, dtype="float32")  # fp32: runs on any x86 CPU
 
 
 def first_tokens(llm: LLM, batch: list[list[int]]) -> float:
@@ -66,6 +69,27 @@ def stream_gap(consumer: LLM, producer: LLM, relay: FaultRelay, delay_s: float, 
     return gap
 
 
+def newcomer_ttft(consumer: LLM, producer: LLM, relay: FaultRelay, delay_s: float, tokens: int, seed: int) -> float:
+    """TTFT of a short request arriving while a lone request's KV loads through the relay."""
+    engine = consumer.engine
+    loading = prompts(1, tokens, seed)[0]
+    producer.generate([loading], FIRST_TOKEN)
+    relay.delay_s = delay_s
+    engine.add_request("loading", loading, FIRST_TOKEN)
+    started = time.perf_counter()
+    added = None
+    ttft = None
+    while ttft is None or engine.has_unfinished_requests():
+        if added is None and time.perf_counter() - started >= 0.02:
+            engine.add_request("newcomer", prompts(1, 16, seed + 1)[0], FIRST_TOKEN)
+            added = time.perf_counter()
+        for out in engine.step():
+            if out.request_id == "newcomer" and out.finished:
+                ttft = time.perf_counter() - added
+    relay.delay_s = 0.0
+    return ttft
+
+
 def bench_mode(model: Path, url: str, relay_url: str, relay: FaultRelay, mode: str, args) -> dict[str, float]:
     producer = LLM(str(model), kv_store=url, kv_role="producer", **ENGINE_KW)
     consumer = LLM(str(model), kv_store=url, kv_role="consumer", kv_load_mode=mode, **ENGINE_KW)
@@ -74,7 +98,7 @@ def bench_mode(model: Path, url: str, relay_url: str, relay: FaultRelay, mode: s
     warm = prompts(1, 300, seed)[0]
     producer.generate([warm], FIRST_TOKEN)
     first_tokens(consumer, [warm])
-    lone, batch, gap = float("inf"), float("inf"), 0.0
+    lone, batch, gap, newcomer = float("inf"), float("inf"), 0.0, 0.0
     for r in range(args.repeats):
         one = prompts(1, args.tokens, seed + 10 * r + 1)
         many = prompts(args.batch, args.tokens // 4, seed + 10 * r + 2)
@@ -82,9 +106,11 @@ def bench_mode(model: Path, url: str, relay_url: str, relay: FaultRelay, mode: s
         lone = min(lone, first_tokens(consumer, one))
         batch = min(batch, first_tokens(consumer, many))
         gap = max(gap, stream_gap(slow, producer, relay, args.delay_ms / 1000, args.tokens, seed + 10 * r + 3))
+        newcomer = max(newcomer, newcomer_ttft(slow, producer, relay, args.delay_ms / 1000, args.tokens,
+                                               seed + 10 * r + 5))
     for llm in (producer, consumer, slow):
         llm.engine.shutdown()
-    return {"lone": lone, "batch": batch, "gap": gap}
+    return {"lone": lone, "batch": batch, "gap": gap, "newcomer": newcomer}
 
 
 def main() -> int:
@@ -117,9 +143,10 @@ def main() -> int:
     print(f"bench model, {args.store} store; lone: {args.tokens}-token prompt; batch: {args.batch} x "
           f"{args.tokens // 4} tokens; gap: a stream's worst inter-token gap while one {args.tokens}-token "
           f"load goes through redis with {args.delay_ms:g} ms per reply")
-    print(f"{'mode':>10} {'lone TTFT ms':>13} {'batch ms':>9} {'stream gap ms':>14}")
+    print(f"{'mode':>10} {'lone TTFT ms':>13} {'batch ms':>9} {'stream gap ms':>14} {'newcomer TTFT ms':>17}")
     for mode, r in results.items():
-        print(f"{mode:>10} {r['lone'] * 1000:13.1f} {r['batch'] * 1000:9.1f} {r['gap'] * 1000:14.1f}")
+        print(f"{mode:>10} {r['lone'] * 1000:13.1f} {r['batch'] * 1000:9.1f} {r['gap'] * 1000:14.1f} "
+              f"{r['newcomer'] * 1000:17.1f}")
     return 0
 
 

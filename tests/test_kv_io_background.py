@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deploy.fault_relay import FaultRelay
-from engine import LLM, SamplingParams
+from serving import LLM, SamplingParams
 from engine.request import RequestStatus
 from tests.connector_helpers import ENGINE_KW, FALLBACK_RE, GREEDY, PREFILL, capture, lines, mono_engine, prompt
 from tests.utils import RedisServer
