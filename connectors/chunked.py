@@ -13,7 +13,7 @@ class owns the per-request bookkeeping (load plan, save progress), the step meta
 - saves are handed to the background at the end of the step; `get_finished` reports a
   finished request once its saves committed, failed, or passed `save_timeout_s`.
 
-Subclasses implement how: `_start_lookup`, `_start_loads`, `wait_for_layer_load`,
+Subclasses implement how: `start_lookup`, `_start_loads`, `wait_for_layer_load`,
 `save_kv_layer` and `wait_for_save` (which hands each save to `_track_save`).
 """
 from __future__ import annotations
@@ -136,8 +136,9 @@ class ChunkedConnector(KVConnectorBase):
 
     # ---- subclass hooks ----
     @abstractmethod
-    def _start_lookup(self, request: Request) -> concurrent.futures.Future:
-        """Start finding H (prompt tokens covered by the longest run of present chunks) in the background."""
+    def start_lookup(self, request: Request) -> concurrent.futures.Future:
+        """Start finding H (prompt tokens covered by the longest run of present chunks) in the background
+        (the scheduler's lookups, and a node's routing hints)."""
 
     @abstractmethod
     def _start_loads(self, specs: list[LoadSpec]) -> list[InFlightLoad]:
@@ -151,7 +152,7 @@ class ChunkedConnector(KVConnectorBase):
 
     def lookup_hit(self, request: Request) -> int:
         """H, waiting for the store (for routing hints; raises on store failure or after load_timeout_s)."""
-        return self._start_lookup(request).result(timeout=self.load_timeout_s)
+        return self.start_lookup(request).result(timeout=self.load_timeout_s)
 
     # ---- scheduler side ----
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -175,7 +176,7 @@ class ChunkedConnector(KVConnectorBase):
     def _lookup_answer(self, request: Request, state: _RequestState, num_computed_tokens: int) -> int | None:
         """H once the background lookup answered; 0 after a failure or its deadline; None while in flight."""
         if state.lookup is None:
-            state.lookup = self._start_lookup(request)
+            state.lookup = self.start_lookup(request)
             state.lookup_deadline = time.monotonic() + self.load_timeout_s
         future = state.lookup
         if not future.done():

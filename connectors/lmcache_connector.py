@@ -127,7 +127,7 @@ class LMCacheConnector(ChunkedConnector):
         return f"error: {type(exc).__name__}: {exc}"
 
     # ---- scheduler side ----
-    def _start_lookup(self, request: Request) -> concurrent.futures.Future:
+    def start_lookup(self, request: Request) -> concurrent.futures.Future:
         return self._io.submit(self.engine.lookup, tokens=list(request.prompt_token_ids),
                                request_configs=salt_configs(request.cache_salt))
 

@@ -85,7 +85,7 @@ class StoreConnector(ChunkedConnector):
         return keys
 
     # ---- scheduler side ----
-    def _start_lookup(self, request: Request) -> concurrent.futures.Future:
+    def start_lookup(self, request: Request) -> concurrent.futures.Future:
         return self.store.submit(self._hit, list(request.prompt_token_ids), request.cache_salt)
 
     def _hit(self, token_ids: list[int], cache_salt: str | None) -> int:

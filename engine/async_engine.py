@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, Resume
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -99,9 +99,9 @@ class AsyncLLMEngine:
         return None if started is None else time.monotonic() - started
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, resume: Resume | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes (each of its n choices, told apart by `index`).
-        Closing the iterator early aborts the request.
+        Closing the iterator early aborts the request; `resume` continues another engine's stream.
 
         Raises EngineShutdownError / EngineOverloadedError before the first output, ValueError
         when the engine rejects the request, RequestAbortedError when the server aborts it.
@@ -115,7 +115,7 @@ class AsyncLLMEngine:
             raise ValueError(f"request id {request_id!r} is already in flight")
         stream = _Stream(request_id, len(prompt_token_ids), num_open_choices=params.n)
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt_token_ids, params, cache_salt, stream.arrival))
+        self._commands.put(("add", request_id, prompt_token_ids, params, cache_salt, stream.arrival, resume))
         finished = False
         try:
             while True:
@@ -244,9 +244,9 @@ class AsyncLLMEngine:
             if cmd[0] == "stop":
                 return False
             if cmd[0] == "add":
-                _, rid, ids, params, salt, arrival = cmd
+                _, rid, ids, params, salt, arrival, resume = cmd
                 try:
-                    self.engine.add_request(rid, ids, params, cache_salt=salt, arrival_time=arrival)
+                    self.engine.add_request(rid, ids, params, cache_salt=salt, arrival_time=arrival, resume=resume)
                     live.add(rid)
                 except ValueError as e:  # the client's fault: 400
                     self._post(self._fail, rid, e, self.engine.get_stats())

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
-from engine.outputs import EngineStats, Logprob, RequestOutput
+from engine.outputs import EngineStats, Logprob, RequestOutput, Resume
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -107,12 +107,18 @@ class LLMEngine:
 
     # ---- requests ----
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+                    cache_salt: str | None = None, arrival_time: float | None = None,
+                    resume: Resume | None = None) -> None:
         """Queue a request; ValueError with a clear message when it can never run.
 
         With n > 1 it becomes n engine requests (choice 0 keeps `request_id`, choice i is
         `{i}_{request_id}` as in vLLM); their outputs carry `request_id` and their `index`.
         `arrival_time` (time.monotonic()) is when the request reached the server, if earlier than now.
+
+        `resume` (n = 1 only) continues a stream that another engine started: its tokens become
+        this request's first outputs (recomputed, never re-sent), so the continuation is what the
+        uninterrupted request would have produced (greedy, or seeded: the sampler's seed depends
+        only on the token position).
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -122,11 +128,18 @@ class LLMEngine:
         ids = list(prompt_token_ids)
         if not ids:
             raise ValueError("the prompt is empty: give at least one token")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[0]!r}")
+        done = list(resume.output_token_ids) if resume is not None else []
+        if len(ids) + len(done) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}"
+                             if not done else f"the prompt ({len(ids)} tokens) and the resumed output "
+                             f"({len(done)} tokens) exceed max_model_len={self.max_model_len}")
+        for name, tokens in (("prompt", ids), ("resumed output", done)):
+            bad = [t for t in tokens if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} token ids must be integers in [0, {self.vocab_size}); got {bad[0]!r}")
+        if resume is not None and (params.n > 1 or len(done) >= params.max_tokens):
+            raise ValueError("nothing to resume: " + (f"{len(done)} output tokens already reach max_tokens="
+                                                      f"{params.max_tokens}" if params.n == 1 else "n > 1"))
         out_of_vocab = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
         if out_of_vocab:
             raise ValueError(f"logit_bias token id {out_of_vocab[0]} is outside the vocabulary [0, {self.vocab_size})")
@@ -137,6 +150,10 @@ class LLMEngine:
         choices = [Request(request_id if i == 0 else f"{i}_{request_id}", ids, params if params.n == 1 else
                            params.for_choice(i), eos_token_id=self.eos_token_id, cache_salt=cache_salt,
                            parent_id=request_id, index=i, arrival_time=arrival) for i in range(params.n)]
+        states = [_OutputState(c, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
+                  for c in choices]
+        if resume is not None:
+            self._replay(states[0], done, resume.num_sent_chars)
         for choice in choices:
             choice.grammar = self.structured_output.request_grammar(grammar)
             # Everything the step will need from this request's parameters is derived here, once: a
@@ -144,13 +161,27 @@ class LLMEngine:
             self.model_runner.sampler.prepare(choice)
         choices[0].forks = choices[1:]
         self.scheduler.add_request(choices[0])
-        for choice in choices:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-            self._states[choice.request_id] = _OutputState(choice, detokenizer)
+        for state in states:
+            self._states[state.request.request_id] = state
         self._groups[request_id] = [c.request_id for c in choices]
         self.num_requests_added += 1
-        logger.info("Reqid: %s, added: prompt %d tokens, max_tokens %d%s", request_id, len(ids), params.max_tokens,
-                    f", n {params.n} (the prompt is computed once)" if params.n > 1 else "")
+        logger.info("Reqid: %s, added: prompt %d tokens, max_tokens %d%s%s", request_id, len(ids), params.max_tokens,
+                    f", n {params.n} (the prompt is computed once)" if params.n > 1 else "",
+                    f", resuming after {len(done)} output tokens" if resume is not None else "")
+
+    @staticmethod
+    def _replay(state: _OutputState, token_ids: list[int], num_sent_chars: int) -> None:
+        """Make `token_ids` already-sent outputs: detokenized one at a time as they were produced, so
+        the text (and the stop-string and hold-back logic after it) matches the original stream."""
+        request = state.request
+        params = request.sampling_params
+        for token in token_ids:
+            # placeholders keep the per-token lists aligned; these entries are never sent again
+            request.append_output_token(token, 0.0 if params.logprobs else None,
+                                        [] if params.top_logprobs else None)
+            state.text += state.detokenizer.add_tokens([token])
+        state.num_sent_tokens = len(token_ids)
+        state.num_sent_chars = min(num_sent_chars, len(state.text))
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Abort running or waiting requests, all their choices (unknown ids are ignored); their final outputs."""

@@ -46,6 +46,15 @@ class RequestOutput:
     error: str | None = None  # with finish_reason "error": what failed this request (and only it)
 
 
+@dataclass(frozen=True)
+class Resume:
+    """Where a broken stream stopped: the output tokens the client has, and how many characters of
+    their text (the continuation sends only what comes after)."""
+
+    output_token_ids: list[int]
+    num_sent_chars: int
+
+
 @dataclass
 class EngineStats:
     """Counters since start-up (monotonic) plus the current queue and cache state."""

@@ -140,16 +140,26 @@ class PrefillResponse(_message.Message):
     def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "params", "cache_salt")
+    __slots__ = ("request_id", "prompt", "params", "cache_salt", "resume")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: Prompt
     params: SamplingParams
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    resume: Resume
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ...) -> None: ...
+
+class Resume(_message.Message):
+    __slots__ = ("output_token_ids", "num_sent_chars")
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SENT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_sent_chars: int
+    def __init__(self, output_token_ids: _Optional[_Iterable[int]] = ..., num_sent_chars: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")

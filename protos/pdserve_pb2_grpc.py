@@ -83,6 +83,8 @@ class PDNodeServicer(object):
 
     def Generate(self, request, context):
         """Decode: stream token deltas. Normally given token ids; text/messages only for local prefill.
+        While it has nothing to send the node sends an empty delta every second (a heartbeat: the
+        proxy tells a busy node from a frozen one by it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

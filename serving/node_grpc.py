@@ -22,6 +22,7 @@ from serving import errors
 from serving import protocol as oai
 from serving import tokenize_api, wire
 from serving.choices import prompt_positions
+from serving.heartbeat import with_heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +45,11 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         return await self.server.prompt_token_ids_of(req)  # the HTTP API's own tokenization
 
     async def _outputs(self, rid: str, req: oai.GenerationRequest, ids: list[int], params: Any,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                       context: grpc.aio.ServicerContext, resume: Any = None) -> AsyncIterator[Any]:
         """Engine outputs with engine errors mapped to pd-serve's OpenAI errors; aborts when the caller leaves."""
         from engine.async_engine import RequestAbortedError
 
-        outputs = self.async_engine.generate(rid, ids, params, req.cache_salt)
+        outputs = self.async_engine.generate(rid, ids, params, req.cache_salt, resume)
         finish_reason: str | None = None
         rejected = False  # _abort counts rejections itself
         async with contextlib.aclosing(outputs):
@@ -97,8 +98,17 @@ class NodeServicer(pb_grpc.PDNodeServicer):
             await self._abort(context, e)
         if request.prompt.WhichOneof("kind") != "token_ids":
             logger.info("Reqid: %s, local prefill: prompt tokenized here (%d tokens)", request.request_id, len(ids))
+        resume = None
+        if request.HasField("resume"):  # another decode node started this stream (proxy/decode_stream.py)
+            from engine.outputs import Resume
+
+            resume = Resume(list(request.resume.output_token_ids), request.resume.num_sent_chars)
         started: set[int] = set()  # choices that sent their first delta
-        async for out in self._outputs(request.request_id, req, ids, params, context):
+        outputs = self._outputs(request.request_id, req, ids, params, context, resume)
+        async for out in with_heartbeat(outputs):
+            if out is None:  # still waiting (queue, KV load, prefill): an empty delta says "alive"
+                yield pb.GenerateDelta()
+                continue
             # A choice's first delta carries what the proxy needs for echo and prompt_logprobs.
             first = out.index not in started
             started.add(out.index)
@@ -124,7 +134,8 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         connector = self.engine.connector
         if connector is not None:
             try:  # the connector's own hit computation (H in docs/architecture.md)
-                store = await asyncio.wait_for(asyncio.to_thread(connector.lookup_hit, probe), 1.0)
+                # awaits the store's own I/O thread: a frozen store holds no thread of this loop's pool
+                store = await asyncio.wait_for(asyncio.wrap_future(connector.start_lookup(probe)), 1.0)
             except Exception as e:  # a routing hint: an unreachable store just means "no store hit"
                 logger.debug("lookup: store hit unknown (%s)", e)
         return pb.LookupResponse(total_tokens=len(ids), local_hit_tokens=local, store_hit_tokens=store)

@@ -1,0 +1,153 @@
+"""One client stream over decode nodes that may die or freeze: deadlines, retries and resumption.
+
+Every call to a decode node has deadlines (`Deadlines`): to connect, to the first token, between
+tokens, and between any two messages (the node sends a heartbeat each second while it waits, so
+a stream silent for `stall_s` means a frozen node, not a busy one). A node that misses one, or
+whose stream breaks, leaves the rotation at once. Before the first token the request simply
+goes to the next node; after it, the next node *resumes* it: it gets the prompt plus the tokens
+the client already has (pb.Resume), loads the prompt's KV from the store, recomputes those
+tokens and continues, so the client sees one uninterrupted stream whose greedy or seeded output
+equals an uninterrupted run. Only with no healthy decode node left does the stream fail.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from protos import pdserve_pb2 as pb
+from proxy.health import Node
+from proxy.router import Router
+from serving import protocol as oai
+
+logger = logging.getLogger(__name__)
+
+# Codes that say "this node could not serve it" (another node may), as opposed to "bad request".
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+             grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+             grpc.StatusCode.ABORTED)
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Seconds a decode call may take at each stage (pd-proxy --connect-timeout, ...)."""
+
+    connect_s: float = 5.0  # until the node's channel is ready
+    first_token_s: float = 300.0  # from the call to the first token (queueing and prefill included)
+    token_s: float = 60.0  # between two tokens
+    stall_s: float = 5.0  # between two messages of any kind, heartbeats included: a frozen node
+
+
+class NodeFailed(Exception):
+    """The node missed a deadline or broke the stream; `down` says whether to take it out of rotation."""
+
+    def __init__(self, reason: str, down: bool = True, error: oai.APIError | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.down = down
+        self.error = error  # what to tell the client if no other node takes over
+
+
+class DecodeStream:
+    """Deltas of one request, from whichever decode nodes it takes (iterate it once)."""
+
+    def __init__(self, request_id: str, router: Router, call: pb.GenerateRequest, lookup: pb.LookupRequest,
+                 deadlines: Deadlines, error_from_rpc: Callable[[grpc.aio.AioRpcError], oai.APIError | None]) -> None:
+        self.request_id = request_id
+        self.router = router
+        self.call = call
+        self.lookup = lookup
+        self.deadlines = deadlines
+        self.error_from_rpc = error_from_rpc
+        self.token_ids: list[int] = []  # what the client has received
+        self.num_chars = 0
+        self.num_resumes = 0
+
+    async def __aiter__(self) -> AsyncIterator[pb.GenerateDelta]:
+        tried: set[str] = set()
+        last_error = oai.service_unavailable("no healthy decode node", "no_healthy_decode_node")
+        while True:
+            node = next((n for n in await self.router.rank(self.lookup) if n.address not in tried), None)
+            if node is None:
+                if self.token_ids:
+                    raise oai.service_unavailable(
+                        f"the stream broke after {len(self.token_ids)} tokens and no other decode node is "
+                        f"healthy: {last_error.message}", "no_healthy_decode_node")
+                raise last_error
+            tried.add(node.address)
+            call = self.call
+            if self.token_ids:
+                call = pb.GenerateRequest()
+                call.CopyFrom(self.call)
+                call.resume.CopyFrom(pb.Resume(output_token_ids=self.token_ids, num_sent_chars=self.num_chars))
+                self.num_resumes += 1
+                logger.warning("Reqid: %s, resuming on %s after %d tokens", self.request_id, node.address,
+                               len(self.token_ids))
+            try:
+                async for delta in self._deltas(node, call):
+                    self.token_ids.extend(delta.token_ids)
+                    self.num_chars += len(delta.text)
+                    yield delta
+                    if delta.finish_reason:
+                        return
+                raise NodeFailed("the stream ended without a finish reason")
+            except NodeFailed as e:
+                if e.down:
+                    node.mark_down(e.reason)
+                last_error = e.error or oai.service_unavailable(f"decode node {node.address}: {e.reason}",
+                                                                "decode_node_failed")
+                logger.warning("Reqid: %s, decode on %s failed after %d tokens (%s); %s", self.request_id,
+                               node.address, len(self.token_ids), e.reason,
+                               "resuming on another node" if self.token_ids else "trying the next node")
+
+    async def _deltas(self, node: Node, call: pb.GenerateRequest) -> AsyncIterator[pb.GenerateDelta]:
+        """One node's deltas (heartbeats dropped) under the deadlines; NodeFailed when it misses one."""
+        d = self.deadlines
+        try:
+            await asyncio.wait_for(node.channel.channel_ready(), d.connect_s)
+        except asyncio.TimeoutError:
+            raise NodeFailed(f"not connected within {d.connect_s:g}s") from None
+        node.load.in_flight += 1
+        node.routed += 1
+        stream = node.stub.Generate(call)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        last_token = None  # time of the last token (None: before the first)
+        try:
+            while True:
+                now = loop.time()
+                token_deadline = started + d.first_token_s if last_token is None else last_token + d.token_s
+                wait = min(d.stall_s, token_deadline - now)
+                try:
+                    delta = await asyncio.wait_for(stream.read(), max(wait, 0.0))
+                except asyncio.TimeoutError:
+                    if loop.time() >= token_deadline:
+                        what = "first token" if last_token is None else "next token"
+                        limit = d.first_token_s if last_token is None else d.token_s
+                        raise NodeFailed(f"no {what} within {limit:g}s") from None
+                    raise NodeFailed(f"silent for {d.stall_s:g}s (frozen?)") from None
+                except grpc.aio.AioRpcError as e:
+                    raise self._rpc_failure(e) from None
+                if delta is grpc.aio.EOF:
+                    return
+                if delta.token_ids or delta.text or delta.finish_reason:
+                    last_token = loop.time()
+                    yield delta
+        finally:
+            stream.cancel()  # no-op once finished; aborts the node's request when we leave it
+            node.load.in_flight -= 1
+
+    def _rpc_failure(self, e: grpc.aio.AioRpcError) -> Exception:
+        """A client error (4xx: no node will take it) is raised as is; anything else is the node's failure."""
+        err = self.error_from_rpc(e)
+        if err is not None and err.status < 500:
+            return err
+        if e.code() not in RETRYABLE:
+            return oai.APIError(503, f"decode failed: {e.code().name}: {e.details()}", code="decode_node_failed")
+        # A full queue is the node's answer, not its death: try another, keep it in rotation.
+        return NodeFailed(f"{e.code().name}: {e.details()}", down=e.code() == grpc.StatusCode.UNAVAILABLE
+                          or e.code() == grpc.StatusCode.UNKNOWN, error=err)

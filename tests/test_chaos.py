@@ -1,0 +1,135 @@
+"""Chaos with real processes: a slow or frozen store, a killed or frozen decode node, bad input, a
+misplaced KV object. Each costs the requests that meet it some time, never another request's
+stream and never a token: every request completes with the tokens of a run without the fault.
+
+One cluster (tests/chaos_helpers.py) for the module; each scenario uses its own cache salt, so
+no scenario finds another's KV in a prefix cache or the store.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.chaos_helpers import (LOAD_TIMEOUT_S, STALL_S, ChaosCluster, Tally, frozen_decode, frozen_redis,
+                                 killed_decode, request_bodies, run_load, send, send_malformed, slow_store, stopped,
+                                 wait_tokens)
+from tests.cluster_helpers import log_lines, status
+
+pytestmark = pytest.mark.timeout(600)
+
+N = 6  # concurrent streams per scenario
+BODIES = request_bodies(N, seed=7)
+# A running stream's worst inter-token gap while the store misbehaves: far below the store's timeout.
+MAX_GAP_S = LOAD_TIMEOUT_S / 2
+
+
+@pytest.fixture(scope="module")
+def chaos(tiny_llama, tmp_path_factory):
+    c = ChaosCluster(tiny_llama, tmp_path_factory.mktemp("chaos"))
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(chaos) -> dict[int, list[int]]:
+    """Tokens of every request without any fault."""
+    outcomes, _ = asyncio.run(run_load(chaos.url, BODIES, "reference", N))
+    tally = Tally.of("reference", outcomes, None)
+    assert (tally.ok, tally.truncated, dict(tally.failed)) == (N, 0, {})
+    return {o.index: o.token_ids for o in outcomes}
+
+
+@pytest.fixture()
+def healthy(chaos):
+    yield chaos
+    chaos.healthy()
+
+
+def check_all_exact(tally: Tally) -> None:
+    assert (tally.sent, tally.ok, tally.exact, tally.truncated, dict(tally.failed)) == (N, N, N, 0, {}), tally
+
+
+def test_frozen_redis_stalls_only_the_requests_that_need_it(healthy, reference):
+    """SIGSTOP redis while streams run and new requests arrive: the streams keep their pace, the new
+    requests recompute after the lookup deadline; every output exact."""
+    chaos = healthy
+    newcomers = request_bodies(2, seed=8)
+
+    async def scenario():
+        async def fault(progress):
+            await wait_tokens(progress, 20)
+            with stopped(chaos.redis.proc.pid):
+                import httpx
+                async with httpx.AsyncClient(timeout=120) as client:
+                    late = await asyncio.gather(*(send(client, chaos.url, i, b, "frozen-late")
+                                                  for i, b in enumerate(newcomers)))
+            return late
+        return await run_load(chaos.url, BODIES, "frozen", N, fault)
+
+    outcomes, late = asyncio.run(scenario())
+    tally = Tally.of("redis frozen", outcomes, reference)
+    check_all_exact(tally)
+    assert tally.worst_gap_s < MAX_GAP_S, tally
+    quiet, _ = asyncio.run(run_load(chaos.url, newcomers, "frozen-quiet", 2))
+    assert [o.token_ids for o in late] == [o.token_ids for o in quiet]
+    assert all(o.status == 200 and o.finish_reason == "length" for o in late)
+
+
+def test_slow_store_costs_no_stream_its_pace(healthy, reference):
+    """Every redis reply 1 s late (a delaying TCP relay): lookups, loads and saves wait in the
+    background; streams never wait for them."""
+    outcomes, _ = asyncio.run(run_load(healthy.url, BODIES, "slow", N, slow_store(healthy, 1.0, 8.0)))
+    tally = Tally.of("redis slow", outcomes, reference)
+    check_all_exact(tally)
+    assert tally.worst_gap_s < MAX_GAP_S, tally
+
+
+def test_killed_decode_node_streams_resume_elsewhere(healthy, reference):
+    """SIGKILL one of two decode nodes mid-stream: its streams continue on the other node from the tokens
+    already sent, as one uninterrupted stream with the same tokens."""
+    outcomes, _ = asyncio.run(run_load(healthy.url, BODIES, "killed", N, killed_decode(healthy, 30)))
+    check_all_exact(Tally.of("decode killed", outcomes, reference))
+    proxy_log = healthy.cluster.proxy.out_path.read_text()
+    assert "resuming on" in proxy_log
+
+
+def test_frozen_decode_node_is_noticed_by_its_silence(healthy, reference):
+    """SIGSTOP a decode node mid-stream: its streams go silent, the proxy takes it out of rotation within
+    the stall deadline and resumes them on the other node."""
+    outcomes, _ = asyncio.run(run_load(healthy.url, BODIES, "frozen-node", N,
+                                       frozen_decode(healthy, 3 * STALL_S, 30)))
+    tally = Tally.of("decode frozen", outcomes, reference)
+    check_all_exact(tally)
+    assert tally.worst_gap_s < 3 * STALL_S, tally  # the stall deadline, not the freeze, bounds the wait
+    assert "silent for" in healthy.cluster.proxy.out_path.read_text()
+
+
+def test_bad_input_is_a_cheap_4xx_beside_running_streams(healthy, reference):
+    """Every malformed request of the table is an OpenAI-shaped 4xx within a second, while streams run on."""
+    async def scenario():
+        async def fault(progress):
+            await wait_tokens(progress, 10)
+            return await send_malformed(healthy.url)
+        return await run_load(healthy.url, BODIES, "malformed", N, fault)
+
+    outcomes, results = asyncio.run(scenario())
+    check_all_exact(Tally.of("malformed", outcomes, reference))
+    wrong = [(what, expected, got, kind) for what, expected, got, kind, _ in results
+             if got != expected or kind != "invalid_request_error"]
+    assert not wrong, wrong
+    slow = [(what, round(secs, 2)) for what, _, _, _, secs in results if secs > 2.0]
+    assert not slow, slow
+
+
+def test_misplaced_kv_object_is_recomputed(healthy, reference):
+    """A valid KV object copied under another chunk's key: the decode node detects it (the object names
+    its key) and recomputes; the output is exact."""
+    chaos = healthy
+    asyncio.run(run_load(chaos.url, BODIES[:1], "misplaced-src", 1))
+    assert chaos.misplace_chunk(BODIES[0]["prompt"], "misplaced-src", BODIES[1]["prompt"], "misplaced-dst") > 1
+    outcomes, _ = asyncio.run(run_load(chaos.url, BODIES[1:2], "misplaced-dst", 1))
+    assert outcomes[0].token_ids == reference[1]
+    lines = [line for node in chaos.decode for line in log_lines(node.log_file, "misplaced-dst-0")]
+    assert any("KV load failed (corrupt" in line for line in lines), lines
+    assert all(n["healthy"] for n in status(chaos.url)["decode"])
