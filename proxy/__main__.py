@@ -6,6 +6,7 @@ import asyncio
 import sys
 
 from proxy.app import Proxy, ProxyConfig
+from proxy.decode_stream import Deadlines
 from proxy.router import DEFAULT_POLICY, POLICIES
 from serving.auth import add_proxy_security_args, proxy_security
 from serving.cli import ArgumentParser, add_log_file, setup_logging
@@ -39,6 +40,18 @@ def build_parser() -> ArgumentParser:
                    help="prompts shorter than N tokens skip the prefill node (default 0: never)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between node health checks")
+    d = Deadlines()
+    p.add_argument("--connect-timeout", type=float, default=d.connect_s, metavar="S",
+                   help=f"seconds to connect to a node before trying the next (default {d.connect_s:g})")
+    p.add_argument("--first-token-timeout", type=float, default=d.first_token_s, metavar="S",
+                   help=f"seconds from a decode call to its first token (default {d.first_token_s:g})")
+    p.add_argument("--token-timeout", type=float, default=d.token_s, metavar="S",
+                   help=f"seconds between two tokens of a stream (default {d.token_s:g})")
+    p.add_argument("--stall-timeout", type=float, default=d.stall_s, metavar="S",
+                   help=f"seconds a decode stream may stay silent, heartbeats included, before its node counts "
+                        f"as frozen (default {d.stall_s:g}; nodes send a heartbeat every second)")
+    p.add_argument("--prefill-timeout", type=float, default=ProxyConfig.prefill_timeout_s, metavar="S",
+                   help=f"seconds one Prefill call may take (default {ProxyConfig.prefill_timeout_s:g})")
     add_proxy_security_args(p)
     p.add_argument("--log-file", default=None, help="also write the log here")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -60,9 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"pd-proxy: error: {e}", file=sys.stderr)
         return 1
+    try:
+        deadlines = Deadlines(args.connect_timeout, args.first_token_timeout, args.token_timeout, args.stall_timeout)
+    except ValueError as e:
+        print(f"pd-proxy: error: {e}", file=sys.stderr)
+        return 1
     config = ProxyConfig(prefill=args.prefill, decode=args.decode, policy=args.policy,
                          local_prefill_threshold=args.local_prefill_threshold, api_key=args.api_key,
-                         health_interval_s=args.health_interval, grpc_security=security)
+                         health_interval_s=args.health_interval, grpc_security=security,
+                         deadlines=deadlines, prefill_timeout_s=args.prefill_timeout)
     try:
         sock = listen_socket(args.host, args.port)
     except StartupError as e:

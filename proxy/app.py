@@ -9,6 +9,7 @@ and prefills locally.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -20,6 +21,7 @@ from aiohttp import web
 
 from protos import pdserve_pb2 as pb
 from proxy import dashboard
+from proxy.decode_stream import Deadlines, DecodeStream
 from proxy.health import HealthMonitor, Node
 from proxy.router import DEFAULT_POLICY, Router
 from serving import errors, tokenize_api
@@ -27,6 +29,7 @@ from serving import protocol as oai
 from serving.auth import GrpcSecurity
 from serving.choices import Assembler, ChoiceOutput, merge, sub_request_id
 from serving.http import api_middleware
+from serving.limits import MAX_BODY_BYTES
 from serving.metrics import CONTENT_TYPE, ProxyMetrics
 from serving.responses import ResponseBuilder, models_list
 from serving.sse import SSEStream
@@ -34,9 +37,6 @@ from serving.wire import (delta_from_pb, positions_from_pb, prompt_to_pb, sampli
                           tokenize_to_pb, usage_from_pb)
 
 logger = logging.getLogger(__name__)
-
-_UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
 
 
 @dataclass
@@ -48,7 +48,8 @@ class ProxyConfig:
     api_key: str | None = None
     health_interval_s: float = 1.0
     grpc_security: GrpcSecurity = field(default_factory=GrpcSecurity)  # TLS / key towards the nodes
-    prefill_timeout_s: float = 600.0
+    deadlines: Deadlines = field(default_factory=Deadlines)  # every decode call's
+    prefill_timeout_s: float = 120.0  # one Prefill call; a node that leaves rotation meanwhile is given up at once
 
 
 def _client_error(e: grpc.aio.AioRpcError) -> oai.APIError | None:
@@ -87,7 +88,7 @@ class Proxy:
             await node.close()
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[api_middleware(api_key=self.config.api_key)], client_max_size=64 << 20)
+        app = web.Application(middlewares=[api_middleware(api_key=self.config.api_key)], client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -168,6 +169,7 @@ class Proxy:
         req = oai.parse_request(kind, await request.read(), check_grammar=False)  # nodes check grammars
         names, max_model_len = self._model_names()
         model = oai.check_model(req.model, names)
+        oai.check_prompt_size(req, max_model_len)  # before any node tokenizes a hopeless prompt
         subs = req.per_prompt()  # each prompt of a batch: its own Prefill + Generate, all at once
         prompt_ids: dict[int, list[int]] = {}  # known once prefilled (return_token_ids reports them)
         streams = [self._one_prompt(sub_request_id(rid, p, len(subs)), sub, max_model_len, prompt_ids, p)
@@ -242,7 +244,11 @@ class Proxy:
             node.load.in_flight += 1
             node.routed += 1
             try:
-                reply = await node.stub.Prefill(call, timeout=self.config.prefill_timeout_s)
+                reply = await self._prefill_on(node, call)
+            except asyncio.TimeoutError as e:  # frozen, or left rotation meanwhile: the next node, or local prefill
+                node.mark_down(str(e))
+                logger.warning("Reqid: %s, prefill on %s failed (%s); trying the next node", rid, node.address, e)
+                continue
             except grpc.aio.AioRpcError as e:
                 if (err := _client_error(e)) is not None:
                     raise err from None
@@ -259,39 +265,24 @@ class Proxy:
         logger.warning("Reqid: %s, no prefill node available: decode node prefills locally", rid)
         return None
 
-    async def _decode(self, rid: str, req: oai.GenerationRequest,
-                      prompt: pb.Prompt) -> AsyncIterator[pb.GenerateDelta]:
-        """Deltas from a decode node. Before its first delta a failed node is skipped for the next;
-        after it, the failure ends the request with a clean 503 error."""
+    async def _prefill_on(self, node: Node, call: pb.PrefillRequest) -> pb.PrefillResponse:
+        """One Prefill under its deadlines: connect, the whole call, and the node staying in rotation
+        (a node the health check or another request found dead is not waited for)."""
+        await node.ready(self.config.deadlines.connect_s)
+        reply = asyncio.ensure_future(node.stub.Prefill(call, timeout=self.config.prefill_timeout_s))
+        try:
+            while not (await asyncio.wait({reply}, timeout=0.25))[0]:
+                if not node.healthy:
+                    raise asyncio.TimeoutError(f"left rotation while prefilling ({node.last_error})")
+            return reply.result()
+        finally:
+            reply.cancel()
+
+    def _decode(self, rid: str, req: oai.GenerationRequest, prompt: pb.Prompt) -> AsyncIterator[pb.GenerateDelta]:
+        """Deltas from the decode nodes under the deadlines: retried before the first token, resumed
+        on another node after it (proxy/decode_stream.py); APIError when no node is left."""
         call = pb.GenerateRequest(request_id=rid, prompt=prompt, params=sampling_to_pb(req),
                                   cache_salt=req.cache_salt or "")
         lookup = pb.LookupRequest(prompt=prompt, cache_salt=req.cache_salt or "")
-        last_error = oai.service_unavailable("no healthy decode node", "no_healthy_decode_node")
-        for node in await self.decode.rank(lookup):
-            node.load.in_flight += 1
-            node.routed += 1
-            stream = node.stub.Generate(call)
-            started = False
-            try:
-                async for delta in stream:
-                    if not started:
-                        logger.info("Reqid: %s, decoding on %s", rid, node.address)
-                    started = True
-                    yield delta
-                return
-            except grpc.aio.AioRpcError as e:
-                if (err := _client_error(e)) is not None:
-                    raise err from None
-                if e.code() == grpc.StatusCode.UNAVAILABLE:
-                    node.mark_down(e.details() or "unavailable")
-                last_error = errors.from_rpc_error(e) or last_error  # e.g. its queue is full
-                if started or e.code() not in _UNAVAILABLE:
-                    raise oai.APIError(503, f"decode node {node.address} failed during the request: "
-                                       f"{e.code().name}: {e.details()}", code="decode_node_failed") from None
-                logger.warning("Reqid: %s, decode on %s failed before its first token (%s); trying the next",
-                               rid, node.address, e.code().name)
-            finally:
-                stream.cancel()  # no-op once finished; aborts the node's request if the client left
-                node.load.in_flight -= 1
-        raise last_error
+        return DecodeStream(rid, self.decode, call, lookup, self.config.deadlines).deltas()
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -22,7 +21,9 @@ import grpc
 from protos import pdserve_pb2 as pb
 from proxy.health import Node
 from proxy.router import Router
+from serving import errors
 from serving import protocol as oai
+from serving.heartbeat import HEARTBEAT_S
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,14 @@ class Deadlines:
     token_s: float = 60.0  # between two tokens
     stall_s: float = 5.0  # between two messages of any kind, heartbeats included: a frozen node
 
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not value > 0:
+                raise ValueError(f"the {name} deadline must be positive, got {value}")
+        if self.stall_s <= HEARTBEAT_S:
+            raise ValueError(f"the stall timeout ({self.stall_s:g}s) must exceed the nodes' heartbeat "
+                             f"interval ({HEARTBEAT_S:g}s), or busy nodes would count as frozen")
+
 
 class NodeFailed(Exception):
     """The node missed a deadline or broke the stream; `down` says whether to take it out of rotation."""
@@ -53,21 +62,21 @@ class NodeFailed(Exception):
 
 
 class DecodeStream:
-    """Deltas of one request, from whichever decode nodes it takes (iterate it once)."""
+    """Deltas of one request, from whichever decode nodes it takes (`deltas()`, iterated once)."""
 
     def __init__(self, request_id: str, router: Router, call: pb.GenerateRequest, lookup: pb.LookupRequest,
-                 deadlines: Deadlines, error_from_rpc: Callable[[grpc.aio.AioRpcError], oai.APIError | None]) -> None:
+                 deadlines: Deadlines) -> None:
         self.request_id = request_id
         self.router = router
         self.call = call
         self.lookup = lookup
         self.deadlines = deadlines
-        self.error_from_rpc = error_from_rpc
         self.token_ids: list[int] = []  # what the client has received
         self.num_chars = 0
         self.num_resumes = 0
 
-    async def __aiter__(self) -> AsyncIterator[pb.GenerateDelta]:
+    async def deltas(self) -> AsyncIterator[pb.GenerateDelta]:
+        """Every delta with tokens or text or a finish reason, across node failures; APIError when none is left."""
         tried: set[str] = set()
         last_error = oai.service_unavailable("no healthy decode node", "no_healthy_decode_node")
         while True:
@@ -89,6 +98,8 @@ class DecodeStream:
                                len(self.token_ids))
             try:
                 async for delta in self._deltas(node, call):
+                    if not self.token_ids and not self.num_resumes:
+                        logger.info("Reqid: %s, decoding on %s", self.request_id, node.address)
                     self.token_ids.extend(delta.token_ids)
                     self.num_chars += len(delta.text)
                     yield delta
@@ -108,9 +119,9 @@ class DecodeStream:
         """One node's deltas (heartbeats dropped) under the deadlines; NodeFailed when it misses one."""
         d = self.deadlines
         try:
-            await asyncio.wait_for(node.channel.channel_ready(), d.connect_s)
-        except asyncio.TimeoutError:
-            raise NodeFailed(f"not connected within {d.connect_s:g}s") from None
+            await node.ready(d.connect_s)
+        except asyncio.TimeoutError as e:
+            raise NodeFailed(str(e)) from None
         node.load.in_flight += 1
         node.routed += 1
         stream = node.stub.Generate(call)
@@ -143,7 +154,7 @@ class DecodeStream:
 
     def _rpc_failure(self, e: grpc.aio.AioRpcError) -> Exception:
         """A client error (4xx: no node will take it) is raised as is; anything else is the node's failure."""
-        err = self.error_from_rpc(e)
+        err = errors.from_rpc_error(e)
         if err is not None and err.status < 500:
             return err
         if e.code() not in RETRYABLE:

@@ -77,6 +77,21 @@ class Node:
         self.channel = node_channel(self.address, self.security, _CHANNEL_OPTIONS)
         self.stub = pb_grpc.PDNodeStub(self.channel)
 
+    async def ready(self, timeout_s: float) -> None:
+        """Return once the channel is connected; asyncio.TimeoutError when it is not within `timeout_s`,
+        at once when the last attempt failed (a dead node's calls must not wait out a reconnect backoff)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        state = self.channel.get_state(try_to_connect=True)
+        while state != grpc.ChannelConnectivity.READY:
+            if state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN):
+                raise asyncio.TimeoutError("unreachable (its last connection attempt failed)")
+            try:
+                await asyncio.wait_for(self.channel.wait_for_state_change(state), deadline - loop.time())
+            except asyncio.TimeoutError:
+                raise asyncio.TimeoutError(f"not connected within {timeout_s:g}s") from None
+            state = self.channel.get_state(try_to_connect=True)
+
     def mark_down(self, reason: str) -> None:
         if self.healthy:
             logger.warning("%s node %s out of rotation: %s", self.role, self.address, reason)

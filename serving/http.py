@@ -21,6 +21,7 @@ from aiohttp import web
 from serving import errors
 from serving.auth import check_http_api_key
 from serving.errors import StartupError
+from serving.limits import MAX_HEADER_BYTES
 from serving.protocol import REQUEST_ID_RE, APIError, bad_request, error_body
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,9 @@ async def serve_app(app: web.Application, sock: socket.socket, prog: str,
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=handler_timeout_s)
+    # Header lines up to MAX_HEADER_BYTES reach the middleware, which answers a bad one in OpenAI's shape.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=handler_timeout_s,
+                           max_line_size=MAX_HEADER_BYTES, max_field_size=MAX_HEADER_BYTES)
     await runner.setup()
     await web.SockSite(runner, sock).start()
     host, port = sock.getsockname()[:2]

@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, parse_logit_bias
+from engine.sampling_params import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams, parse_logit_bias
+from serving.limits import check_prompt_chars, decode_json
 from serving.structured_outputs import FIELDS as STRUCTURED_OUTPUT_FIELDS
 from serving.structured_outputs import parse_structured_outputs
 
@@ -42,6 +43,7 @@ NEUTRAL_PARAMETERS: dict[str, tuple[Any, ...]] = {
     "prompt_cache_options": (), "prompt_cache_retention": (),
 }
 _CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
+MAX_COUNT = 2**31 - 1  # the largest max_tokens, top_k, ... the gRPC wire (int32/uint32) and the engine take
 
 
 class APIError(Exception):
@@ -92,8 +94,9 @@ def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: 
         return default
     if not _is_int(v):
         raise bad_request(f"{name} must be an integer, got {json.dumps(v)}", name)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+    hi = MAX_COUNT if hi is None else hi  # every integer field is bounded: none reaches the engine unchecked
+    if (lo is not None and v < lo) or v > hi:
+        bounds = f"<= {hi}" if lo is None else f"in [{lo}, {hi}]"
         raise bad_request(f"{name} must be {bounds}, got {v}", name)
     return v
 
@@ -255,13 +258,27 @@ class GenerationRequest:
             raise bad_request(str(e), name if name in SUPPORTED_PARAMETERS[self.kind] else None) from None
 
 
+def check_prompt_size(req: GenerationRequest, max_model_len: int) -> None:
+    """400 for a text prompt too long to fit the context whatever it tokenizes to, before tokenizing it."""
+    if req.kind == CHAT:
+        size, param = sum(len(m["content"]) for m in req.messages), "messages"
+    else:
+        size, param = max((len(p) for p in req.prompts or [req.prompt] if isinstance(p, str)), default=0), "prompt"
+    try:
+        check_prompt_chars(size, max_model_len)
+    except ValueError as e:
+        raise bad_request(str(e), param, "context_length_exceeded") from None
+
+
 def decode_json_body(raw: bytes | str | Any) -> dict[str, Any]:
     """A request body as a JSON object (raw bytes/text, or already decoded); 400 otherwise."""
     if isinstance(raw, (bytes, str)):
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
+            body = decode_json(raw)  # bounded nesting, finite numbers, encodable strings
+        except json.JSONDecodeError as e:
             raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
+        except ValueError as e:  # valid JSON beyond our bounds; the message says which
+            raise bad_request(str(e), code="invalid_json") from None
     else:
         body = raw
     if not isinstance(body, dict):
@@ -303,7 +320,7 @@ def parse_request(kind: str, raw: bytes | str | Any, check_grammar: bool = True)
         "top_p": _float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         "top_k": _int(body, "top_k", 0, -1),
         "min_p": _float(body, "min_p", 0.0, 0.0, 1.0),
-        "seed": _int(body, "seed", None),
+        "seed": _int(body, "seed", None, SEED_MIN, SEED_MAX),
         "stop": _parse_stop(body),
         "stop_token_ids": _parse_token_list(body, "stop_token_ids"),
         "ignore_eos": _bool(body, "ignore_eos"),

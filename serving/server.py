@@ -29,6 +29,7 @@ from serving.choices import Assembler, ChoiceOutput, merge, prompt_positions, su
 from serving.cli import ArgumentParser, add_engine_args, add_server_args, setup_logging
 from serving.errors import StartupError
 from serving.http import api_middleware, json_response, listen_socket, serve_app
+from serving.limits import MAX_BODY_BYTES
 from serving.metrics import CONTENT_TYPE
 from serving.responses import Delta, ResponseBuilder, models_list, top_token_texts, usage_dict
 from serving.sse import SSEStream
@@ -50,7 +51,7 @@ class OpenAIServer:
         self.served_names = served_model_names
         self.metrics = metrics
         self.created = int(time.time())
-        self.app = web.Application(middlewares=[api_middleware(self._count)], client_max_size=64 * 2**20)
+        self.app = web.Application(middlewares=[api_middleware(self._count)], client_max_size=MAX_BODY_BYTES)
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -92,6 +93,7 @@ class OpenAIServer:
     async def prompt_token_ids_of(self, req: oai.GenerationRequest) -> list[int]:
         if req.kind != oai.CHAT and isinstance(req.prompt, list):  # token ids (every P/D decode request)
             return req.prompt
+        oai.check_prompt_size(req, self.engine.max_model_len)  # hopeless sizes never reach the tokenizer
         size = sum(len(m["content"]) for m in req.messages) if req.kind == oai.CHAT else len(req.prompt)
         if size < _TOKENIZE_IN_EXECUTOR_CHARS:
             return self._encode(req)
