@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import grpc
 
@@ -31,6 +31,15 @@ logger = logging.getLogger(__name__)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
              grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
              grpc.StatusCode.ABORTED)
+
+
+# Request fields whose answer rides on a stream's first delta (when the wire carries them).
+_SENT_WITH_THE_FIRST_DELTA = ("echo", "prompt_logprobs")
+
+
+def _field(message: Any, name: str, default: int) -> int:
+    """A field the wire format may not have (yet): its value, else `default`."""
+    return getattr(message, name) if name in message.DESCRIPTOR.fields_by_name else default
 
 
 @dataclass(frozen=True)
@@ -90,21 +99,24 @@ class DecodeStream:
             tried.add(node.address)
             call = self.call
             if self.token_ids:
-                call = pb.GenerateRequest()
-                call.CopyFrom(self.call)
-                call.resume.CopyFrom(pb.Resume(output_token_ids=self.token_ids, num_sent_chars=self.num_chars))
+                if self.num_choices > 1:  # n choices interleave: no single point to resume from
+                    raise oai.service_unavailable(f"the stream broke after {len(self.token_ids)} tokens: "
+                                                  f"{last_error.message}", "decode_node_failed")
+                call = self._resume_call()
                 self.num_resumes += 1
                 logger.warning("Reqid: %s, resuming on %s after %d tokens", self.request_id, node.address,
                                len(self.token_ids))
+            num_finished = 0
             try:
                 async for delta in self._deltas(node, call):
                     if not self.token_ids and not self.num_resumes:
                         logger.info("Reqid: %s, decoding on %s", self.request_id, node.address)
                     self.token_ids.extend(delta.token_ids)
                     self.num_chars += len(delta.text)
+                    num_finished += bool(delta.finish_reason)
                     yield delta
-                    if delta.finish_reason:
-                        return
+                if num_finished >= self.num_choices:
+                    return
                 raise NodeFailed("the stream ended without a finish reason")
             except NodeFailed as e:
                 if e.down:
@@ -114,6 +126,21 @@ class DecodeStream:
                 logger.warning("Reqid: %s, decode on %s failed after %d tokens (%s); %s", self.request_id,
                                node.address, len(self.token_ids), e.reason,
                                "resuming on another node" if self.token_ids else "trying the next node")
+
+    @property
+    def num_choices(self) -> int:
+        return max(1, _field(self.call.params, "n", 1))
+
+    def _resume_call(self) -> pb.GenerateRequest:
+        """The original call plus where it stopped; what the client already has (an echoed prompt,
+        prompt logprobs) is not asked for again."""
+        call = pb.GenerateRequest()
+        call.CopyFrom(self.call)
+        call.resume.CopyFrom(pb.Resume(output_token_ids=self.token_ids, num_sent_chars=self.num_chars))
+        for name in _SENT_WITH_THE_FIRST_DELTA:
+            if name in call.params.DESCRIPTOR.fields_by_name:
+                call.params.ClearField(name)
+        return call
 
     async def _deltas(self, node: Node, call: pb.GenerateRequest) -> AsyncIterator[pb.GenerateDelta]:
         """One node's deltas (heartbeats dropped) under the deadlines; NodeFailed when it misses one."""
@@ -145,7 +172,7 @@ class DecodeStream:
                     raise self._rpc_failure(e) from None
                 if delta is grpc.aio.EOF:
                     return
-                if delta.token_ids or delta.text or delta.finish_reason:
+                if delta.ByteSize():  # anything but a heartbeat (an empty message)
                     last_token = loop.time()
                     yield delta
         finally:
