@@ -185,6 +185,10 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
         if not isinstance(m, dict) or m.get("role") not in _CHAT_ROLES:
             raise bad_request(f"messages[{i}] must be an object with a role in {', '.join(_CHAT_ROLES)}",
                               "messages")
+        for key, value in m.items():  # name, tool_calls, audio, ...: refused, not dropped
+            if key not in ("role", "content") and value not in (None, [], ""):
+                raise bad_request(f"messages[{i}].{key} is not supported by this server", "messages",
+                                  "unsupported_parameter")
         out.append({"role": m["role"], "content": _content_text(m.get("content", ""), i)})
     return out
 

@@ -252,6 +252,9 @@ def test_structured_outputs_validate(api):
                                         response_format={"type": "json_schema",
                                                          "json_schema": {"name": "x", "schema": {"type": "nope"}}})
     assert bad.value.body["param"] == "response_format" and "invalid JSON schema" in bad.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as bad:  # streamed too: refused before the stream starts
+        api.oai.completions.create(model=api.model, prompt="x", stream=True, extra_body={"guided_regex": "a(b"})
+    assert bad.value.body["param"] == "guided_regex" and "invalid regex" in bad.value.body["message"]
     if api.proxy_pid is not None:  # the nodes compiled every grammar: the proxy never loaded torch
         assert "libtorch" not in open(f"/proc/{api.proxy_pid}/maps").read()
 

@@ -76,6 +76,25 @@ def test_bad_values_and_unsupported_fields_are_400_naming_them(body, param):
     refused({"prompt": "x", **body}, param)
 
 
+def test_message_fields_beyond_role_and_content_are_refused_unless_empty():
+    e = refused({"messages": [{"role": "user", "content": "x", "name": "ann"}]}, "messages", oai.CHAT)
+    assert "messages[0].name" in e.message and e.code == "unsupported_parameter"
+    refused({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "t"}]}]}, "messages", oai.CHAT)
+    replayed = {"role": "assistant", "content": "hi", "refusal": None, "tool_calls": None, "annotations": []}
+    assert parse({"messages": [replayed]}, oai.CHAT).messages == [{"role": "assistant", "content": "hi"}]
+
+
+def test_a_stream_cut_short_counts_what_it_sent():
+    req = parse({"prompt": ["p0", "p1"], "n": 2, "stream": True})
+    assembler = Assembler(req, 2)
+    assembler.delta(ChoiceOutput(0, out.Delta("ab", [1, 2]), lambda: "", lambda: None, prompt_tokens=(5, 1)))
+    assembler.delta(ChoiceOutput(0, out.Delta("c", [3], index=1, finish_reason="stop"), lambda: "", lambda: None,
+                                 usage=out.usage_dict(5, 1, 1)))
+    assembler.delta(ChoiceOutput(1, out.Delta("d", [4]), lambda: "", lambda: None, prompt_tokens=(7, 0)))
+    assert assembler.unfinished == [0, 2, 3]
+    assert assembler.usage() == out.usage_dict(12, 4, 1)  # both prompts, every token sent
+
+
 def test_neutral_values_of_unsupported_features_pass():
     req = parse({"messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "none", "store": False,
                  "service_tier": "auto", "parallel_tool_calls": True, "best_of": None}, oai.CHAT)
