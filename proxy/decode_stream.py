@@ -121,8 +121,9 @@ class DecodeStream:
             except NodeFailed as e:
                 if e.down:
                     node.mark_down(e.reason)
+                # raised only once no other node is left: then that is what the client is told
                 last_error = e.error or oai.service_unavailable(f"decode node {node.address}: {e.reason}",
-                                                                "decode_node_failed")
+                                                                "no_healthy_decode_node")
                 logger.warning("Reqid: %s, decode on %s failed after %d tokens (%s); %s", self.request_id,
                                node.address, len(self.token_ids), e.reason,
                                "resuming on another node" if self.token_ids else "trying the next node")

@@ -133,3 +133,23 @@ def test_misplaced_kv_object_is_recomputed(healthy, reference):
     lines = [line for node in chaos.decode for line in log_lines(node.log_file, "misplaced-dst-0")]
     assert any("KV load failed (corrupt" in line for line in lines), lines
     assert all(n["healthy"] for n in status(chaos.url)["decode"])
+
+
+def test_no_decode_node_left_ends_each_stream_with_an_error_chunk(chaos, reference):
+    """Both decode nodes SIGKILLed mid-stream (runs last: it leaves none): no stream hangs; each either
+    finished before, or ends after an exact prefix with an in-band error saying no decode node is left."""
+    async def fault(progress):
+        await wait_tokens(progress, 20)
+        for node in chaos.decode:
+            node.kill()
+
+    outcomes, _ = asyncio.run(run_load(chaos.url, BODIES, "all-dead", N, fault))
+    tally = Tally.of("all decode killed", outcomes, reference)
+    assert tally.truncated + sum(tally.failed.values()) > 0 and tally.exact == tally.ok, tally
+    for o in outcomes:
+        assert o.latency_s < 30, o
+        assert o.token_ids == reference[o.index][:len(o.token_ids)], o
+        if o.status == 200 and o.finish_reason is None:
+            assert o.error is not None and "no_healthy_decode_node" in o.error, o
+        elif o.status != 200:
+            assert o.status == 503 and "no_healthy_decode_node" in (o.error or ""), o
