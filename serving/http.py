@@ -17,6 +17,7 @@ import uuid
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 
 from serving import errors
 from serving.auth import check_http_api_key
@@ -83,6 +84,22 @@ def api_middleware(on_outcome: Callable[[web.Request, str], None] | None = None,
         return response
 
     return middleware
+
+
+class _ParserRefusals(logging.Filter):
+    """aiohttp's parser answers what never reaches the middleware (a header line over MAX_HEADER_BYTES,
+    a malformed request line) with a plain 400 and logs a traceback: make that one operator line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, BadHttpMessage):
+            record.msg, record.args = "HTTP request refused by the parser (400): %s", (str(exc.message)[:200],)
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+logging.getLogger("aiohttp.server").addFilter(_ParserRefusals())
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
