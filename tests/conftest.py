@@ -42,6 +42,15 @@ def redis_server():
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def redis_module():
+    """One redis-server shared by the tests of a module."""
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def redis_cluster_session():
     cluster = RedisClusterServer(masters=3)

@@ -19,7 +19,6 @@ from tests.connector_helpers import (ENGINE_KW, FALLBACK_RE, GREEDY, LENGTHS, LO
                                      SAVE_RE, broken_at_load_start, capture, check_full_handoff, check_partial_load,
                                      check_salts_never_share, engine_pair, hf_greedy,
                                      lines, mono_engine, prompt, prompt_tokens_computed, token_ids)
-from tests.utils import RedisServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,14 +34,6 @@ def file_pair(tiny_llama, store_dir):
     yield producer, consumer
     producer.engine.shutdown()
     consumer.engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def redis_module():
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

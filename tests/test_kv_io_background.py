@@ -16,7 +16,6 @@ from deploy.fault_relay import FaultRelay
 from serving import LLM, SamplingParams
 from engine.request import RequestStatus
 from tests.connector_helpers import ENGINE_KW, FALLBACK_RE, GREEDY, PREFILL, capture, lines, mono_engine, prompt
-from tests.utils import RedisServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,14 +31,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def redis_module():
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture()
