@@ -97,17 +97,72 @@ typedef struct {
 } Layout;
 
 #ifdef PD_AVX2
-/* The vector bodies exist once per group size G (query heads per kv head), so the group's
- * accumulators are fixed-size arrays the compiler keeps in registers. */
+/* Eight sums in one vector: out[j] = sum of the lanes of a[j]. Seven shuffles+adds instead of
+ * eight separate horizontal sums. */
+static inline __m256 hsum8x8(const __m256 *a) {
+    const __m256 r0 = _mm256_hadd_ps(a[0], a[1]), r1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 r2 = _mm256_hadd_ps(a[4], a[5]), r3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 s0 = _mm256_hadd_ps(r0, r1), s1 = _mm256_hadd_ps(r2, r3);
+    /* s0 = [a0 a1 a2 a3 | a0 a1 a2 a3] (low | high lane partial sums), s1 likewise for a4..a7. */
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
+/* exp(x) for 8 floats: x = n ln2 + r with |r| <= ln2/2, exp(r) by a degree-6 polynomial (relative
+ * error about 2e-7, like expf's), 2^n built in the exponent bits. Inputs below -87.3 give ~0
+ * (softmax scores minus their max are <= 0, so large inputs never occur). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2 split in two for exactness */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* The vector bodies exist once per group size G (query heads per kv head), so the accumulators
+ * are fixed-size arrays the compiler keeps in registers. An FMA's result is ready only a few
+ * cycles after it issues, so a loop that adds into one or two accumulators waits on itself:
+ * both bodies keep eight independent accumulators in flight.
+ *  - scores: T = 8/G keys at a time, each against the G query heads, reduced with hsum8x8;
+ *  - values: DB = 8/G vectors of head_dim at a time for the G heads, one pass over the keys
+ *    per such slice (the block's values stay in L1 between passes). */
 #define DEFINE_VECTOR_BODIES(G)                                                                              \
+    enum { T_##G = 8 / G, DB_##G = 8 / G };                                                                      \
     static void scores_g##G(const Layout *L, const float *q, const char *blk, int off0, int n, float *scores,     \
                             int col0) {                                                                          \
         const int KVH = L->num_kv_heads, D = L->head_dim;                                                        \
         for (int kh = 0; kh < KVH; kh++) {                                                                       \
             const float *qk = q + (size_t)kh * G * D;                                                            \
             float *sk = scores + (size_t)kh * G * PART_TOKENS + col0;                                            \
-            for (int i = 0; i < n; i++) {                                                                        \
-                const char *k = blk + (int64_t)(off0 + i) * L->token_stride + (size_t)kh * D * L->elem;          \
+            const char *k0 = blk + (int64_t)off0 * L->token_stride + (size_t)kh * D * L->elem;                   \
+            int i = 0;                                                                                           \
+            for (; i + T_##G <= n; i += T_##G) {                                                                 \
+                __m256 acc[8];                                                                                   \
+                for (int a = 0; a < 8; a++) acc[a] = _mm256_setzero_ps();                                        \
+                for (int d = 0; d < D; d += 8) {                                                                 \
+                    for (int t = 0; t < T_##G; t++) {                                                            \
+                        const __m256 kv = load8(k0 + (int64_t)(i + t) * L->token_stride + (size_t)d * L->elem,   \
+                                                L->dt);                                                          \
+                        for (int g = 0; g < G; g++)                                                              \
+                            acc[t * G + g] = _mm256_fmadd_ps(_mm256_loadu_ps(qk + (size_t)g * D + d), kv,        \
+                                                             acc[t * G + g]);                                    \
+                    }                                                                                            \
+                }                                                                                                \
+                float sums[8];                                                                                   \
+                _mm256_storeu_ps(sums, hsum8x8(acc));                                                            \
+                for (int t = 0; t < T_##G; t++)                                                                  \
+                    for (int g = 0; g < G; g++) sk[(size_t)g * PART_TOKENS + i + t] = sums[t * G + g];          \
+            }                                                                                                    \
+            for (; i < n; i++) {                                                                                 \
+                const char *k = k0 + (int64_t)i * L->token_stride;                                               \
                 __m256 acc[G];                                                                                   \
                 for (int g = 0; g < G; g++) acc[g] = _mm256_setzero_ps();                                        \
                 for (int d = 0; d < D; d += 8) {                                                                 \
@@ -126,15 +181,32 @@ typedef struct {
             const float *pk = p + (size_t)kh * G * PART_TOKENS + col0;                                           \
             float *ak = acc + (size_t)kh * G * D;                                                                \
             const char *vk = blk + (int64_t)off0 * L->token_stride + (size_t)kh * D * L->elem;                   \
-            for (int d = 0; d < D; d += 8) {                                                                     \
-                __m256 a[G];                                                                                     \
-                for (int g = 0; g < G; g++) a[g] = _mm256_loadu_ps(ak + (size_t)g * D + d);                      \
+            int d0 = 0;                                                                                          \
+            for (; d0 + 8 * DB_##G <= D; d0 += 8 * DB_##G) {                                                     \
+                __m256 a[G][DB_##G];                                                                             \
+                for (int g = 0; g < G; g++)                                                                      \
+                    for (int j = 0; j < DB_##G; j++) a[g][j] = _mm256_loadu_ps(ak + (size_t)g * D + d0 + 8 * j); \
                 for (int i = 0; i < n; i++) {                                                                    \
-                    const __m256 vv = load8(vk + (int64_t)i * L->token_stride + (size_t)d * L->elem, L->dt);     \
-                    for (int g = 0; g < G; g++)                                                                  \
-                        a[g] = _mm256_fmadd_ps(_mm256_set1_ps(pk[(size_t)g * PART_TOKENS + i]), vv, a[g]);       \
+                    const char *v = vk + (int64_t)i * L->token_stride + (size_t)d0 * L->elem;                    \
+                    for (int j = 0; j < DB_##G; j++) {                                                           \
+                        const __m256 vv = load8(v + (size_t)8 * j * L->elem, L->dt);                             \
+                        for (int g = 0; g < G; g++)                                                              \
+                            a[g][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(pk + (size_t)g * PART_TOKENS + i), vv, \
+                                                      a[g][j]);                                                  \
+                    }                                                                                            \
                 }                                                                                                \
-                for (int g = 0; g < G; g++) _mm256_storeu_ps(ak + (size_t)g * D + d, a[g]);                     \
+                for (int g = 0; g < G; g++)                                                                      \
+                    for (int j = 0; j < DB_##G; j++) _mm256_storeu_ps(ak + (size_t)g * D + d0 + 8 * j, a[g][j]); \
+            }                                                                                                    \
+            for (; d0 < D; d0 += 8) { /* head_dim not a multiple of the slice: one vector at a time */           \
+                __m256 a[G];                                                                                     \
+                for (int g = 0; g < G; g++) a[g] = _mm256_loadu_ps(ak + (size_t)g * D + d0);                     \
+                for (int i = 0; i < n; i++) {                                                                    \
+                    const __m256 vv = load8(vk + (int64_t)i * L->token_stride + (size_t)d0 * L->elem, L->dt);    \
+                    for (int g = 0; g < G; g++)                                                                  \
+                        a[g] = _mm256_fmadd_ps(_mm256_broadcast_ss(pk + (size_t)g * PART_TOKENS + i), vv, a[g]); \
+                }                                                                                                \
+                for (int g = 0; g < G; g++) _mm256_storeu_ps(ak + (size_t)g * D + d0, a[g]);                     \
             }                                                                                                    \
         }                                                                                                        \
     }
@@ -221,7 +293,17 @@ static void attend_partition(const Layout *L, const float *q, const int32_t *tab
     for (int h = 0; h < H; h++) {
         float *sh = scores + (size_t)h * PART_TOKENS, mx = -INFINITY, sum = 0.f;
         for (int i = 0; i < n; i++) mx = sh[i] > mx ? sh[i] : mx;
-        for (int i = 0; i < n; i++) {
+        int i = 0;
+#ifdef PD_AVX2
+        __m256 vsum = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + i), _mm256_set1_ps(mx)));
+            _mm256_storeu_ps(sh + i, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        sum = hsum8(vsum);
+#endif
+        for (; i < n; i++) {
             sh[i] = expf(sh[i] - mx);
             sum += sh[i];
         }
