@@ -5,7 +5,8 @@ Default: the `bench` model, 16 requests whose prompts (576 tokens) are prefilled
 breakdown times each part's calls inside the steps: attention (the backend: cache write +
 paged attention, per layer), linear layers (qkv/o/gate-up/down projections), logits + sampling,
 and the rest (embedding, norms, RoPE, scheduling, input preparation, output processing).
-The bar: <= 25 ms per step at batch 16 with ~600-token contexts.
+The bar: <= 25 ms per step at batch 16 with ~600-token contexts. On CPU it then prints this
+machine's floor for such a step (benchmarks/roofline.py), measured in the same run.
 
     .venv/bin/python benchmarks/decode_step.py [--batch 16] [--context 576] [--steps 24]
         [--attention-backend auto|torch|cpu]
@@ -26,6 +27,7 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks.engine_throughput import bench_model_path, prompts  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
+from benchmarks.roofline import decode_floor  # noqa: E402
 from benchmarks.timing import engine_parts, print_parts  # noqa: E402
 from engine import SamplingParams  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -74,6 +76,8 @@ def main() -> None:
         print("(CUDA: the parts are host time spent launching them; the step time includes the device's work)")
     print_parts(timer.totals, sum(step_ms) / 1000, per=args.steps)
     engine.shutdown()
+    if runner.device.type == "cpu":
+        print(decode_floor(runner.hf_config, runner.dtype, args.batch, ctx + args.steps // 2).describe())
 
 
 if __name__ == "__main__":

@@ -162,8 +162,10 @@ class DecodeStream:
                 token_deadline = started + d.first_token_s if last_token is None else last_token + d.token_s
                 wait = min(d.stall_s, token_deadline - now)
                 try:
-                    delta = await asyncio.wait_for(stream.read(), max(wait, 0.0))
-                except asyncio.TimeoutError:
+                    # asyncio.timeout, not wait_for: no task created per message (the proxy's own latency)
+                    async with asyncio.timeout(max(wait, 0.0)):
+                        delta = await stream.read()
+                except TimeoutError:
                     if loop.time() >= token_deadline:
                         what = "first token" if last_token is None else "next token"
                         limit = d.first_token_s if last_token is None else d.token_s
