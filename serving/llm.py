@@ -1,5 +1,8 @@
 """The offline API: `LLM(model_path, **options).generate(prompts, sampling_params)` and `.chat(messages)`.
 
+Results have vLLM's shape (serving/offline_outputs.py): one RequestOutput per prompt, its n
+choices in `outputs`, so `llm.generate(prompts, params)[0].outputs[0].text` works as in vLLM.
+
 Like vLLM's offline API it prints its log lines (engine start-up, KV hits and loads, ...)
 without the caller configuring logging; PDSERVE_CONFIGURE_LOGGING=0 turns that off
 (engine.logging_setup). It lives in serving, not engine, because it wires a KV connector from
@@ -14,9 +17,10 @@ from typing import Any, Sequence
 from connectors.factory import create_connector
 from engine.llm_engine import LLMEngine
 from engine.logging_setup import configure_default_logging
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput as StepOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template, encode_prompt
+from serving.offline_outputs import ChoiceRecorder, RequestOutput
 
 Prompt = str | Sequence[int]
 Messages = list[dict[str, Any]]
@@ -37,13 +41,11 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  cache_salt: str | None = None) -> list[RequestOutput]:
-        """Finished RequestOutputs in prompt order. A prompt is a string or a list of token ids.
-
-        With n > 1 a prompt gives n outputs in a row (its choices, `index` 0..n-1), so the list
-        is ordered like the choices of an OpenAI completions response.
-        """
+        """One finished RequestOutput per prompt, in prompt order. A prompt is a string or a list of
+        token ids. With n > 1 the prompt's choices are `outputs[0..n-1]`."""
         batch = [prompts] if isinstance(prompts, str) or _is_token_ids(prompts) else list(prompts)
-        return self._run([self._tokenize(p) for p in batch], sampling_params, cache_salt)
+        return self._run([self._tokenize(p) for p in batch], sampling_params, cache_salt,
+                         [p if isinstance(p, str) else None for p in batch])
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -56,10 +58,10 @@ class LLM:
             conversations = list(messages)
         tokenizer = self.engine.tokenizer
         token_ids = [apply_chat_template(tokenizer, list(c), add_generation_prompt) for c in conversations]
-        return self._run(token_ids, sampling_params, cache_salt)
+        return self._run(token_ids, sampling_params, cache_salt, [tokenizer.decode(ids) for ids in token_ids])
 
     def _run(self, token_ids: list[list[int]], sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-             cache_salt: str | None) -> list[RequestOutput]:
+             cache_salt: str | None, prompts: list[str | None]) -> list[RequestOutput]:
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(token_ids):
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {len(token_ids)} prompts")
@@ -67,21 +69,20 @@ class LLM:
         else:
             params = [sampling_params or SamplingParams()] * len(token_ids)
         request_ids = [f"gen-{next(self._ids)}" for _ in token_ids]
-        wanted = [(rid, i) for rid, p in zip(request_ids, params) for i in range(p.n)]
+        recorders = {rid: ChoiceRecorder(p.n, self.engine.tokenizer) for rid, p in zip(request_ids, params)}
         try:
             for rid, ids, p in zip(request_ids, token_ids, params):
                 self.engine.add_request(rid, ids, p, cache_salt=cache_salt)
-            results: dict[tuple[str, int], RequestOutput] = {}
-            while len(results) < len(wanted):
+            while not all(r.done for r in recorders.values()):
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError("the engine finished without completing every request (aborted elsewhere?)")
+                out: StepOutput
                 for out in self.engine.step():
-                    if out.finished:
-                        results[(out.request_id, out.index)] = out
+                    recorders[out.request_id].add(out)
         except BaseException:
             self.engine.abort_request(request_ids)
             raise
-        return [results[key] for key in wanted]
+        return [recorders[rid].result(rid, prompt) for rid, prompt in zip(request_ids, prompts)]
 
     def _tokenize(self, prompt: Any) -> list[int]:
         if isinstance(prompt, str):

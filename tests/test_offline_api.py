@@ -28,6 +28,28 @@ def test_chat_is_generate_over_the_chat_template(llm):
     assert [o.token_ids for o in two][0] == chat[0].token_ids and len(two) == 2
 
 
+def test_results_have_vllms_shape(llm):
+    """What a vLLM script reads: one RequestOutput per prompt, its choices in `outputs`, per-token
+    logprobs as {token id: Logprob} only when asked, and the prompt text for string prompts."""
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
+    text, ids = llm.generate(["Hello", [5, 6, 7]], params)
+    assert (text.prompt, ids.prompt, ids.prompt_token_ids) == ("Hello", None, [5, 6, 7]) and text.finished
+    first = text.outputs[0]
+    assert first.index == 0 and len(first.token_ids) == 5 and first.finished() and first.finish_reason == "length"
+    assert first.text == llm.engine.tokenizer.decode(first.token_ids, skip_special_tokens=True)
+    assert len(first.logprobs) == 5
+    for token, position in zip(first.token_ids, first.logprobs):
+        sampled = position[token]  # greedy: the sampled token is the most likely one
+        assert sampled.rank == 1 and sampled.decoded_token == llm.engine.tokenizer.decode([token])
+        assert len(position) == 2 and all(lp.logprob <= sampled.logprob for lp in position.values())
+    assert first.cumulative_logprob == pytest.approx(sum(p[t].logprob for t, p in zip(first.token_ids,
+                                                                                      first.logprobs)))
+    plain = llm.generate("Hello", SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    assert plain.token_ids == first.token_ids and plain.logprobs is None and plain.cumulative_logprob is None
+    chat = llm.chat(MESSAGES, SamplingParams(max_tokens=2, temperature=0.0))[0]
+    assert chat.prompt == llm.engine.tokenizer.decode(chat.prompt_token_ids)
+
+
 def test_min_tokens_then_eos_and_its_text(llm):
     """A +100 bias on EOS would end at once; min_tokens holds it off. The EOS text is not output
     unless include_stop_str_in_output (and then only with skip_special_tokens=False)."""

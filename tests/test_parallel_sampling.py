@@ -24,10 +24,11 @@ def computed(llm: LLM) -> int:
 def test_each_choice_is_its_own_seeded_stream_and_the_prompt_is_computed_once(llm):
     params = SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=7, ignore_eos=True)
     before = computed(llm)
-    outs = llm.generate(PROMPTS, params)
+    results = llm.generate(PROMPTS, params)
     assert computed(llm) - before == sum(map(len, PROMPTS))  # not 3x
-    assert [(o.index, o.prompt_token_ids) for o in outs] == [(i, p) for p in PROMPTS for i in range(3)]
-    for p, trio in zip(PROMPTS, (outs[k:k + 3] for k in range(0, len(outs), 3))):
+    assert [r.prompt_token_ids for r in results] == PROMPTS  # vLLM's shape: one result per prompt
+    assert [[o.index for o in r.outputs] for r in results] == [[0, 1, 2]] * len(PROMPTS)
+    for p, trio in zip(PROMPTS, (r.outputs for r in results)):
         assert len({tuple(o.token_ids) for o in trio}) == 3
         for o in trio:  # choice i == a lone request seeded seed + i: the forked KV is exact
             alone = llm.generate([p], SamplingParams(max_tokens=10, temperature=1.0, seed=7 + o.index,
@@ -39,8 +40,8 @@ def test_each_choice_is_its_own_seeded_stream_and_the_prompt_is_computed_once(ll
 
 def test_greedy_choices_all_match_hf(tiny_llama, llm):
     refs = hf_greedy(tiny_llama, PROMPTS[2:4], 8)
-    outs = llm.generate(PROMPTS[2:4], SamplingParams(n=2, max_tokens=8, temperature=0.0))
-    assert [o.token_ids for o in outs] == [refs[0], refs[0], refs[1], refs[1]]
+    results = llm.generate(PROMPTS[2:4], SamplingParams(n=2, max_tokens=8, temperature=0.0))
+    assert [[o.token_ids for o in r.outputs] for r in results] == [[refs[0], refs[0]], [refs[1], refs[1]]]
 
 
 def test_single_token_choices_and_a_pool_too_small_to_fork(tiny_llama, caplog):
@@ -49,12 +50,12 @@ def test_single_token_choices_and_a_pool_too_small_to_fork(tiny_llama, caplog):
     caplog.set_level(logging.INFO, logger="engine")
     small = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=5 * BLOCK_BYTES_TINY)
     params = SamplingParams(n=4, max_tokens=3, temperature=1.0, seed=11, ignore_eos=True)
-    outs = small.generate([PROMPTS[4]], params)
+    outs = small.generate([PROMPTS[4]], params)[0].outputs
     singles = [small.generate([PROMPTS[4]], SamplingParams(max_tokens=3, temperature=1.0, seed=11 + i,
                                                            ignore_eos=True))[0].token_ids for i in range(4)]
     assert [o.token_ids for o in outs] == singles
     assert "Reqid: 3_gen-0, choice 3 waits for room" in caplog.text
-    firsts = small.generate([PROMPTS[1]], SamplingParams(n=3, max_tokens=1, temperature=1.0, seed=5))
+    firsts = small.generate([PROMPTS[1]], SamplingParams(n=3, max_tokens=1, temperature=1.0, seed=5))[0].outputs
     assert [len(o.token_ids) for o in firsts] == [1, 1, 1]
     stats = small.engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks
