@@ -123,7 +123,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    logprobs: bool = False  # report the sampled token's logprob
+    # Report the sampled token's logprob. An int k (not a bool) means what it means in vLLM: the
+    # sampled token's plus the k most likely tokens' (top_logprobs = k).
+    logprobs: bool | int | None = False
     top_logprobs: int = 0  # also report this many most likely tokens per position (implies logprobs)
     prompt_logprobs: int | None = None  # per prompt token: its logprob, rank, and this many top tokens
     structured_outputs: StructuredOutputsParams | None = None
@@ -163,6 +165,10 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if _is_int(self.logprobs):
+            if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+            self.top_logprobs, self.logprobs = self.top_logprobs or self.logprobs, True
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)

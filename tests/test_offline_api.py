@@ -31,7 +31,10 @@ def test_chat_is_generate_over_the_chat_template(llm):
 def test_results_have_vllms_shape(llm):
     """What a vLLM script reads: one RequestOutput per prompt, its choices in `outputs`, per-token
     logprobs as {token id: Logprob} only when asked, and the prompt text for string prompts."""
-    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=2)  # vLLM's int: top 2
+    assert (params.logprobs, params.top_logprobs) == (True, 2)
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=-1)
     text, ids = llm.generate(["Hello", [5, 6, 7]], params)
     assert (text.prompt, ids.prompt, ids.prompt_token_ids) == ("Hello", None, [5, 6, 7]) and text.finished
     first = text.outputs[0]

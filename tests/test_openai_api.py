@@ -129,7 +129,7 @@ def test_n_shares_the_prompt_and_streams_interleaved(api, llm):
     if api.decode_log is not None:  # ... and loads it from the store once
         assert len([x for x in log_lines(api.decode_log, f"{api.kind}-n3") if "Retrieved" in x]) == 1
     offline = llm.generate([prompt], SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=5, ignore_eos=True))
-    assert [ids_of(c) for c in resp.choices] == [o.token_ids for o in offline]
+    assert [ids_of(c) for c in resp.choices] == [o.token_ids for o in offline[0].outputs]
     chunks = list(api.oai.completions.create(model=api.model, prompt=prompt, n=3, max_tokens=6, temperature=1.0,
                                              seed=5, stream=True, extra_body={"ignore_eos": True}))
     order = [c.choices[0].index for c in chunks if c.choices]
