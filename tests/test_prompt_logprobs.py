@@ -47,9 +47,8 @@ def test_prompt_logprobs_match_hf_and_ignore_the_prefix_cache(tiny_llama, hf_log
 
 def test_prompt_logprobs_with_chunked_prefill_and_n(tiny_llama, hf_logprobs):
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=12)
-    outs = llm.generate([PROMPT], SamplingParams(n=2, max_tokens=2, temperature=1.0, seed=1, prompt_logprobs=K))
-    assert [o.index for o in outs] == [0, 1]
-    for out in outs:
-        check(out.prompt_logprobs, hf_logprobs)
+    result, = llm.generate([PROMPT], SamplingParams(n=2, max_tokens=2, temperature=1.0, seed=1, prompt_logprobs=K))
+    assert [o.index for o in result.outputs] == [0, 1]  # the prompt's logprobs once, beside its n choices
+    check(result.prompt_logprobs, hf_logprobs)
     zero = llm.generate([PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs
     assert all(list(e) == [t] for e, t in zip(zero[1:], PROMPT[1:]))  # only the prompt token itself
