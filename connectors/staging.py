@@ -5,7 +5,9 @@ Two ways, one interface (`KVTransfer`), picked by `make_kv_transfer` from the en
 - `KVTransfer` (CPU): a store read of one layer of a request's chunks lands in one reusable host
   buffer [2, T, H, D] (`PinnedPool`, plain memory on CPU; each chunk in its token slice: no
   allocation or page faults per load), and one scatter per layer writes the needed rows into
-  their slots; saves gather each chunk into its own contiguous tensor. Nothing is asynchronous.
+  their slots, a whole paged block per copy (`BlockScatter`, planned once per load: every layer
+  has the same slots); saves gather each chunk into its own contiguous tensor. Nothing is
+  asynchronous.
 - `StagedTransfer` (CUDA): a store read of one layer of a request's chunks lands in one reusable
   pinned host buffer [2, T, H, D] (`PinnedPool`; each chunk in its token slice); a dedicated
   copy stream moves it to the device in one copy and scatters the needed rows into their slots
@@ -26,6 +28,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 import kernels
@@ -90,12 +93,63 @@ def view_as(buf: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, offse
 
 @dataclass
 class ReadTarget:
-    """Where a store read of one layer of consecutive chunks should land (`out`: None lets the store
-    allocate), and the pooled buffer behind it (`full`: the chunks back to back, [2, T, H, D])."""
+    """Where a store read of one layer of consecutive chunks of `chunk_lens` tokens should land: the
+    pooled buffer `buffer`, viewed as `full` (the chunks back to back, [2, T, H, D])."""
 
-    out: list[torch.Tensor] | None = None
-    buffer: torch.Tensor | None = None
-    full: torch.Tensor | None = None
+    buffer: torch.Tensor
+    full: torch.Tensor
+    chunk_lens: list[int]
+
+    @property
+    def out(self) -> list[torch.Tensor]:
+        """Each chunk's token slice of `full` (its K half and V half stay contiguous)."""
+        out, start = [], 0
+        for n in self.chunk_lens:
+            out.append(self.full[:, start:start + n])
+            start += n
+        return out
+
+
+@dataclass
+class BlockScatter:
+    """A load's scatter into paged KV [2, num_blocks, block_size, H, D], a whole block per copy.
+
+    The slots of a load's rows are the same for every layer, so they are planned once: the leading
+    rows that fill whole blocks (block-aligned slots, consecutive within a block: what a load into
+    freshly allocated blocks from a block-aligned N is) are copied block by block in one numpy
+    fancy assignment of block-sized rows (memcpy speed, ~4x index_copy_ of token rows here); the
+    rest (the last, partial block) goes through kernels.scatter_kv."""
+
+    block_size: int
+    blocks: np.ndarray  # destination block of each whole block of rows, in row order
+    full_rows: int  # rows [0, full_rows) fill those blocks
+    tail_slots: torch.Tensor  # slots of rows [full_rows, n)
+
+    @classmethod
+    def plan(cls, slots: torch.Tensor, block_size: int) -> BlockScatter | None:
+        """None when the slots do not start with whole blocks (then kernels.scatter_kv does it all)."""
+        if slots.device.type != "cpu":
+            return None
+        flat = slots.numpy()
+        whole = len(flat) // block_size
+        head = flat[:whole * block_size].reshape(whole, block_size)
+        if whole and not ((head[:, 0] % block_size == 0).all()
+                          and (head == head[:, :1] + np.arange(block_size)).all()):
+            return None
+        return cls(block_size, head[:, 0] // block_size, whole * block_size, slots[whole * block_size:])
+
+    def applies_to(self, kv_cache: torch.Tensor) -> bool:
+        return (kv_cache.device.type == "cpu" and kv_cache.dim() == 5 and kv_cache.shape[0] == 2
+                and kv_cache.shape[2] == self.block_size and kv_cache.is_contiguous())
+
+    def __call__(self, kv_cache: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write rows [2, n, H, D] (each half contiguous) into the planned slots of `kv_cache`."""
+        if self.full_rows:
+            dst = kv_cache.view(torch.uint8).numpy().reshape(2, kv_cache.shape[1], -1)
+            src = rows[:, :self.full_rows].view(torch.uint8).reshape(2, len(self.blocks), -1).numpy()
+            dst[:, self.blocks] = src
+        if len(self.tail_slots):
+            kernels.scatter_kv(kv_cache, self.tail_slots, rows[:, self.full_rows:])
 
 
 @dataclass
@@ -121,21 +175,23 @@ class KVTransfer:
         """One pooled buffer [2, T, H, D] for one layer of consecutive chunks of chunk_lens tokens, and
         each chunk's token slice of it for the store to read into (I/O thread)."""
         total = sum(chunk_lens)
-        buf = self.pool.acquire(2 * total * kv_shape[0] * kv_shape[1] * torch.empty((), dtype=dtype).element_size())
-        full = view_as(buf, (2, total, *kv_shape), dtype)
-        out, start = [], 0
-        for n in chunk_lens:  # token slices: each chunk's K half and V half stay contiguous
-            out.append(full[:, start:start + n])
-            start += n
-        return ReadTarget(out, buf, full)
+        buf = self.pool.acquire(2 * total * kv_shape[0] * kv_shape[1] * dtype.itemsize)
+        return ReadTarget(buf, view_as(buf, (2, total, *kv_shape), dtype), list(chunk_lens))
+
+    def scatter_plan(self, slots: torch.Tensor, block_size: int) -> BlockScatter | None:
+        """The per-load plan `load` may be given (compute thread, once per load)."""
+        return BlockScatter.plan(slots, block_size)
 
     def load(self, kv_cache: torch.Tensor, chunks: list[torch.Tensor], lo: int, hi: int, slots: torch.Tensor,
-             target: ReadTarget) -> Any:
+             target: ReadTarget, plan: BlockScatter | None = None) -> Any:
         """Write tokens [lo, hi) of the chunks (read into `target`, back to back) into `slots` with one
-        scatter, then hand the buffer back; returns the event marking the end (I/O thread). hi <= lo
-        writes nothing and just hands the buffer back."""
+        scatter (`plan`'s block copies when it fits this cache), then hand the buffer back; returns the
+        event marking the end (I/O thread). hi <= lo writes nothing and just hands the buffer back."""
         if hi > lo:
-            kernels.scatter_kv(kv_cache, slots, target.full[:, lo:hi])
+            if plan is not None and plan.applies_to(kv_cache):
+                plan(kv_cache, target.full[:, lo:hi])
+            else:
+                kernels.scatter_kv(kv_cache, slots, target.full[:, lo:hi])
         self.pool.release(target.buffer)
         return self.platform.new_event()
 
@@ -172,8 +228,11 @@ class StagedTransfer(KVTransfer):
         # kernels already issued on the compute stream: the copy stream goes after them.
         self.platform.wait_stream(self.copy_stream)
 
+    def scatter_plan(self, slots: torch.Tensor, block_size: int) -> None:
+        return None  # one scatter kernel on the device
+
     def load(self, kv_cache: torch.Tensor, chunks: list[torch.Tensor], lo: int, hi: int, slots: torch.Tensor,
-             target: ReadTarget) -> Any:
+             target: ReadTarget, plan: BlockScatter | None = None) -> Any:
         with self.platform.stream(self.copy_stream):
             if hi > lo:
                 # The whole buffer (contiguous pinned bytes: one async DMA), then one scatter of its rows.

@@ -41,6 +41,7 @@ _REASONS = ((StoreUnavailable, "unavailable"), (StoreTimeout, "timeout"), (Corru
 class _Load(InFlightLoad):
     keys: list[str] = field(default_factory=list)
     slots: torch.Tensor | None = None  # spec.slots on the engine's device
+    scatter: Any = None  # the transfer's plan of the scatter into `slots` (the same for every layer)
     events: dict[int, Any] = field(default_factory=dict)  # layer -> the event of its copy into paged memory
 
 
@@ -112,7 +113,8 @@ class StoreConnector(ChunkedConnector):
         for spec in specs:
             keys = self._prompt_keys(spec.request_id, spec.token_ids, spec.cache_salt)
             loads.append(_Load(spec, keys=keys[spec.plan.chunk_range.start:spec.plan.chunk_range.stop],
-                               slots=self.transfer.device_slots(spec.slots)))
+                               slots=self.transfer.device_slots(spec.slots),
+                               scatter=self.transfer.scatter_plan(spec.slots, self.block_size)))
         self.transfer.begin_step()
         for layer in range(self.num_layers):  # layer-major, so layer 0 of every request arrives first
             for load in loads:
@@ -127,12 +129,8 @@ class StoreConnector(ChunkedConnector):
             return 0
         bounds = [chunk_bounds(idx, plan.num_tokens, self.chunk_size) for idx in plan.chunk_range]
         target = self.transfer.read_target([end - start for start, end in bounds], self.kv_shape, self.dtype)
-        try:
-            tensors = self.store.get_layer(layer, load.keys, out=target.out)
-            for idx, (start, end), tensor in zip(plan.chunk_range, bounds, tensors):
-                if tensor.shape[1] != end - start:
-                    raise CorruptObject(f"chunk {idx} layer {layer} holds {tensor.shape[1]} tokens, "
-                                        f"expected {end - start}")
+        try:  # a chunk holding another number of tokens than its bounds say is CorruptObject
+            nbytes = self.store.get_layer_into(layer, load.keys, target.full, target.chunk_lens)
         except BaseException:
             self.transfer.load(self.kv_caches[layer], [], 0, 0, load.slots, target)  # hand the buffer back
             raise
@@ -140,9 +138,10 @@ class StoreConnector(ChunkedConnector):
         write_start, write_end = plan.write_range
         with load.lock:
             lo, hi = (0, 0) if load.failed else (write_start - first, write_end - first)
-            load.events[layer] = self.transfer.load(self.kv_caches[layer], tensors, lo, hi, load.slots, target)
+            load.events[layer] = self.transfer.load(self.kv_caches[layer], [], lo, hi, load.slots, target,
+                                                    load.scatter)
             load.finished = max(load.finished, time.perf_counter())
-        return sum(t.nbytes for t in tensors)
+        return nbytes
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
         """Layer-wise loads only (background loads are polled by get_finished), bounded by their deadline."""

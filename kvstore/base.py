@@ -20,6 +20,8 @@ Usage (one store per model: it is opened for one fingerprint, layer count and dt
     n = store.lookup(keys)                                       # leading committed chunks
     kv = store.get_layer(i, keys[:n])                            # list of [2, n_tok, H, D]
     store.get_layer(i, keys[:n], out=staging)                    # or into reused CPU tensors
+    store.get_layer_into(i, keys[:n], buf, chunk_lens)           # or into one reused [2, T, H, D]
+                                                                 # buffer (the decode hot path)
 
 Batched loads (the decode hot path: all chunks of a prompt, many layers, one call)::
 
@@ -178,6 +180,43 @@ class KVStore(ABC):
         they are returned: a connector reusing staging buffers pays no allocation or page
         faults per load."""
         return self.get_layers([layer], keys, None if out is None else [out])[0]
+
+    def get_layer_into(self, layer: int, keys: Sequence[str], staging: torch.Tensor, chunk_lens: Sequence[int]) -> int:
+        """Read layer `layer` of consecutive chunks into one reused contiguous CPU tensor [2, T, H, D]
+        (T = sum(chunk_lens)), chunk j at its token slice; returns the payload bytes read.
+
+        The decode hot path: each object is read straight into its slice of `staging` (files: readv)
+        and checked there (header, key binding, xxh3) while it is still in cache; one byte view of
+        the buffer serves every chunk, so no tensor is made per chunk. A chunk that holds another
+        number of tokens than chunk_lens[j] is CorruptObject, a missing one NotFound."""
+        keys = list(keys)
+        self._bound(layer)
+        if len(chunk_lens) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(chunk_lens)} chunk lengths")
+        if staging.device.type != "cpu" or not staging.is_contiguous() or staging.dim() != 4 or \
+                staging.shape[0] != 2 or staging.shape[1] != sum(chunk_lens):
+            raise ValueError(f"staging must be a contiguous CPU tensor [2, {sum(chunk_lens)}, H, D], "
+                             f"got {list(staging.shape)}")
+        if self.dtype is not None and staging.dtype != self.dtype:
+            raise ValueError(f"staging tensor of dtype {staging.dtype}, store holds {self.dtype}")
+        if self.kv_shape is not None and tuple(staging.shape[2:]) != self.kv_shape:
+            raise ValueError(f"staging shape {list(staging.shape)}, store holds [2, T, {self.kv_shape[0]}, "
+                             f"{self.kv_shape[1]}]")
+        start = time.perf_counter()
+        whole = codec.tensor_bytes(staging)
+        row = whole.nbytes // (2 * staging.shape[1]) if staging.shape[1] else 0
+        half = whole.nbytes // 2
+        spans, shapes, offset = [], [], 0
+        heads, dim = staging.shape[2], staging.shape[3]
+        for n in chunk_lens:
+            a, b = offset * row, (offset + n) * row
+            spans.append([whole[a:b], whole[half + a:half + b]])
+            shapes.append((2, n, heads, dim))
+            offset += n
+        self._guard(self._get_spans, [(layer, key) for key in keys], spans, shapes, staging.dtype)
+        self._count(objects_read=len(keys), bytes_read=codec.HEADER_SIZE * len(keys) + whole.nbytes,
+                    read_seconds=time.perf_counter() - start)
+        return whole.nbytes
 
     def get_layers(self, layers: Sequence[int], keys: Sequence[str],
                    out: Sequence[Sequence[torch.Tensor]] | None = None) -> list[list[torch.Tensor]]:
@@ -361,19 +400,27 @@ class KVStore(ABC):
         """Raw object bytes of (layer, key) items, in order; NotFound for a missing one."""
 
     def _get_into(self, items: list[tuple[int, str]], out: list[torch.Tensor]) -> None:
-        """Fill preallocated tensors; backends that can read straight into them override this."""
-        for (layer, key), buf, tensor in zip(items, self._get(items), out):
+        """Fill preallocated tensors (each K and V half contiguous)."""
+        self._get_spans(items, [codec.payload_views(t) for t in out], [tuple(t.shape) for t in out],
+                        out[0].dtype if out else torch.uint8)
+
+    def _get_spans(self, items: list[tuple[int, str]], spans: list[list[memoryview]], shapes: list[tuple[int, ...]],
+                   dtype: torch.dtype) -> None:
+        """Read each (layer, key) object's payload into its spans (K bytes, V bytes) and check it against
+        `dtype` and its shape; backends that can read straight into the spans override this."""
+        for (layer, key), buf, payload, shape in zip(items, self._get(items), spans, shapes):
             name = self.object_name(key, layer)
             view = memoryview(buf).cast("B")
-            spans = codec.payload_views(tensor)
-            if view.nbytes != codec.HEADER_SIZE + tensor.nbytes:
-                raise CorruptObject(f"{name}: {view.nbytes} bytes, expected {codec.HEADER_SIZE} + {tensor.nbytes} "
-                                    f"for {list(tensor.shape)} {tensor.dtype}")
+            size = sum(span.nbytes for span in payload)
+            if view.nbytes != codec.HEADER_SIZE + size:
+                raise CorruptObject(f"{name}: {view.nbytes} bytes, expected {codec.HEADER_SIZE} + {size} "
+                                    f"for {list(shape)} {dtype}")
             offset = codec.HEADER_SIZE
-            for span in spans:
+            for span in payload:
                 span[:] = view[offset:offset + span.nbytes]
                 offset += span.nbytes
-            codec.decode_into(view[:codec.HEADER_SIZE], tensor, spans, self.fingerprint, name, key=key, layer=layer)
+            codec.check_payload(view[:codec.HEADER_SIZE], payload, self.fingerprint, dtype, shape, name, key=key,
+                                layer=layer)
 
     @abstractmethod
     def _commit(self, keys: list[str], num_layers: int) -> None: ...

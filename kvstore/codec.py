@@ -145,12 +145,34 @@ def decode_into(header: bytes | bytearray | memoryview, out: torch.Tensor, paylo
     """Validate an object whose payload was already read into `out` (a preallocated tensor of the
     expected dtype and shape; `payload` is payload_views(out)); CorruptObject if the header
     disagrees with `out`, belongs to another key or layer, or the checksum fails."""
+    check_payload(header, payload, fingerprint, out.dtype, tuple(out.shape), name, key=key, layer=layer)
+
+
+def expected_header(fingerprint: str, dtype: torch.dtype, shape: tuple[int, ...], *, key: str, layer: int) -> bytes:
+    """The checksummed header bytes [0, 56) of the one valid object for layer `layer` of chunk `key`
+    holding a `dtype` tensor of `shape` [2, n, H, D]."""
+    length = shape[0] * shape[1] * shape[2] * shape[3] * dtype.itemsize
+    return _HEAD.pack(MAGIC, VERSION, DTYPE_CODES[dtype], 0, *shape, fingerprint_bytes(fingerprint), length,
+                      binding(key, layer))
+
+
+def check_payload(header: bytes | bytearray | memoryview, payload: list[memoryview], fingerprint: str,
+                  dtype: torch.dtype, shape: tuple[int, ...], name: str = "object", *, key: str, layer: int) -> None:
+    """Validate an object whose payload spans were read in place: CorruptObject unless its header is
+    exactly that of layer `layer` of chunk `key` with a `dtype` tensor of `shape`, and the xxh3 over
+    header and payload matches. The load hot path: one compare of the expected header bytes and one
+    hash pass (over spans just read, still in cache); the precise reason is worked out only on failure."""
     view = memoryview(header).cast("B")
+    length = shape[0] * shape[1] * shape[2] * shape[3] * dtype.itemsize
+    if view.nbytes >= HEADER_SIZE and sum(span.nbytes for span in payload) == length and \
+            view[:_HEAD.size] == expected_header(fingerprint, dtype, shape, key=key, layer=layer):
+        if _checksum(view[:_HEAD.size], payload) == _SUM.unpack_from(view, _HEAD.size)[0]:
+            return
     if view.nbytes < HEADER_SIZE:
         raise CorruptObject(f"{name}: {view.nbytes} bytes is shorter than the {HEADER_SIZE}-byte header")
-    _, shape = _check(view[:HEADER_SIZE], payload, fingerprint, out.dtype, out.shape[2:], name, key, layer)
-    if shape != tuple(out.shape):
-        raise CorruptObject(f"{name}: shape {list(shape)}, expected {list(out.shape)}")
+    _, found = _check(view[:HEADER_SIZE], payload, fingerprint, dtype, shape[2:], name, key, layer)
+    if found != tuple(shape):
+        raise CorruptObject(f"{name}: shape {list(found)}, expected {list(shape)}")
 
 
 def _checksum(head: bytes | memoryview, payload: list[memoryview]) -> int:

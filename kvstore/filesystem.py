@@ -104,22 +104,23 @@ class FileSystemStore(KVStore):
                 self._touch(f"{chunk}/{MARKER}")
         return buffers
 
-    def _get_into(self, items: list[tuple[int, str]], out: list[torch.Tensor]) -> None:
-        header = bytearray(codec.HEADER_SIZE)
-        for (layer, key), tensor in zip(items, out):
+    def _get_spans(self, items: list[tuple[int, str]], spans: list[list[memoryview]], shapes: list[tuple[int, ...]],
+                   dtype: torch.dtype) -> None:
+        header = memoryview(bytearray(codec.HEADER_SIZE))
+        for (layer, key), payload, shape in zip(items, spans, shapes):
             chunk = self._chunk_dir(key)
             path = f"{chunk}/{layer}.kv"
-            spans = codec.payload_views(tensor)
             fd = os.open(path, os.O_RDONLY)
             try:
                 size = os.fstat(fd).st_size
-                if size != codec.HEADER_SIZE + tensor.nbytes:
-                    raise CorruptObject(f"{path}: {size} bytes, expected {codec.HEADER_SIZE} + {tensor.nbytes} "
-                                        f"for {list(tensor.shape)} {tensor.dtype}")
-                _read_exact(fd, [memoryview(header), *spans], path)
+                want = sum(span.nbytes for span in payload)
+                if size != codec.HEADER_SIZE + want:
+                    raise CorruptObject(f"{path}: {size} bytes, expected {codec.HEADER_SIZE} + {want} "
+                                        f"for {list(shape)} {dtype}")
+                _read_exact(fd, [header, *payload], path)
             finally:
                 os.close(fd)
-            codec.decode_into(header, tensor, spans, self.fingerprint, path, key=key, layer=layer)
+            codec.check_payload(header, payload, self.fingerprint, dtype, shape, path, key=key, layer=layer)
             if layer == 0:
                 self._touch(f"{chunk}/{MARKER}")
 

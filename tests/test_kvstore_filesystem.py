@@ -35,6 +35,11 @@ def test_damaged_files_are_corrupt_and_verify_names_them(tmp_path):
         store.get_layer(1, keys[:1])
     with pytest.raises(CorruptObject, match="header says"):
         store.get_layer(0, keys[1:2])
+    staging = torch.empty(2, 16, *layers[0][keys[0]].shape[2:])  # the decode hot path checks the same
+    with pytest.raises(CorruptObject, match="checksum"):
+        store.get_layer_into(1, keys[:1], staging, [16])
+    with pytest.raises(CorruptObject, match="bytes, expected"):
+        store.get_layer_into(0, keys[1:2], staging, [16])
     assert len(store.get_layer(0, [keys[0], keys[2]])) == 2  # undamaged objects still read
     report = store.verify()
     assert report.objects == 6 and len(report.corrupt) == 2

@@ -67,12 +67,17 @@ def test_damaged_or_foreign_values_are_corrupt(redis_server):
     value = bytearray(client.get(name))
     value[100] ^= 4
     client.set(name, bytes(value))
+    staging = torch.empty(2, 16, *layers[0][keys[0]].shape[2:])
     with pytest.raises(CorruptObject, match="checksum"):
         store.get_layer(0, keys)
+    with pytest.raises(CorruptObject, match="checksum"):  # the decode hot path checks the same
+        store.get_layer_into(0, keys, staging, [16])
     assert len(store.verify().corrupt) == 1
     client.set(name, bytes(value[:-1]))
     with pytest.raises(CorruptObject):
         store.get_layer(0, keys)
+    with pytest.raises(CorruptObject, match="bytes, expected"):
+        store.get_layer_into(0, keys, staging, [16])
     foreign = open_test_store(redis_server.url, 1, fingerprint=OTHER_FP)
     write_all(foreign, keys, layers)
     client.set(name, client.get(f"pdkv:{OTHER_FP}:{{{keys[0]}}}:0"))

@@ -67,6 +67,34 @@ def test_get_into_preallocated_tensors(url):
             store.get_layer(0, keys, out=staging[:1])
 
 
+def test_get_layer_into_reads_consecutive_chunks_into_one_buffer(url):
+    """The decode hot path: one reused [2, T, H, D] buffer, each chunk in its token slice."""
+    keys, layers = make_chunks(40, LAYERS, torch.bfloat16)  # chunks of 16, 16 and 8 tokens
+    with open_test_store(url, LAYERS, torch.bfloat16) as store:
+        write_all(store, keys, layers)
+        staging = torch.full((2, 40, *layers[0][keys[0]].shape[2:]), 7.0, dtype=torch.bfloat16)
+        before = store.stats()
+        for i in range(LAYERS):
+            assert store.get_layer_into(i, keys, staging, [16, 16, 8]) == staging.nbytes
+            assert _same_bytes(staging, torch.cat([layers[i][k] for k in keys], dim=1))
+        after = store.stats()
+        assert after.objects_read - before.objects_read == 3 * LAYERS and after.errors == before.errors
+        part = torch.empty(2, 24, *staging.shape[2:], dtype=torch.bfloat16)  # a suffix of the prompt's chunks
+        store.get_layer_into(1, keys[1:], part, [16, 8])
+        assert _same_bytes(part, torch.cat([layers[1][k] for k in keys[1:]], dim=1))
+        with pytest.raises(CorruptObject, match="expected"):  # chunk 2 holds 8 tokens, not 16
+            store.get_layer_into(0, keys[1:], torch.empty(2, 32, *staging.shape[2:], dtype=torch.bfloat16), [16, 16])
+        with pytest.raises(ValueError, match="chunk lengths"):
+            store.get_layer_into(0, keys, staging, [16, 24])
+        with pytest.raises(ValueError, match="staging must be"):
+            store.get_layer_into(0, keys, staging[:, :32], [16, 16, 8])
+        with pytest.raises(ValueError, match="dtype"):
+            store.get_layer_into(0, keys, staging.float(), [16, 16, 8])
+        store.delete(keys[2:])
+        with pytest.raises(NotFound):
+            store.get_layer_into(0, keys, staging, [16, 16, 8])
+
+
 def test_lookup_counts_the_longest_committed_prefix(url):
     keys, layers = make_chunks(80, LAYERS)  # 5 chunks
     with open_test_store(url, LAYERS) as store:

@@ -11,7 +11,10 @@ import threading
 
 import torch
 
-from connectors.staging import KVTransfer, PinnedPool, StagedTransfer, make_kv_transfer, use_staging
+import pytest
+
+from connectors.chunk_math import slots_for
+from connectors.staging import BlockScatter, KVTransfer, PinnedPool, StagedTransfer, make_kv_transfer, use_staging
 from engine.device import Platform
 from kernels import torch_ref
 
@@ -99,3 +102,32 @@ def test_staged_load_is_one_buffer_per_layer_and_writes_only_the_needed_rows():
 def test_the_device_picks_the_transfer():
     assert type(make_kv_transfer(CPU)) is KVTransfer
     assert use_staging(Platform(torch.device("cuda", 0))) and not use_staging(CPU)
+
+
+@pytest.mark.parametrize("case", ["shuffled blocks, partial last block", "whole blocks only",
+                                  "consecutive blocks", "starts mid-block", "one partial block"])
+def test_direct_load_copies_whole_blocks_and_equals_the_reference_scatter(case):
+    """KVTransfer's planned scatter (whole blocks by numpy, the tail by kernels.scatter_kv) writes the
+    same cache as one reference scatter, on the engine's own paged layout, and nothing else."""
+    block_size, num_blocks = 16, 12
+    start, end, block_ids = {"shuffled blocks, partial last block": (32, 90, [7, 3, 10, 1, 5, 0]),
+                             "whole blocks only": (16, 64, [2, 9, 4, 6]),
+                             "consecutive blocks": (0, 70, [4, 5, 6, 7, 8]),
+                             "starts mid-block": (20, 60, [3, 1, 8, 2]),
+                             "one partial block": (48, 55, [0, 1, 2, 9])}[case]
+    slots = slots_for(block_ids, start, end, block_size)
+    cache = CPU.allocate_kv_caches(1, num_blocks, block_size, 2, 8, torch.bfloat16)[0]
+    cache.copy_(torch.randn(cache.shape).to(torch.bfloat16))
+    expected = cache.clone()
+    transfer = KVTransfer(CPU)
+    target = transfer.read_target([64, 64], (2, 8), torch.bfloat16)
+    target.full.copy_(torch.randn(target.full.shape).to(torch.bfloat16))
+    lo = start - (start // 64) * 64  # rows of the chunk-aligned read that are written
+    torch_ref.scatter_kv(expected, slots, target.full[:, lo:lo + end - start])
+    plan = transfer.scatter_plan(slots, block_size)
+    assert (plan is None) == (case == "starts mid-block")  # then kernels.scatter_kv writes it all
+    if plan is not None:
+        assert plan.full_rows == (end - start) // block_size * block_size and plan.applies_to(cache)
+    transfer.load(cache, [], lo, lo + end - start, slots, target, plan)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+    assert not BlockScatter.plan(slots_for([1, 2], 0, 32, block_size).flip(0), block_size)  # rows out of order

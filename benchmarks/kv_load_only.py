@@ -1,0 +1,194 @@
+"""The decode node's KV load alone, against a raw read of the very same stored objects, in one run.
+
+What "load" means here is everything a decode node does to bring a prompt's KV in, through the
+connector's real code path: `StoreConnector.start_load_kv` and `wait_for_layer_load` for every
+layer (store read -> header, key binding and xxh3 check -> scatter into paged KV blocks), with
+no forward pass competing for the cores. The blocks are a shuffled set (the scatter's worst
+case: no two consecutive), in paged KV caches of the engine's layout allocated here, so the
+engine's own caches are never touched.
+
+The raw ceiling reads the same objects (same names, same sizes, page cache warm for files) with
+no check and no scatter, each into its own pre-faulted buffer kept for the whole load (a reader
+that keeps the bytes), on one thread and on as many threads as the store's I/O pool; the better
+of the two is the ceiling. Rounds alternate load and raw read, best of `repeats` each, so a load
+spike on a shared machine hits both. Also printed (info, not the ceiling): a raw read into one
+reused buffer, which keeps nothing and so bounds any reader from above.
+
+Used by benchmarks/kv_handoff.py; standalone:
+    .venv/bin/python benchmarks/kv_load_only.py [--tokens 2048] [--stores file redis] [--repeats 5]
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from connectors.chunk_math import LoadPlan, slots_for  # noqa: E402
+from connectors.chunked import ChunkedConnectorMetadata, LoadSpec  # noqa: E402
+from connectors.store_connector import StoreConnector  # noqa: E402
+from kvstore.filesystem import FileSystemStore  # noqa: E402
+from kvstore.redis_store import RedisStore  # noqa: E402
+from serving import LLM, SamplingParams  # noqa: E402
+
+FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+@dataclass
+class LoadOnly:
+    """GB/s of one prompt's load and of the raw reads of its objects (best of the repeats)."""
+
+    nbytes: int  # payload bytes the load wrote into paged memory's staging (what the connector counts)
+    objects: int
+    load: float
+    raw: float  # the ceiling: best of raw_1 and raw_n
+    raw_1: float
+    raw_n: float
+    raw_reused: float  # info: one reused buffer, nothing kept
+    threads: int
+
+    @property
+    def share(self) -> float:
+        return self.load / self.raw
+
+
+def _best(fn: Callable[[], object], best: float) -> float:
+    start = time.perf_counter()
+    fn()
+    return min(best, time.perf_counter() - start)
+
+
+def _raw_readers(store, items: list[tuple[int, str]], threads: int) -> dict[str, Callable[[], None]]:
+    """Plain reads of the store's objects with no check: {name: fn}."""
+    if isinstance(store, FileSystemStore):
+        paths = [store.object_name(key, layer) for layer, key in items]
+        bufs = [bytearray(os.path.getsize(p)) for p in paths]  # pre-faulted: bytearray zero-fills
+        reused = bytearray(max(len(b) for b in bufs))
+
+        def read(indices: range, into_reused: bool = False) -> None:
+            for i in indices:
+                fd = os.open(paths[i], os.O_RDONLY)
+                try:
+                    os.readv(fd, [reused if into_reused else bufs[i]])
+                finally:
+                    os.close(fd)
+    elif isinstance(store, RedisStore):
+        names = [store.object_name(key, layer) for layer, key in items]
+        kept: list[object] = [None] * len(names)
+        per_layer = max(1, len(items) // max(1, len({layer for layer, _ in items})))
+
+        def read(indices: range, into_reused: bool = False) -> None:
+            client = store._redis  # noqa: SLF001 (the store's own connection pool: same sockets, same server)
+            for lo in range(indices.start, indices.stop, per_layer):  # one pipeline per layer, like a load
+                pipe = client.pipeline(transaction=False)
+                for name in names[lo:min(lo + per_layer, indices.stop)]:
+                    pipe.get(name)
+                values = pipe.execute()
+                if not into_reused:
+                    kept[lo:lo + len(values)] = values
+    else:
+        raise ValueError(f"no raw reader for {type(store).__name__}")
+    n = len(items)
+    pool = concurrent.futures.ThreadPoolExecutor(threads)
+    per_layer_items = max(1, n // threads)
+
+    def parallel() -> None:  # whole layers per thread, as the load's I/O pool does
+        bounds = [range(i, min(i + per_layer_items, n)) for i in range(0, n, per_layer_items)]
+        list(pool.map(read, bounds))
+
+    return {"raw_1": lambda: read(range(n)), "raw_n": parallel, "raw_reused": lambda: read(range(n), True)}
+
+
+def measure(llm: LLM, url: str, tokens: int, repeats: int, seed: int) -> LoadOnly:
+    """Save a fresh `tokens`-token prompt through `llm` (a producer on `url`), then time its load
+    through a consumer StoreConnector of the same model against raw reads of the same objects."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, 259) for _ in range(tokens)]
+    llm.generate([prompt], FIRST_TOKEN)
+    engine = llm.engine
+    runner = engine.model_runner
+    connector = StoreConnector(engine.config, runner)
+    chunk, block = connector.chunk_size, connector.block_size
+    keys = connector.keys_for(prompt, None)
+    hit = min(connector.store.lookup(keys) * chunk, tokens)
+    plan = LoadPlan(tokens, 0, hit, chunk)
+    assert plan.need_to_load == tokens - 1, f"{url}: only {hit} of {tokens} tokens are in the store"
+    num_blocks = -(-tokens // block)
+    block_ids = random.Random(seed).sample(range(1, 4 * num_blocks), num_blocks)
+    caches = runner.platform.allocate_kv_caches(runner.num_layers, 4 * num_blocks, block, runner.num_kv_heads,
+                                                runner.head_dim, runner.dtype)
+    connector.register_kv_caches(caches)
+    slots = slots_for(block_ids, *plan.write_range, block)
+    items = [(layer, key) for layer in range(runner.num_layers) for key in keys[:len(plan.chunk_range)]]
+    threads = connector.store._pool._max_workers  # noqa: SLF001 (the load's own parallelism)
+    raws = _raw_readers(connector.store, items, threads)
+
+    def load() -> None:
+        spec = LoadSpec(f"load-only-{seed}", prompt, None, plan, slots)
+        connector.start_load_kv(ChunkedConnectorMetadata(loads=[spec]))
+        for layer in range(runner.num_layers):
+            connector.wait_for_layer_load(layer)
+        assert not connector.get_failed_loads(), f"{url}: the load failed"
+
+    best = dict.fromkeys(["load", *raws], float("inf"))
+    load()  # warm-up: pools, buffers, connections
+    for _ in range(repeats):
+        best["load"] = _best(load, best["load"])
+        for name, fn in raws.items():
+            best[name] = _best(fn, best[name])
+    connector.shutdown()
+    nbytes = plan.retrieved * runner.num_layers * 2 * runner.num_kv_heads * runner.head_dim * \
+        torch.empty((), dtype=runner.dtype).element_size()
+    gbps = {name: nbytes / seconds / 1e9 for name, seconds in best.items()}
+    return LoadOnly(nbytes, len(items), gbps["load"], max(gbps["raw_1"], gbps["raw_n"]), gbps["raw_1"],
+                    gbps["raw_n"], gbps["raw_reused"], threads)
+
+
+def table(results: dict[str, LoadOnly], tokens: int) -> list[str]:
+    lines = [f"load only, {tokens}-token prompt, no forward pass competing (GB/s of KV payload; raw = the same "
+             f"objects read with no check or scatter into kept pre-faulted buffers, best of 1 and N threads)",
+             f"{'store':>6} {'MB':>5} {'objects':>7} {'load':>6} {'raw 1 thr':>9} {'raw N thr':>9} "
+             f"{'load/raw':>8} {'(info) raw into 1 reused buf':>29}"]
+    for name, r in results.items():
+        lines.append(f"{name:>6} {r.nbytes / 1e6:5.1f} {r.objects:7d} {r.load:6.2f} {r.raw_1:9.2f} "
+                     f"{r.raw_n:7.2f}/{r.threads} {100 * r.share:7.0f}% {r.raw_reused:29.2f}")
+    return lines
+
+
+def main() -> int:
+    from benchmarks.engine_throughput import bench_model_path
+    from benchmarks.kv_handoff import backend
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--stores", nargs="+", default=["file", "redis"], choices=["file", "redis"])
+    args = parser.parse_args()
+    model = bench_model_path()
+    tmp = Path(tempfile.mkdtemp(prefix="kv-load-only-"))
+    results = {}
+    try:
+        for i, name in enumerate(args.stores):
+            with backend(name, tmp) as url:
+                llm = LLM(str(model), kv_store=url, kv_role="kv_producer", kv_cache_memory="1GiB")
+                results[name] = measure(llm, url, args.tokens, args.repeats, seed=11 + i)
+                llm.engine.shutdown()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print("\n".join(table(results, args.tokens)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
