@@ -9,10 +9,13 @@ engine's own caches are never touched.
 
 The raw ceiling reads the same objects (same names, same sizes, page cache warm for files) with
 no check and no scatter, each into its own pre-faulted buffer kept for the whole load (a reader
-that keeps the bytes), on one thread and on as many threads as the store's I/O pool; the better
-of the two is the ceiling. Rounds alternate load and raw read, best of `repeats` each, so a load
-spike on a shared machine hits both. Also printed (info, not the ceiling): a raw read into one
-reused buffer, which keeps nothing and so bounds any reader from above.
+that keeps the bytes), on one thread and on as many threads as the store's I/O pool, one
+pipeline per layer on redis; the best of them is the ceiling. On redis that is done twice: with
+the store's own reply reader (kvstore.resp: values straight into the buffers) and with plain
+redis-py pipelined GETs (values as fresh bytes objects, kept). Rounds alternate load and raw
+read, best of `repeats` each, so a load spike on a shared machine hits both. Also printed (info,
+not the ceiling): a raw read into one reused buffer, which keeps nothing and so bounds any reader
+from above.
 
 Used by benchmarks/kv_handoff.py; standalone:
     .venv/bin/python benchmarks/kv_load_only.py [--tokens 2048] [--stores file redis] [--repeats 5]
@@ -38,6 +41,7 @@ import torch  # noqa: E402
 from connectors.chunk_math import LoadPlan, slots_for  # noqa: E402
 from connectors.chunked import ChunkedConnectorMetadata, LoadSpec  # noqa: E402
 from connectors.store_connector import StoreConnector  # noqa: E402
+from kvstore import resp  # noqa: E402
 from kvstore.filesystem import FileSystemStore  # noqa: E402
 from kvstore.redis_store import RedisStore  # noqa: E402
 from serving import LLM, SamplingParams  # noqa: E402
@@ -52,11 +56,12 @@ class LoadOnly:
     nbytes: int  # payload bytes the load wrote into paged memory's staging (what the connector counts)
     objects: int
     load: float
-    raw: float  # the ceiling: best of raw_1 and raw_n
+    raw: float  # the ceiling: the best raw read that keeps the bytes
     raw_1: float
     raw_n: float
     raw_reused: float  # info: one reused buffer, nothing kept
     threads: int
+    raw_client: float = 0.0  # redis: plain redis-py pipelines, 1 thread (0: not measured)
 
     @property
     def share(self) -> float:
@@ -85,18 +90,25 @@ def _raw_readers(store, items: list[tuple[int, str]], threads: int) -> dict[str,
                     os.close(fd)
     elif isinstance(store, RedisStore):
         names = [store.object_name(key, layer) for layer, key in items]
+        client = store._redis  # noqa: SLF001 (the store's own connection pool: same sockets, same server)
+        sizes = [client.strlen(name) for name in names]
+        bufs = [memoryview(bytearray(size)) for size in sizes]
+        reused = memoryview(bytearray(max(sizes)))
         kept: list[object] = [None] * len(names)
         per_layer = max(1, len(items) // max(1, len({layer for layer, _ in items})))
 
         def read(indices: range, into_reused: bool = False) -> None:
-            client = store._redis  # noqa: SLF001 (the store's own connection pool: same sockets, same server)
             for lo in range(indices.start, indices.stop, per_layer):  # one pipeline per layer, like a load
+                hi = min(lo + per_layer, indices.stop)
+                resp.get_into(client, names[lo:hi], [[reused[:s] if into_reused else bufs[i]]
+                                                     for i, s in zip(range(lo, hi), sizes[lo:hi])])
+
+        def read_client() -> None:
+            for lo in range(0, len(names), per_layer):
                 pipe = client.pipeline(transaction=False)
-                for name in names[lo:min(lo + per_layer, indices.stop)]:
+                for name in names[lo:lo + per_layer]:
                     pipe.get(name)
-                values = pipe.execute()
-                if not into_reused:
-                    kept[lo:lo + len(values)] = values
+                kept[lo:lo + per_layer] = pipe.execute()
     else:
         raise ValueError(f"no raw reader for {type(store).__name__}")
     n = len(items)
@@ -107,7 +119,10 @@ def _raw_readers(store, items: list[tuple[int, str]], threads: int) -> dict[str,
         bounds = [range(i, min(i + per_layer_items, n)) for i in range(0, n, per_layer_items)]
         list(pool.map(read, bounds))
 
-    return {"raw_1": lambda: read(range(n)), "raw_n": parallel, "raw_reused": lambda: read(range(n), True)}
+    readers = {"raw_1": lambda: read(range(n)), "raw_n": parallel, "raw_reused": lambda: read(range(n), True)}
+    if isinstance(store, RedisStore):
+        readers["raw_client"] = read_client
+    return readers
 
 
 def measure(llm: LLM, url: str, tokens: int, repeats: int, seed: int) -> LoadOnly:
@@ -151,18 +166,20 @@ def measure(llm: LLM, url: str, tokens: int, repeats: int, seed: int) -> LoadOnl
     nbytes = plan.retrieved * runner.num_layers * 2 * runner.num_kv_heads * runner.head_dim * \
         torch.empty((), dtype=runner.dtype).element_size()
     gbps = {name: nbytes / seconds / 1e9 for name, seconds in best.items()}
-    return LoadOnly(nbytes, len(items), gbps["load"], max(gbps["raw_1"], gbps["raw_n"]), gbps["raw_1"],
-                    gbps["raw_n"], gbps["raw_reused"], threads)
+    ceiling = max(gbps["raw_1"], gbps["raw_n"], gbps.get("raw_client", 0.0))
+    return LoadOnly(nbytes, len(items), gbps["load"], ceiling, gbps["raw_1"], gbps["raw_n"], gbps["raw_reused"],
+                    threads, gbps.get("raw_client", 0.0))
 
 
 def table(results: dict[str, LoadOnly], tokens: int) -> list[str]:
     lines = [f"load only, {tokens}-token prompt, no forward pass competing (GB/s of KV payload; raw = the same "
-             f"objects read with no check or scatter into kept pre-faulted buffers, best of 1 and N threads)",
+             f"objects read with no check or scatter into kept pre-faulted buffers; ceiling = the best raw column)",
              f"{'store':>6} {'MB':>5} {'objects':>7} {'load':>6} {'raw 1 thr':>9} {'raw N thr':>9} "
-             f"{'load/raw':>8} {'(info) raw into 1 reused buf':>29}"]
+             f"{'raw redis-py':>12} {'load/ceiling':>12} {'(info) raw into 1 reused buf':>29}"]
     for name, r in results.items():
+        client = f"{r.raw_client:12.2f}" if r.raw_client else f"{'-':>12}"
         lines.append(f"{name:>6} {r.nbytes / 1e6:5.1f} {r.objects:7d} {r.load:6.2f} {r.raw_1:9.2f} "
-                     f"{r.raw_n:7.2f}/{r.threads} {100 * r.share:7.0f}% {r.raw_reused:29.2f}")
+                     f"{r.raw_n:7.2f}/{r.threads} {client} {100 * r.share:11.0f}% {r.raw_reused:29.2f}")
     return lines
 
 

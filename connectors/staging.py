@@ -138,9 +138,11 @@ class BlockScatter:
             return None
         return cls(block_size, head[:, 0] // block_size, whole * block_size, slots[whole * block_size:])
 
-    def applies_to(self, kv_cache: torch.Tensor) -> bool:
+    def applies_to(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether `kv_cache` has the paged layout this plan copies into, and rows of `dtype` are its
+        bytes as they are (no conversion)."""
         return (kv_cache.device.type == "cpu" and kv_cache.dim() == 5 and kv_cache.shape[0] == 2
-                and kv_cache.shape[2] == self.block_size and kv_cache.is_contiguous())
+                and kv_cache.shape[2] == self.block_size and kv_cache.is_contiguous() and kv_cache.dtype == dtype)
 
     def __call__(self, kv_cache: torch.Tensor, rows: torch.Tensor) -> None:
         """Write rows [2, n, H, D] (each half contiguous) into the planned slots of `kv_cache`."""
@@ -188,7 +190,7 @@ class KVTransfer:
         scatter (`plan`'s block copies when it fits this cache), then hand the buffer back; returns the
         event marking the end (I/O thread). hi <= lo writes nothing and just hands the buffer back."""
         if hi > lo:
-            if plan is not None and plan.applies_to(kv_cache):
+            if plan is not None and plan.applies_to(kv_cache, target.full.dtype):
                 plan(kv_cache, target.full[:, lo:hi])
             else:
                 kernels.scatter_kv(kv_cache, slots, target.full[:, lo:hi])

@@ -26,6 +26,7 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
+from kvstore.base import KVStore
 from kvstore.redis_store import RedisStore
 
 
@@ -53,6 +54,9 @@ class RedisClusterStore(RedisStore):
         self.nodes, self._options = parse_nodes(url)
         self._connect_lock = threading.Lock()
         super().__init__(url, **kwargs)
+
+    # Loads go through the cluster pipeline (one round trip per node, all nodes at once), then are copied.
+    _get_spans = KVStore._get_spans
 
     def _connect(self) -> None:
         return None  # built on first use (see _redis): RedisCluster talks to the cluster when constructed

@@ -7,7 +7,9 @@ chunk is committed or absent as a whole. Eviction is Redis's own job (ttl here, 
 maxmemory-policy allkeys-lru on the server; `bounds_warning` says when there is neither); a
 layer evicted before its marker reads as NotFound, which callers treat like any other miss.
 
-Every socket operation is bounded by `timeout`; a broken connection is retried once at
+Loads read each value straight into the caller's staging buffer (kvstore.resp: no bytes object,
+no copy per value); everything else goes through redis-py. Every socket operation is bounded by
+`timeout`; a broken connection is retried once at
 once (that is what reconnects a pooled connection after a Redis restart), so a dead server
 surfaces as StoreUnavailable, a frozen one as StoreTimeout, and never as a hang.
 """
@@ -16,11 +18,13 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import redis
+import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvstore import codec, resp
 from kvstore.base import Buffer, ChunkInfo, KVStore
-from kvstore.errors import NotFound, StoreError, StoreTimeout, StoreUnavailable
+from kvstore.errors import CorruptObject, NotFound, StoreError, StoreTimeout, StoreUnavailable
 
 # Replies that mean "this shard cannot serve right now" (a cluster mid-failover): an outage, not a bug.
 _OUTAGE = (redis.ConnectionError, redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
@@ -124,6 +128,29 @@ class RedisStore(KVStore):
             layer, key = missing[0]
             raise NotFound(f"{len(missing)} object(s) missing, e.g. {self._key(key, layer)}")
         return values
+
+    def _get_spans(self, items: list[tuple[int, str]], spans: list[list[memoryview]], shapes: list[tuple[int, ...]],
+                   dtype: torch.dtype) -> None:
+        """One pipelined round trip whose values land in the spans (kvstore.resp); a dropped pooled
+        connection (a redis restart) is retried once at once, like every other call."""
+        names = [self._key(key, layer) for layer, key in items]
+        headers = [memoryview(bytearray(codec.HEADER_SIZE)) for _ in items]
+        views = [[header, *payload] for header, payload in zip(headers, spans)]
+        try:
+            sizes = resp.get_into(self._redis, names, views)
+        except redis.TimeoutError:
+            raise
+        except redis.ConnectionError:
+            sizes = resp.get_into(self._redis, names, views)
+        missing = [name for name, size in zip(names, sizes) if size is None]
+        if missing:
+            raise NotFound(f"{len(missing)} object(s) missing, e.g. {missing[0]}")
+        for (layer, key), name, size, header, payload, shape in zip(items, names, sizes, headers, spans, shapes):
+            want = sum(span.nbytes for span in payload)
+            if size != codec.HEADER_SIZE + want:
+                raise CorruptObject(f"{name}: {size} bytes, expected {codec.HEADER_SIZE} + {want} "
+                                    f"for {list(shape)} {dtype}")
+            codec.check_payload(header, payload, self.fingerprint, dtype, shape, name, key=key, layer=layer)
 
     def _commit(self, keys: list[str], num_layers: int) -> None:
         pipe = self._redis.pipeline(transaction=False)

@@ -18,8 +18,11 @@ def test_outage_is_unavailable_within_the_timeout_and_the_same_store_recovers(re
     keys, layers = make_chunks(32, 2)
     store = open_test_store(redis_server.url, 2, timeout=1.0)
     write_all(store, keys, layers)
+    staging = torch.empty(2, 32, *layers[0][keys[0]].shape[2:])
+    store.get_layer_into(0, keys, staging, [16, 16])  # leaves a pooled connection that the restart breaks
     redis_server.stop()
-    for call in (lambda: store.lookup(keys), lambda: store.get_layer(0, keys), lambda: write_all(store, keys, layers)):
+    for call in (lambda: store.lookup(keys), lambda: store.get_layer(0, keys),
+                 lambda: store.get_layer_into(0, keys, staging, [16, 16]), lambda: write_all(store, keys, layers)):
         start = time.monotonic()
         with pytest.raises(StoreUnavailable, match="unreachable"):
             call()
@@ -29,6 +32,8 @@ def test_outage_is_unavailable_within_the_timeout_and_the_same_store_recovers(re
     write_all(store, keys, layers)
     assert store.lookup(keys) == 2
     assert torch.equal(store.get_layer(1, keys)[1], layers[1][keys[1]])
+    store.get_layer_into(1, keys, staging, [16, 16])
+    assert torch.equal(staging, torch.cat([layers[1][k] for k in keys], dim=1))
 
 
 def test_frozen_server_is_a_timeout_not_a_hang(redis_server):
@@ -40,6 +45,8 @@ def test_frozen_server_is_a_timeout_not_a_hang(redis_server):
         start = time.monotonic()
         with pytest.raises(StoreTimeout):
             store.get_layer(0, keys)
+        with pytest.raises(StoreTimeout):  # the load path's own reply reader is bounded the same way
+            store.get_layer_into(0, keys, torch.empty(2, 16, *layers[0][keys[0]].shape[2:]), [16])
         assert time.monotonic() - start < 5.0
     finally:
         redis_server.proc.send_signal(signal.SIGCONT)
@@ -78,6 +85,10 @@ def test_damaged_or_foreign_values_are_corrupt(redis_server):
         store.get_layer(0, keys)
     with pytest.raises(CorruptObject, match="bytes, expected"):
         store.get_layer_into(0, keys, staging, [16])
+    value[100] ^= 4  # repaired: the pooled connection read past the short value and is still in step
+    client.set(name, bytes(value))
+    store.get_layer_into(0, keys, staging, [16])
+    assert torch.equal(staging, layers[0][keys[0]])
     foreign = open_test_store(redis_server.url, 1, fingerprint=OTHER_FP)
     write_all(foreign, keys, layers)
     client.set(name, client.get(f"pdkv:{OTHER_FP}:{{{keys[0]}}}:0"))

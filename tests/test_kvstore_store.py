@@ -93,6 +93,9 @@ def test_get_layer_into_reads_consecutive_chunks_into_one_buffer(url):
         store.delete(keys[2:])
         with pytest.raises(NotFound):
             store.get_layer_into(0, keys, staging, [16, 16, 8])
+        head = torch.empty(2, 32, *staging.shape[2:], dtype=torch.bfloat16)  # reads after a miss still line up
+        store.get_layer_into(2, keys[:2], head, [16, 16])
+        assert _same_bytes(head, torch.cat([layers[2][k] for k in keys[:2]], dim=1))
 
 
 def test_lookup_counts_the_longest_committed_prefix(url):

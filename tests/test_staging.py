@@ -127,7 +127,8 @@ def test_direct_load_copies_whole_blocks_and_equals_the_reference_scatter(case):
     plan = transfer.scatter_plan(slots, block_size)
     assert (plan is None) == (case == "starts mid-block")  # then kernels.scatter_kv writes it all
     if plan is not None:
-        assert plan.full_rows == (end - start) // block_size * block_size and plan.applies_to(cache)
+        assert plan.full_rows == (end - start) // block_size * block_size and plan.applies_to(cache, torch.bfloat16)
+        assert not plan.applies_to(cache, torch.float32)  # another dtype is converted by kernels.scatter_kv
     transfer.load(cache, [], lo, lo + end - start, slots, target, plan)
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
     assert not BlockScatter.plan(slots_for([1, 2], 0, 32, block_size).flip(0), block_size)  # rows out of order
