@@ -213,11 +213,11 @@ def test_sharded_safetensors_index(tmp_path, tiny_qwen2):
         make_runner(sharded)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 40])
+@pytest.mark.parametrize("rows", [1, 3, 5, 17, 40, 100])
 def test_bf16_linear_is_a_bf16_gemm_with_fp32_accumulation(rows):
-    """Packed bf16 weights (oneDNN's bf16 path; on CPUs without bf16 instructions the small-batch
-    kernel up to SMALL_BATCH rows, an fp32 packed copy above) give the fp32 product of the bf16
-    inputs plus the bias, rounded to bf16. 50 outputs: the kernel's 4-row weight tiles leave a tail."""
+    """Packed bf16 weights (oneDNN's bf16 path; on CPUs without bf16 instructions the compiled bf16
+    kernel) give the fp32 product of the bf16 inputs plus the bias, rounded to bf16, for 2-d and
+    3-d activations. 50 outputs: the kernel's 16-column panels leave a partial one."""
     from engine.models.linear import Linear
 
     g = torch.Generator().manual_seed(rows)
@@ -230,3 +230,4 @@ def test_bf16_linear_is_a_bf16_gemm_with_fp32_accumulation(rows):
     y = lin(x)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, 50)
     torch.testing.assert_close(y.float(), (x.float() @ w.T + b).to(torch.bfloat16).float(), atol=1e-2, rtol=1e-2)
+    assert torch.equal(lin(x.view(1, rows, 64)), y.view(1, rows, 50))

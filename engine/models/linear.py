@@ -1,4 +1,4 @@
-"""Linear layer whose CPU weights are pre-packed once for oneDNN.
+"""Linear layer whose CPU weights are pre-packed once at load.
 
 `F.linear` on CPU re-lays-out (packs) the weight matrix on every call; for the small batches of
 decode steps that repacking costs about as much as the product itself. Packing once at load time
@@ -7,13 +7,13 @@ bfloat16 and more for float32. Anything else (other devices, dtypes, builds with
 plain `F.linear`.
 
 bfloat16 on a CPU without bf16 matmul instructions (oneDNN's packed bf16 path needs avx512bw/vl/dq
-or avx_ne_convert; an AVX2-only CPU refuses it): batches of more than SMALL_BATCH rows use a
-float32 packed copy of the weights, the result rounded back to bfloat16 (what a bf16 GEMM does
-anyway: bf16 products are exact in fp32, sums accumulate in fp32), several times faster there
-than torch's emulated bf16 GEMM. Batches of a few rows (low-concurrency decode) are bound by
-reading the weights, so they go to a small compiled kernel (kernels/cpu_linear.py) that reads the
-bf16 weights themselves, half the bytes of the fp32 copy (at 16 rows the two are even). Both
-layouts are kept: 3x the bf16 weight memory on such CPUs.
+or avx_ne_convert; an AVX2-only CPU refuses it): the weights are repacked once into the panels of
+the compiled bf16 kernel (kernels/cpu_linear.py), which widens them to fp32 in registers and
+accumulates in fp32 (what a bf16 GEMM does: bf16 products are exact in fp32), the result rounded
+to bf16. It beats oneDNN's fp32 GEMM on an fp32 copy of the weights at every batch size measured
+(`benchmarks/linear_kernels.py`: 1 to 1024 rows, the bench model's shapes) and reads half the
+bytes, so no fp32 copy is kept. Where the kernel cannot be built (no C compiler) or cannot take
+the shape, an fp32 packed copy is the fallback.
 """
 from __future__ import annotations
 
@@ -27,12 +27,11 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 _PACKABLE = (torch.float32, torch.bfloat16)
-SMALL_BATCH = 4  # rows up to which the bf16 kernel clearly beats the fp32 packed GEMM (bench model, AVX2)
 
 
 @functools.lru_cache(maxsize=1)
-def _small_batch_kernel():
-    """The bf16 small-batch kernel, or None when it cannot be built here (no C compiler): one build
+def _bf16_kernel():
+    """The bf16 linear kernel, or None when it cannot be built here (no C compiler): one build
     attempt and at most one warning per process."""
     from engine.builtin_model import cache_dir
     from kernels.cpu_build import BuildError
@@ -41,7 +40,7 @@ def _small_batch_kernel():
     try:
         return Bf16Linear(cache_dir() / "kernels")
     except BuildError as exc:
-        logger.warning("bf16 small-batch linear kernel unavailable (%s); decode uses the fp32 copy",
+        logger.warning("bf16 linear kernel unavailable (%s); bf16 layers use an fp32 packed copy",
                        str(exc).splitlines()[0])
         return None
 
@@ -51,39 +50,43 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-        self.packed: torch.Tensor | None = None
-        self.packed_bias: torch.Tensor | None = None  # the bias in the packed path's dtype
+        self.packed: torch.Tensor | None = None  # oneDNN's layout (bf16 natively, or an fp32 copy)
+        self.packed_bias: torch.Tensor | None = None  # the bias in the oneDNN path's dtype
         self.compute_dtype: torch.dtype | None = None  # float32 when bf16 weights are packed as fp32
-        self.small_batch = None  # the bf16 small-batch kernel, on CPUs without bf16 instructions
+        self.bf16_kernel = None  # the compiled bf16 kernel, on CPUs without bf16 instructions
+        self.bf16_panels = None  # the weights in that kernel's layout (kernels.cpu_linear.PackedBf16)
 
     def pack(self) -> None:
         """Call once the weights are loaded. The plain weight is then dropped (a tied embedding keeps
-        its own reference) unless the small-batch kernel reads it: holding both layouts costs memory."""
+        its own reference): holding two layouts costs memory."""
         w = self.weight
         if w.device.type != "cpu" or w.dtype not in _PACKABLE or not torch.backends.mkldnn.is_available():
             return
         self.packed_bias = None if self.bias is None else self.bias.detach()
         try:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
-        except RuntimeError:  # no bf16 instructions on this CPU: pack an fp32 copy, compute in fp32
-            self.compute_dtype = torch.float32
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().float(), 16)
-            if self.bias is not None:
-                self.packed_bias = self.bias.detach().float()
+        except RuntimeError:  # no bf16 instructions on this CPU
             from kernels.cpu_linear import Bf16Linear
 
-            if Bf16Linear.supports(w.detach()):
-                self.small_batch = _small_batch_kernel()
-        if self.small_batch is None:
-            self.weight = None
+            kernel = _bf16_kernel() if Bf16Linear.supports(w.detach()) else None
+            if kernel is not None:
+                self.bf16_kernel = kernel
+                self.bf16_panels = Bf16Linear.pack(w.detach(), None if self.bias is None else self.bias.detach())
+            else:  # pack an fp32 copy, compute in fp32
+                self.compute_dtype = torch.float32
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().float(), 16)
+                if self.bias is not None:
+                    self.packed_bias = self.bias.detach().float()
+        self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bf16_panels is not None:
+            y = self.bf16_kernel(x.reshape(-1, x.shape[-1]), self.bf16_panels)
+            return y.view(*x.shape[:-1], y.shape[-1])
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         if self.compute_dtype is None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.packed_bias, "none", [], "")
-        if self.small_batch is not None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH and x.dtype == torch.bfloat16:
-            return self.small_batch(x, self.weight, self.bias)
         y = torch.ops.mkldnn._linear_pointwise(x.to(self.compute_dtype).contiguous(), self.packed, self.packed_bias,
                                                "none", [], "")
         return y.to(x.dtype)
