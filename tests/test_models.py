@@ -23,10 +23,10 @@ ATOL = 1e-4
 BLOCK = 16
 
 
-def hf_logits(path: Path, token_ids: list[int]) -> torch.Tensor:
+def hf_logits(path: Path, token_ids: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     with torch.no_grad():
         return model(torch.tensor([token_ids])).logits[0].float()
 
@@ -76,6 +76,33 @@ def check_against_hf(path: Path) -> None:
         ref = hf_logits(path, req.all_token_ids)[:ours.shape[0]]
         assert ours.shape == ref.shape
         torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bf16_logits_within_tolerance_of_hf(tmp_path, arch):
+    """bf16 weights on CPU (oneDNN's bf16 GEMM, or engine/models/linear.py's compiled bf16 kernel where
+    the CPU has no bf16 instructions), through chunked prefill over paged history and decode steps:
+    our logits are as close to HF's fp32 logits as HF's own bf16 logits are, and pick the same greedy
+    token wherever HF's top two are further apart than that error."""
+    path = make_model(tmp_path / "m", arch=arch, dtype="bfloat16")
+    runner = make_runner(path)
+    a = Request("a", prompt(40, 7), SamplingParams(temperature=0))
+    tables, got = {"a": [6, 1, 4, 8]}, []
+    for n in [17, 23, 1, 1, 1, 1]:  # prefill chunks ending mid-block, then decode steps
+        got.append(step(runner, [(a, n)], tables)["a"].float())
+        a.num_computed_tokens += n
+        if a.num_computed_tokens == a.num_tokens:
+            a.append_output_token(int(got[-1][-1].argmax()))
+    ours = torch.cat(got)
+    ref32 = hf_logits(path, a.all_token_ids)[:ours.shape[0]]
+    ref16 = hf_logits(path, a.all_token_ids, torch.bfloat16)[:ours.shape[0]]
+    ours_err, hf_err = (ours - ref32).abs(), (ref16 - ref32).abs()
+    assert float(ours_err.mean()) <= 2 * float(hf_err.mean()) + 1e-3
+    assert float(ours_err.max()) <= 2 * float(hf_err.max()) + 0.02
+    top2 = ref32.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * float(ours_err.max())
+    assert clear.sum() >= ours.shape[0] // 2  # the check below covers most positions
+    assert torch.equal(ours.argmax(-1)[clear], ref32.argmax(-1)[clear])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -32,7 +32,7 @@
 #define PANEL 16          /* output columns per weight panel */
 #define TILE_ROWS 6       /* activation rows per register tile */
 #ifndef ROW_BLOCK_BYTES
-#define ROW_BLOCK_BYTES (192 << 10) /* fp32 x rows multiplied by one panel before the next (they stay in L2) */
+#define ROW_BLOCK_BYTES (256 << 10) /* fp32 x rows multiplied by one panel before the next (they stay in L2) */
 #endif
 #define SERIAL_WORK 4096  /* M x N x K / 64 below which one thread does it all */
 
