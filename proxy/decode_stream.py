@@ -54,10 +54,15 @@ class Deadlines:
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
             if not value > 0:
-                raise ValueError(f"the {name} deadline must be positive, got {value}")
+                raise ValueError(f"{_FLAGS[name]} must be a positive number of seconds, got {value}")
         if self.stall_s <= HEARTBEAT_S:
-            raise ValueError(f"the stall timeout ({self.stall_s:g}s) must exceed the nodes' heartbeat "
+            raise ValueError(f"{_FLAGS['stall_s']} ({self.stall_s:g}s) must exceed the nodes' heartbeat "
                              f"interval ({HEARTBEAT_S:g}s), or busy nodes would count as frozen")
+
+
+# The pd-proxy flag that sets each deadline: what an error about one names.
+_FLAGS = {"connect_s": "--connect-timeout", "first_token_s": "--first-token-timeout", "token_s": "--token-timeout",
+          "stall_s": "--stall-timeout"}
 
 
 class NodeFailed(Exception):

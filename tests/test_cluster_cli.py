@@ -25,7 +25,8 @@ def _run(*argv: str) -> subprocess.CompletedProcess:
     (("pd-proxy", "--decode", "nohost"), 2, "expected HOST:PORT"),
     (("pd-proxy", "--decode", "127.0.0.1:1", "--policy", "random"), 2, "--policy"),
     (("pd-proxy", "--decode", "127.0.0.1:1", "--stall-timeout", "0.5"), 1, "must exceed the nodes' heartbeat"),
-    (("pd-proxy", "--decode", "127.0.0.1:1", "--token-timeout", "0"), 1, "token_s deadline must be positive"),
+    (("pd-proxy", "--decode", "127.0.0.1:1", "--token-timeout", "0"), 1,
+     "--token-timeout must be a positive number of seconds"),
     (("pd-kv-hits", "/nonexistent.log"), 1, "cannot read /nonexistent.log"),
 ])
 def test_launcher_errors_are_one_line(tmp_path, argv, code, needle):
