@@ -5,8 +5,9 @@ request's keys and values once per layer. Neither can beat the machine: the line
 at least max(FLOPs / peak GEMM rate, weight bytes / memory bandwidth) and attention at least
 KV bytes / memory bandwidth. Both rates are measured here, in the same run, with the engine's
 own paths: the peak GEMM rate through engine/models/linear.py's `Linear` at a large batch (so
-an AVX2-only CPU is measured on the fp32 path the engine takes there, an AMX one on bf16), the
-bandwidth as a multi-threaded sum over a buffer far larger than the last-level cache.
+an AVX2-only CPU is measured on the compiled bf16 kernel the engine takes there, an AMX one on
+oneDNN's native bf16), the bandwidth as a multi-threaded sum over a buffer far larger than the
+last-level cache.
 The floor ignores everything else in a step (norms, RoPE, sampling, Python), so it is a bound
 no implementation reaches, not a target.
 """

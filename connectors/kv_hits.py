@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -263,6 +264,17 @@ def _open(paths: list[str]) -> list[IO[str]]:
     return streams
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop_on_signals() -> None:
+    """--follow ends with its summary on SIGINT or SIGTERM, even when started in the background
+    (`nohup ... &`), where the shell leaves SIGINT ignored and Python then never installs its handler."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _interrupt)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pd-kv-hits", description="Per-request KV-store hits, loads, saves "
                                      "and fallbacks from pdserve (or LMCache) node logs.")
@@ -273,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     streams = _open(args.logs)
     report = KVHitReport()
+    if args.follow:
+        _stop_on_signals()
     try:
         if args.follow:
             for line in _follow(streams):

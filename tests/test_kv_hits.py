@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -97,20 +98,23 @@ def test_cli_missing_file_is_one_line_error(tmp_path):
     assert proc.returncode != 0 and proc.stderr.strip().count("\n") == 0 and "cannot read" in proc.stderr
 
 
-def test_follow_prints_rows_as_lines_arrive(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_follow_prints_rows_as_lines_arrive(tmp_path, stop):
     log = tmp_path / "decode.log"
     log.write_text(DECODE_LOG[0] + "\n")
+    # SIGINT ignored as `nohup ... &` leaves it: --follow must still end with its summary.
     proc = subprocess.Popen([sys.executable, "-m", "connectors.kv_hits", "--follow", str(log)],
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         assert proc.stdout.readline().split()[:4] == ["cmpl-1", "600", "288", "512"]
         with log.open("a") as f:
             f.write(DECODE_LOG[1] + "\n")
         assert proc.stdout.readline().split()[5] == "256"  # retrieved, after the append
     finally:
-        proc.send_signal(2)
+        proc.send_signal(stop)
         out, _ = proc.communicate(timeout=10)
-    assert "requests: 1" in out
+    assert "requests: 1" in out and proc.returncode == 0
 
 
 def test_lmcache_connector_native_and_section5_lines_count_once():
