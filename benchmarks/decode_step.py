@@ -77,7 +77,7 @@ def main() -> None:
     print_parts(timer.totals, sum(step_ms) / 1000, per=args.steps)
     engine.shutdown()
     if runner.device.type == "cpu":
-        print(decode_floor(runner.hf_config, runner.dtype, args.batch, ctx + args.steps // 2).describe())
+        print(decode_floor(runner, args.batch, ctx + args.steps // 2).describe())
 
 
 if __name__ == "__main__":

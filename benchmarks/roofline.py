@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -72,15 +73,14 @@ class DecodeFloor:
                 f"{self.bandwidth / 1e9:.1f} GB/s)")
 
 
-def decode_floor(hf_config, dtype: torch.dtype, batch: int, context_tokens: int) -> DecodeFloor:
-    """The floor of one decode step of `batch` requests with `context_tokens` keys each."""
-    c = hf_config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    q, kv = c.num_attention_heads * head_dim, kv_heads * head_dim
+def decode_floor(runner: Any, batch: int, context_tokens: int) -> DecodeFloor:
+    """The floor of one decode step of `batch` requests with `context_tokens` keys each, for the
+    model of `runner` (engine/model_runner.py: its derived head_dim, kv heads, layers and dtype)."""
+    c, layers = runner.hf_config, runner.num_layers
+    q, kv = c.num_attention_heads * runner.head_dim, runner.num_kv_heads * runner.head_dim
     per_layer = c.hidden_size * (q + 2 * kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
-    params = c.num_hidden_layers * per_layer + c.hidden_size * c.vocab_size  # + lm_head
-    elem = torch.finfo(dtype).bits // 8
-    return DecodeFloor(gemm_flops=peak_gemm_flops(dtype), bandwidth=memory_bandwidth(),
+    params = layers * per_layer + c.hidden_size * runner.vocab_size  # + lm_head
+    elem = runner.dtype.itemsize
+    return DecodeFloor(gemm_flops=peak_gemm_flops(runner.dtype), bandwidth=memory_bandwidth(),
                        linear_flops=2.0 * batch * params, weight_bytes=float(params * elem),
-                       kv_bytes=float(batch * context_tokens * c.num_hidden_layers * 2 * kv * elem))
+                       kv_bytes=float(batch * context_tokens * layers * 2 * kv * elem))

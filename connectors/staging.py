@@ -184,9 +184,9 @@ class KVTransfer:
         """The per-load plan `load` may be given (compute thread, once per load)."""
         return BlockScatter.plan(slots, block_size)
 
-    def load(self, kv_cache: torch.Tensor, chunks: list[torch.Tensor], lo: int, hi: int, slots: torch.Tensor,
+    def load(self, kv_cache: torch.Tensor, lo: int, hi: int, slots: torch.Tensor,
              target: ReadTarget, plan: BlockScatter | None = None) -> Any:
-        """Write tokens [lo, hi) of the chunks (read into `target`, back to back) into `slots` with one
+        """Write tokens [lo, hi) of the chunks read into `target` (back to back) into `slots` with one
         scatter (`plan`'s block copies when it fits this cache), then hand the buffer back; returns the
         event marking the end (I/O thread). hi <= lo writes nothing and just hands the buffer back."""
         if hi > lo:
@@ -233,7 +233,7 @@ class StagedTransfer(KVTransfer):
     def scatter_plan(self, slots: torch.Tensor, block_size: int) -> None:
         return None  # one scatter kernel on the device
 
-    def load(self, kv_cache: torch.Tensor, chunks: list[torch.Tensor], lo: int, hi: int, slots: torch.Tensor,
+    def load(self, kv_cache: torch.Tensor, lo: int, hi: int, slots: torch.Tensor,
              target: ReadTarget, plan: BlockScatter | None = None) -> Any:
         with self.platform.stream(self.copy_stream):
             if hi > lo:

@@ -132,13 +132,13 @@ class StoreConnector(ChunkedConnector):
         try:  # a chunk holding another number of tokens than its bounds say is CorruptObject
             nbytes = self.store.get_layer_into(layer, load.keys, target.full, target.chunk_lens)
         except BaseException:
-            self.transfer.load(self.kv_caches[layer], [], 0, 0, load.slots, target)  # hand the buffer back
+            self.transfer.load(self.kv_caches[layer], 0, 0, load.slots, target)  # hand the buffer back
             raise
         first = bounds[0][0]  # == plan.aligned_start
         write_start, write_end = plan.write_range
         with load.lock:
             lo, hi = (0, 0) if load.failed else (write_start - first, write_end - first)
-            load.events[layer] = self.transfer.load(self.kv_caches[layer], [], lo, hi, load.slots, target,
+            load.events[layer] = self.transfer.load(self.kv_caches[layer], lo, hi, load.slots, target,
                                                     load.scatter)
             load.finished = max(load.finished, time.perf_counter())
         return nbytes

@@ -411,10 +411,7 @@ class KVStore(ABC):
         for (layer, key), buf, payload, shape in zip(items, self._get(items), spans, shapes):
             name = self.object_name(key, layer)
             view = memoryview(buf).cast("B")
-            size = sum(span.nbytes for span in payload)
-            if view.nbytes != codec.HEADER_SIZE + size:
-                raise CorruptObject(f"{name}: {view.nbytes} bytes, expected {codec.HEADER_SIZE} + {size} "
-                                    f"for {list(shape)} {dtype}")
+            codec.check_size(name, view.nbytes, payload, shape, dtype)
             offset = codec.HEADER_SIZE
             for span in payload:
                 span[:] = view[offset:offset + span.nbytes]

@@ -140,12 +140,13 @@ def decode(buf: bytes | bytearray | memoryview, fingerprint: str, dtype: torch.d
     return torch.frombuffer(view, dtype=found, offset=HEADER_SIZE).view(shape)
 
 
-def decode_into(header: bytes | bytearray | memoryview, out: torch.Tensor, payload: list[memoryview],
-                fingerprint: str, name: str = "object", *, key: str, layer: int) -> None:
-    """Validate an object whose payload was already read into `out` (a preallocated tensor of the
-    expected dtype and shape; `payload` is payload_views(out)); CorruptObject if the header
-    disagrees with `out`, belongs to another key or layer, or the checksum fails."""
-    check_payload(header, payload, fingerprint, out.dtype, tuple(out.shape), name, key=key, layer=layer)
+def check_size(name: str, size: int, payload: list[memoryview], shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """CorruptObject unless a stored object of `size` bytes is a header plus exactly the payload
+    spans it is about to be read into (checked before reading, so a wrong-size object is never
+    read into them)."""
+    want = sum(span.nbytes for span in payload)
+    if size != HEADER_SIZE + want:
+        raise CorruptObject(f"{name}: {size} bytes, expected {HEADER_SIZE} + {want} for {list(shape)} {dtype}")
 
 
 def expected_header(fingerprint: str, dtype: torch.dtype, shape: tuple[int, ...], *, key: str, layer: int) -> bytes:

@@ -112,11 +112,7 @@ class FileSystemStore(KVStore):
             path = f"{chunk}/{layer}.kv"
             fd = os.open(path, os.O_RDONLY)
             try:
-                size = os.fstat(fd).st_size
-                want = sum(span.nbytes for span in payload)
-                if size != codec.HEADER_SIZE + want:
-                    raise CorruptObject(f"{path}: {size} bytes, expected {codec.HEADER_SIZE} + {want} "
-                                        f"for {list(shape)} {dtype}")
+                codec.check_size(path, os.fstat(fd).st_size, payload, shape, dtype)
                 _read_exact(fd, [header, *payload], path)
             finally:
                 os.close(fd)

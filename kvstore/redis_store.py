@@ -24,7 +24,7 @@ from redis.retry import Retry
 
 from kvstore import codec, resp
 from kvstore.base import Buffer, ChunkInfo, KVStore
-from kvstore.errors import CorruptObject, NotFound, StoreError, StoreTimeout, StoreUnavailable
+from kvstore.errors import NotFound, StoreError, StoreTimeout, StoreUnavailable
 
 # Replies that mean "this shard cannot serve right now" (a cluster mid-failover): an outage, not a bug.
 _OUTAGE = (redis.ConnectionError, redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
@@ -146,10 +146,7 @@ class RedisStore(KVStore):
         if missing:
             raise NotFound(f"{len(missing)} object(s) missing, e.g. {missing[0]}")
         for (layer, key), name, size, header, payload, shape in zip(items, names, sizes, headers, spans, shapes):
-            want = sum(span.nbytes for span in payload)
-            if size != codec.HEADER_SIZE + want:
-                raise CorruptObject(f"{name}: {size} bytes, expected {codec.HEADER_SIZE} + {want} "
-                                    f"for {list(shape)} {dtype}")
+            codec.check_size(name, size, payload, shape, dtype)
             codec.check_payload(header, payload, self.fingerprint, dtype, shape, name, key=key, layer=layer)
 
     def _commit(self, keys: list[str], num_layers: int) -> None:

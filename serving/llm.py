@@ -17,7 +17,6 @@ from typing import Any, Sequence
 from connectors.factory import create_connector
 from engine.llm_engine import LLMEngine
 from engine.logging_setup import configure_default_logging
-from engine.outputs import RequestOutput as StepOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template, encode_prompt
 from serving.offline_outputs import ChoiceRecorder, RequestOutput
@@ -76,7 +75,6 @@ class LLM:
             while not all(r.done for r in recorders.values()):
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError("the engine finished without completing every request (aborted elsewhere?)")
-                out: StepOutput
                 for out in self.engine.step():
                     recorders[out.request_id].add(out)
         except BaseException:

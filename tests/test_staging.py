@@ -84,7 +84,7 @@ def test_staged_load_is_one_buffer_per_layer_and_writes_only_the_needed_rows():
     expected = cache.clone()
     torch_ref.scatter_kv(expected, slots[:84], target.full[:, 10:94])
     transfer.begin_step()
-    event = transfer.load(cache, target.out, 10, 94, slots[:84], target)
+    event = transfer.load(cache, 10, 94, slots[:84], target)
     transfer.wait(event)
     transfer.fence()
     assert torch.equal(cache, expected) and transfer.pool.num_free == 1
@@ -94,7 +94,7 @@ def test_staged_load_is_one_buffer_per_layer_and_writes_only_the_needed_rows():
         direct_target = direct.read_target([64, 30], (2, 8), torch.bfloat16)
         for t, src in zip(direct_target.out, target.out):
             t.copy_(src)
-        direct.load(direct_cache, direct_target.out, 10, 94, slots[:84], direct_target)
+        direct.load(direct_cache, 10, 94, slots[:84], direct_target)
         assert torch.equal(direct_cache, expected)
     assert direct.pool.num_allocations == 1 and direct.pool.num_free == 1
 
@@ -129,6 +129,6 @@ def test_direct_load_copies_whole_blocks_and_equals_the_reference_scatter(case):
     if plan is not None:
         assert plan.full_rows == (end - start) // block_size * block_size and plan.applies_to(cache, torch.bfloat16)
         assert not plan.applies_to(cache, torch.float32)  # another dtype is converted by kernels.scatter_kv
-    transfer.load(cache, [], lo, lo + end - start, slots, target, plan)
+    transfer.load(cache, lo, lo + end - start, slots, target, plan)
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
     assert not BlockScatter.plan(slots_for([1, 2], 0, 32, block_size).flip(0), block_size)  # rows out of order

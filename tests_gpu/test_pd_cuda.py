@@ -70,7 +70,7 @@ def test_staged_transfer_with_real_streams():
         o.copy_(t)
     transfer.release(host)
     transfer.begin_step()
-    event = transfer.load(target, read.out, 0, 600, slots, read)
+    event = transfer.load(target, 0, 600, slots, read)
     transfer.wait(event)
     expected = torch.zeros_like(cache)
     torch_ref.scatter_kv(expected, slots, torch_ref.gather_kv(cache, slots))
