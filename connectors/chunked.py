@@ -32,6 +32,7 @@ from connectors.chunk_math import LoadPlan, save_range, slots_for
 from connectors.kv_metrics import KVTransferMetrics
 from engine.config import KVRole
 from engine.kv_connector import KVConnectorBase, KVConnectorMetadata
+from kvstore.gate import WriteGate
 
 if TYPE_CHECKING:
     from engine.request import Request
@@ -74,11 +75,14 @@ class ChunkedConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class InFlightLoad:
     """One request's load. `failed` is set once, under `lock`, and after that no background copy may
-    write into the request's blocks (the engine recomputes them, or frees them); a data path with
-    asynchronous copies must have finished its copies before it releases `lock`."""
+    write into the request's blocks (the engine recomputes them, or frees them): a data path that
+    copies under `lock` must have finished its copies before it releases it; one whose store reads
+    land straight in the blocks writes only inside `gate`, which is closed right after `failed` is
+    set (kvstore.gate: close() waits for the bounded copies inside and admits none after)."""
 
     spec: LoadSpec
     lock: threading.Lock = field(default_factory=threading.Lock)
+    gate: WriteGate = field(default_factory=WriteGate)
     num_bytes: int = 0
     started: float = field(default_factory=time.perf_counter)
     finished: float = 0.0  # when the last copy into paged memory ended
@@ -274,6 +278,7 @@ class ChunkedConnector(KVConnectorBase):
         """No more writes into the load's blocks from now on; queued reads are dropped."""
         with load.lock:
             load.failed = True
+        load.gate.close()  # waits for reads landing in the blocks right now (bounded copies, no I/O wait)
         for future in load.futures.values():
             future.cancel()
 

@@ -166,6 +166,9 @@ class HostChunks:
 class KVTransfer:
     """The direct (CPU) way; StagedTransfer overrides every step of it."""
 
+    # Store reads may land straight in paged memory (connectors/direct_rows.py): it is host memory.
+    reads_in_place = True
+
     def __init__(self, platform: Platform) -> None:
         self.platform = platform
         self.pool = PinnedPool(platform)
@@ -220,6 +223,8 @@ class KVTransfer:
 
 
 class StagedTransfer(KVTransfer):
+    reads_in_place = False  # paged memory is on the device: reads land in pinned staging buffers
+
     def __init__(self, platform: Platform) -> None:
         super().__init__(platform)
         self.copy_stream = platform.new_stream()  # store reads -> device

@@ -23,8 +23,10 @@ import torch
 
 from common.hashing import chunk_keys
 from connectors.chunk_math import chunk_bounds, hit_tokens
+from connectors import direct_rows
 from connectors.chunked import (ChunkedConnector, ChunkedConnectorMetadata, InFlightLoad, LoadSpec, PendingSave,
                                 SaveSpec)
+from connectors.direct_rows import DirectRows
 from connectors.staging import HostChunks, make_kv_transfer
 from engine.config import KVRole
 from kvstore import CorruptObject, KVStore, NotFound, StoreTimeout, StoreUnavailable, open_store
@@ -40,8 +42,10 @@ _REASONS = ((StoreUnavailable, "unavailable"), (StoreTimeout, "timeout"), (Corru
 @dataclass
 class _Load(InFlightLoad):
     keys: list[str] = field(default_factory=list)
+    chunk_lens: list[int] = field(default_factory=list)  # tokens of each chunk read
     slots: torch.Tensor | None = None  # spec.slots on the engine's device
     scatter: Any = None  # the transfer's plan of the scatter into `slots` (the same for every layer)
+    direct: DirectRows | None = None  # reads straight into the blocks: where each byte goes (every layer)
     events: dict[int, Any] = field(default_factory=dict)  # layer -> the event of its copy into paged memory
 
 
@@ -73,6 +77,8 @@ class StoreConnector(ChunkedConnector):
         self.kv_shape: tuple[int, int] = (runner.num_kv_heads, runner.head_dim)
         self._saves: dict[str, _Save] = {}
         self._keys: dict[str, list[str]] = {}  # request id -> its prompt's chunk keys
+        self._cache_bytes: list[memoryview] = []  # per layer, when loads read straight into the blocks
+        self._local = threading.local()  # per I/O thread: scratch memory of direct reads
 
     def keys_for(self, token_ids: list[int], cache_salt: str | None) -> list[str]:
         return chunk_keys(self.fingerprint, token_ids, self.chunk_size, cache_salt)
@@ -107,14 +113,30 @@ class StoreConnector(ChunkedConnector):
     # ---- worker side: loads ----
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = list(kv_caches)
+        # Store reads land straight in the blocks when the caches are host memory of the stored layout
+        # (no staging copy); otherwise (CUDA, another layout) through the transfer's staging buffers.
+        direct = self.transfer.reads_in_place and all(direct_rows.applies_to(c, self.dtype, self.block_size)
+                                                      for c in self.kv_caches)
+        self._cache_bytes = [direct_rows.cache_bytes(c) for c in self.kv_caches] if direct else []
 
     def _start_loads(self, specs: list[LoadSpec]) -> list[InFlightLoad]:
         loads = []
         for spec in specs:
             keys = self._prompt_keys(spec.request_id, spec.token_ids, spec.cache_salt)
-            loads.append(_Load(spec, keys=keys[spec.plan.chunk_range.start:spec.plan.chunk_range.stop],
-                               slots=self.transfer.device_slots(spec.slots),
-                               scatter=self.transfer.scatter_plan(spec.slots, self.block_size)))
+            plan = spec.plan
+            bounds = [chunk_bounds(idx, plan.num_tokens, self.chunk_size) for idx in plan.chunk_range]
+            load = _Load(spec, keys=keys[plan.chunk_range.start:plan.chunk_range.stop],
+                         chunk_lens=[end - start for start, end in bounds])
+            if self._cache_bytes:
+                cache = self.kv_caches[0]
+                lo, hi = (at - plan.aligned_start for at in plan.write_range)
+                load.direct = DirectRows.plan(spec.slots, load.chunk_lens, lo, hi,
+                                              cache[0, 0, 0].numel() * cache.element_size(),
+                                              cache[0].numel() * cache.element_size())
+            else:
+                load.slots = self.transfer.device_slots(spec.slots)
+                load.scatter = self.transfer.scatter_plan(spec.slots, self.block_size)
+            loads.append(load)
         self.transfer.begin_step()
         for layer in range(self.num_layers):  # layer-major, so layer 0 of every request arrives first
             for load in loads:
@@ -127,8 +149,15 @@ class StoreConnector(ChunkedConnector):
         plan = load.spec.plan
         if load.failed:  # an earlier layer already failed: the request recomputes, skip the read
             return 0
+        if load.direct is not None:  # straight into the blocks, only inside the load's gate
+            scratch = self._scratch(load.direct.scratch_bytes)
+            nbytes = self.store.get_layer_spans(layer, load.keys, load.direct.spans(self._cache_bytes[layer], scratch),
+                                                load.chunk_lens, load.gate)
+            with load.lock:
+                load.finished = max(load.finished, time.perf_counter())
+            return nbytes
         bounds = [chunk_bounds(idx, plan.num_tokens, self.chunk_size) for idx in plan.chunk_range]
-        target = self.transfer.read_target([end - start for start, end in bounds], self.kv_shape, self.dtype)
+        target = self.transfer.read_target(load.chunk_lens, self.kv_shape, self.dtype)
         try:  # a chunk holding another number of tokens than its bounds say is CorruptObject
             nbytes = self.store.get_layer_into(layer, load.keys, target.full, target.chunk_lens)
         except BaseException:
@@ -142,6 +171,13 @@ class StoreConnector(ChunkedConnector):
                                                     load.scatter)
             load.finished = max(load.finished, time.perf_counter())
         return nbytes
+
+    def _scratch(self, nbytes: int) -> memoryview:
+        """This I/O thread's scratch memory for the rows a direct read must not put in the blocks."""
+        buf = getattr(self._local, "scratch", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._local.scratch = memoryview(bytearray(max(nbytes, 1 << 16)))
+        return buf
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
         """Layer-wise loads only (background loads are polled by get_finished), bounded by their deadline."""

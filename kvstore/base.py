@@ -21,7 +21,10 @@ Usage (one store per model: it is opened for one fingerprint, layer count and dt
     kv = store.get_layer(i, keys[:n])                            # list of [2, n_tok, H, D]
     store.get_layer(i, keys[:n], out=staging)                    # or into reused CPU tensors
     store.get_layer_into(i, keys[:n], buf, chunk_lens)           # or into one reused [2, T, H, D]
-                                                                 # buffer (the decode hot path)
+                                                                 # buffer
+    store.get_layer_spans(i, keys[:n], spans, chunk_lens, gate)  # or straight into paged KV blocks,
+                                                                 # written only inside the load's gate
+                                                                 # (kvstore.gate; the decode hot path)
 
 Batched loads (the decode hot path: all chunks of a prompt, many layers, one call)::
 
@@ -81,6 +84,7 @@ import torch
 
 from kvstore import codec
 from kvstore.errors import CorruptObject, StoreError, StoreTimeout
+from kvstore.gate import NO_GATE, WriteGate
 
 Buffer = bytes | bytearray | memoryview
 
@@ -217,6 +221,32 @@ class KVStore(ABC):
         self._count(objects_read=len(keys), bytes_read=codec.HEADER_SIZE * len(keys) + whole.nbytes,
                     read_seconds=time.perf_counter() - start)
         return whole.nbytes
+
+    def get_layer_spans(self, layer: int, keys: Sequence[str], spans: Sequence[Sequence[memoryview]],
+                        chunk_lens: Sequence[int], gate: WriteGate) -> int:
+        """Read layer `layer` of consecutive chunks straight into memory the caller may take back (paged
+        KV blocks); returns the payload bytes read.
+
+        spans[j] are byte spans that chunk j's payload fills in order (its K rows, then its V rows,
+        split anywhere: block pieces, scratch for rows not wanted), chunk_lens[j] its token count. Bytes
+        reach the spans only inside `gate` (kvstore.gate): once the caller closed it, a read that
+        returns late writes nothing there and the call raises LoadAbandoned. Each object is checked
+        (header, key binding, xxh3) right after it landed; an error leaves the spans partly written
+        (the caller recomputes over them). Needs a store opened with dtype and kv_shape."""
+        keys = list(keys)
+        self._bound(layer)
+        if self.dtype is None or self.kv_shape is None:
+            raise ValueError("get_layer_spans needs a store opened with dtype and kv_shape")
+        if not len(spans) == len(chunk_lens) == len(keys):
+            raise ValueError(f"{len(keys)} keys, {len(spans)} span lists and {len(chunk_lens)} chunk lengths")
+        start = time.perf_counter()
+        shapes = [(2, n, *self.kv_shape) for n in chunk_lens]
+        views = [list(row) for row in spans]
+        self._guard(self._get_spans, [(layer, key) for key in keys], views, shapes, self.dtype, gate)
+        nbytes = 2 * sum(chunk_lens) * self.kv_shape[0] * self.kv_shape[1] * self.dtype.itemsize  # checked per object
+        self._count(objects_read=len(keys), bytes_read=codec.HEADER_SIZE * len(keys) + nbytes,
+                    read_seconds=time.perf_counter() - start)
+        return nbytes
 
     def get_layers(self, layers: Sequence[int], keys: Sequence[str],
                    out: Sequence[Sequence[torch.Tensor]] | None = None) -> list[list[torch.Tensor]]:
@@ -405,17 +435,19 @@ class KVStore(ABC):
                         out[0].dtype if out else torch.uint8)
 
     def _get_spans(self, items: list[tuple[int, str]], spans: list[list[memoryview]], shapes: list[tuple[int, ...]],
-                   dtype: torch.dtype) -> None:
-        """Read each (layer, key) object's payload into its spans (K bytes, V bytes) and check it against
-        `dtype` and its shape; backends that can read straight into the spans override this."""
+                   dtype: torch.dtype, gate: WriteGate = NO_GATE) -> None:
+        """Read each (layer, key) object's payload into its spans (its K bytes, then its V bytes, in any
+        number of pieces), writing them only inside `gate`, and check it against `dtype` and its shape;
+        backends that can read straight into the spans override this."""
         for (layer, key), buf, payload, shape in zip(items, self._get(items), spans, shapes):
             name = self.object_name(key, layer)
             view = memoryview(buf).cast("B")
             codec.check_size(name, view.nbytes, payload, shape, dtype)
             offset = codec.HEADER_SIZE
-            for span in payload:
-                span[:] = view[offset:offset + span.nbytes]
-                offset += span.nbytes
+            with gate.writing():  # the object is in our memory already: a bounded copy
+                for span in payload:
+                    span[:] = view[offset:offset + span.nbytes]
+                    offset += span.nbytes
             codec.check_payload(view[:codec.HEADER_SIZE], payload, self.fingerprint, dtype, shape, name, key=key,
                                 layer=layer)
 

@@ -140,11 +140,12 @@ def decode(buf: bytes | bytearray | memoryview, fingerprint: str, dtype: torch.d
     return torch.frombuffer(view, dtype=found, offset=HEADER_SIZE).view(shape)
 
 
-def check_size(name: str, size: int, payload: list[memoryview], shape: tuple[int, ...], dtype: torch.dtype) -> None:
+def check_size(name: str, size: int, payload: list[memoryview], shape: tuple[int, ...], dtype: torch.dtype,
+               nbytes: int | None = None) -> None:
     """CorruptObject unless a stored object of `size` bytes is a header plus exactly the payload
     spans it is about to be read into (checked before reading, so a wrong-size object is never
-    read into them)."""
-    want = sum(span.nbytes for span in payload)
+    read into them). `nbytes`: the spans' total, when the caller has it."""
+    want = sum(span.nbytes for span in payload) if nbytes is None else nbytes
     if size != HEADER_SIZE + want:
         raise CorruptObject(f"{name}: {size} bytes, expected {HEADER_SIZE} + {want} for {list(shape)} {dtype}")
 
@@ -158,14 +159,17 @@ def expected_header(fingerprint: str, dtype: torch.dtype, shape: tuple[int, ...]
 
 
 def check_payload(header: bytes | bytearray | memoryview, payload: list[memoryview], fingerprint: str,
-                  dtype: torch.dtype, shape: tuple[int, ...], name: str = "object", *, key: str, layer: int) -> None:
+                  dtype: torch.dtype, shape: tuple[int, ...], name: str = "object", *, key: str, layer: int,
+                  nbytes: int | None = None) -> None:
     """Validate an object whose payload spans were read in place: CorruptObject unless its header is
     exactly that of layer `layer` of chunk `key` with a `dtype` tensor of `shape`, and the xxh3 over
     header and payload matches. The load hot path: one compare of the expected header bytes and one
-    hash pass (over spans just read, still in cache); the precise reason is worked out only on failure."""
+    hash pass (over spans just read, still in cache); the precise reason is worked out only on failure.
+    `nbytes`: the spans' total, when the caller has it."""
     view = memoryview(header).cast("B")
     length = shape[0] * shape[1] * shape[2] * shape[3] * dtype.itemsize
-    if view.nbytes >= HEADER_SIZE and sum(span.nbytes for span in payload) == length and \
+    if view.nbytes >= HEADER_SIZE and (sum(span.nbytes for span in payload) if nbytes is None else nbytes) == length \
+            and \
             view[:_HEAD.size] == expected_header(fingerprint, dtype, shape, key=key, layer=layer):
         if _checksum(view[:_HEAD.size], payload) == _SUM.unpack_from(view, _HEAD.size)[0]:
             return

@@ -37,6 +37,7 @@ from kvstore.base import Buffer, ChunkInfo, KVStore
 from kvstore.errors import CorruptObject, NotFound, StoreError, StoreTimeout, StoreUnavailable
 from kvstore import fs_ledger
 from kvstore.fs_ledger import ChunkLedger
+from kvstore.gate import NO_GATE, WriteGate
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class FileSystemStore(KVStore):
         self._root = str(self.root)
         self.max_bytes = max_bytes
         self.fsync = fsync
+        self._nowait = hasattr(os, "RWF_NOWAIT")  # cleared the first time the filesystem refuses it
         self._ledger = ChunkLedger(self._root, self._walk_committed, self._marker_size) if max_bytes is not None \
             else None
         self._reconciling: threading.Thread | None = None
@@ -105,20 +107,69 @@ class FileSystemStore(KVStore):
         return buffers
 
     def _get_spans(self, items: list[tuple[int, str]], spans: list[list[memoryview]], shapes: list[tuple[int, ...]],
-                   dtype: torch.dtype) -> None:
+                   dtype: torch.dtype, gate: WriteGate = NO_GATE) -> None:
         header = memoryview(bytearray(codec.HEADER_SIZE))
         for (layer, key), payload, shape in zip(items, spans, shapes):
             chunk = self._chunk_dir(key)
             path = f"{chunk}/{layer}.kv"
+            nbytes = sum(span.nbytes for span in payload)
             fd = os.open(path, os.O_RDONLY)
             try:
-                codec.check_size(path, os.fstat(fd).st_size, payload, shape, dtype)
-                _read_exact(fd, [header, *payload], path)
+                codec.check_size(path, os.fstat(fd).st_size, payload, shape, dtype, nbytes)
+                if gate is NO_GATE:
+                    _read_exact(fd, [header, *payload], path)
+                else:
+                    self._read_gated(fd, [header, *payload], codec.HEADER_SIZE + nbytes, path, gate)
             finally:
                 os.close(fd)
-            codec.check_payload(header, payload, self.fingerprint, dtype, shape, path, key=key, layer=layer)
+            codec.check_payload(header, payload, self.fingerprint, dtype, shape, path, key=key, layer=layer,
+                                nbytes=nbytes)
             if layer == 0:
                 self._touch(f"{chunk}/{MARKER}")
+
+    def _read_gated(self, fd: int, views: list[memoryview], total: int, path: str, gate: WriteGate) -> None:
+        """Fill the views, writing them only inside `gate` (kvstore.gate): what the page cache holds is
+        read straight into them with RWF_NOWAIT (a copy that never waits for the medium); the rest,
+        or everything where the filesystem has no RWF_NOWAIT (NFS), is read into scratch memory
+        outside the gate, however long that takes, and then copied in inside it. `total`: the views' bytes."""
+        got = 0
+        if self._nowait:
+            gate.enter()
+            try:
+                while got < total:
+                    try:
+                        n = os.preadv(fd, views, got, os.RWF_NOWAIT)
+                    except BlockingIOError:  # not (all) in the page cache: read the rest outside the gate
+                        break
+                    except OSError as exc:
+                        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                            raise
+                        self._nowait = False
+                        logger.info("KV store %s: no RWF_NOWAIT reads here (%s); loads copy through scratch "
+                                    "memory", self.root, exc.strerror)
+                        break
+                    if n == 0:
+                        raise CorruptObject(f"{path}: file ended after {got} of {total} bytes")
+                    got += n
+                    if got < total:
+                        views = _advance(views, n)
+            finally:
+                gate.leave()
+        if got < total:
+            views = [v for v in views if v.nbytes]
+            scratch = self._read_cold(fd, total - got, got, path)
+            with gate.writing():
+                offset = 0
+                for view in views:
+                    view[:] = scratch[offset:offset + view.nbytes]
+                    offset += view.nbytes
+
+    def _read_cold(self, fd: int, nbytes: int, offset: int, path: str) -> memoryview:
+        """Bytes [offset, offset + nbytes) of an object in fresh scratch memory: the read that may wait
+        for the medium (a cold page cache, a hung NFS server), so it never writes a caller's spans."""
+        scratch = memoryview(bytearray(nbytes))
+        _read_exact(fd, [scratch], path, offset=offset)
+        return scratch
 
     def _commit(self, keys: list[str], num_layers: int) -> None:
         incomplete, committed = [], []
@@ -328,14 +379,14 @@ def _read_file(path: str) -> bytearray:
         os.close(fd)
 
 
-def _read_exact(fd: int, views: list[memoryview], path: str, strict: bool = True) -> int:
-    """Fill the views from fd (readv, resuming after short reads); CorruptObject if the file ends
-    early and `strict`, else the number of bytes read."""
+def _read_exact(fd: int, views: list[memoryview], path: str, strict: bool = True, offset: int | None = None) -> int:
+    """Fill the views from fd (readv, or preadv from `offset`, resuming after short reads); CorruptObject
+    if the file ends early and `strict`, else the number of bytes read."""
     views = [v for v in views if v.nbytes]
     total = sum(v.nbytes for v in views)
     got = 0
     while views:
-        n = os.readv(fd, views)
+        n = os.readv(fd, views) if offset is None else os.preadv(fd, views, offset + got)
         if n == 0:
             if strict:
                 raise CorruptObject(f"{path}: file ended after {got} of {total} bytes")
@@ -353,9 +404,11 @@ def _write_all(fd: int, parts: tuple[Buffer, ...]) -> None:
 
 def _advance(views: list[memoryview], n: int) -> list[memoryview]:
     """The views left after the first n bytes were transferred."""
-    while views and n >= views[0].nbytes:
-        n -= views[0].nbytes
-        views = views[1:]
+    i = 0
+    while i < len(views) and n >= views[i].nbytes:
+        n -= views[i].nbytes
+        i += 1
+    views = views[i:]
     if views and n:
         views = [views[0][n:], *views[1:]]
     return views

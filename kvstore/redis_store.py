@@ -25,6 +25,7 @@ from redis.retry import Retry
 from kvstore import codec, resp
 from kvstore.base import Buffer, ChunkInfo, KVStore
 from kvstore.errors import NotFound, StoreError, StoreTimeout, StoreUnavailable
+from kvstore.gate import NO_GATE, WriteGate
 
 # Replies that mean "this shard cannot serve right now" (a cluster mid-failover): an outage, not a bug.
 _OUTAGE = (redis.ConnectionError, redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
@@ -130,18 +131,18 @@ class RedisStore(KVStore):
         return values
 
     def _get_spans(self, items: list[tuple[int, str]], spans: list[list[memoryview]], shapes: list[tuple[int, ...]],
-                   dtype: torch.dtype) -> None:
+                   dtype: torch.dtype, gate: WriteGate = NO_GATE) -> None:
         """One pipelined round trip whose values land in the spans (kvstore.resp); a dropped pooled
         connection (a redis restart) is retried once at once, like every other call."""
         names = [self._key(key, layer) for layer, key in items]
         headers = [memoryview(bytearray(codec.HEADER_SIZE)) for _ in items]
         views = [[header, *payload] for header, payload in zip(headers, spans)]
         try:
-            sizes = resp.get_into(self._redis, names, views)
+            sizes = resp.get_into(self._redis, names, views, gate)
         except redis.TimeoutError:
             raise
         except redis.ConnectionError:
-            sizes = resp.get_into(self._redis, names, views)
+            sizes = resp.get_into(self._redis, names, views, gate)
         missing = [name for name, size in zip(names, sizes) if size is None]
         if missing:
             raise NotFound(f"{len(missing)} object(s) missing, e.g. {missing[0]}")

@@ -10,23 +10,48 @@ is disconnected, never handed back to the pool.
 """
 from __future__ import annotations
 
+import select
 import socket
+import ssl
 from typing import Any
 
 import redis
+
+from kvstore.gate import NO_GATE, WriteGate
 
 _LINE_READ = 4096  # framing reads: one line and the start of the value that follows it
 
 
 class _Replies:
-    """A RESP reply stream: framing lines through a small buffer, bulk values read in place."""
+    """A RESP reply stream: framing lines through a small buffer, bulk values read in place.
 
-    def __init__(self, sock: Any) -> None:
+    With a write gate (kvstore.gate) the socket is non-blocking for the stream's lifetime: every
+    wait for redis is a poll outside the gate, every write into a value's spans a recv of bytes
+    already received (or a copy from the framing buffer) inside it. TLS sockets, whose readiness
+    a poll cannot see, read each gated value into scratch memory first and copy it in inside."""
+
+    def __init__(self, sock: Any, gate: WriteGate = NO_GATE, timeout: float | None = None) -> None:
         self.sock = sock
         self.buf = bytearray()
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        self.polled = gate is not NO_GATE and not self.tls
+        if self.polled:
+            self.timeout_ms = -1 if timeout is None else max(1, int(timeout * 1000))
+            self.poller = select.poll()
+            self.poller.register(sock.fileno(), select.POLLIN)
+
+    def _wait(self) -> None:
+        """Until the socket has bytes to read (polled streams), at most the socket timeout."""
+        if not self.poller.poll(self.timeout_ms):
+            raise socket.timeout("timed out")
 
     def _recv(self) -> None:
-        chunk = self.sock.recv(_LINE_READ)
+        while True:
+            try:
+                chunk = self.sock.recv(_LINE_READ)
+                break
+            except BlockingIOError:  # polled streams only
+                self._wait()
         if not chunk:
             raise redis.ConnectionError("redis closed the connection in the middle of a reply")
         self.buf += chunk
@@ -38,36 +63,91 @@ class _Replies:
         del self.buf[:end + 2]
         return line
 
-    def into(self, view: memoryview) -> None:
-        """Fill `view` with the next bytes of the stream."""
-        done = min(len(self.buf), view.nbytes)
-        view[:done] = self.buf[:done]
-        del self.buf[:done]
-        while done < view.nbytes:
-            got = self.sock.recv_into(view[done:])
+    def fill(self, views: list[memoryview], gate: WriteGate = NO_GATE) -> None:
+        """Fill `views` (in order) with the next bytes of the stream, writing them only inside `gate`."""
+        views = [view for view in views if view.nbytes]
+        if gate is not NO_GATE and not self.polled:  # TLS: wait for the bytes in our own memory first
+            scratch = memoryview(bytearray(sum(view.nbytes for view in views)))
+            self.fill([scratch])
+            with gate.writing():
+                _copy(scratch, views)
+            return
+        if self.buf and views:  # the start of the value came with its framing line
+            done = min(len(self.buf), sum(view.nbytes for view in views))
+            with gate.writing():
+                _copy(memoryview(self.buf)[:done], views)
+            del self.buf[:done]
+            views = _advance(views, done)
+        while views:
+            if self.tls:  # no recvmsg on TLS sockets (and no gate here: see above)
+                got = self.sock.recv_into(views[0])
+            elif self.polled:
+                gate.enter()
+                try:  # what has arrived, straight into the spans (non-blocking)
+                    got = self.sock.recvmsg_into(views)[0]
+                except BlockingIOError:
+                    got = -1
+                finally:
+                    gate.leave()
+                if got < 0:
+                    self._wait()
+                    continue
+            else:
+                got = self.sock.recvmsg_into(views)[0]
             if not got:
                 raise redis.ConnectionError("redis closed the connection in the middle of a value")
-            done += got
+            views = _advance(views, got)
 
     def skip(self, nbytes: int) -> None:
         scratch = memoryview(bytearray(min(nbytes, 1 << 16)))
         while nbytes:
             step = min(nbytes, scratch.nbytes)
-            self.into(scratch[:step])
+            self.fill([scratch[:step]])
             nbytes -= step
 
 
-def get_into(client: redis.Redis, names: list[str], views: list[list[memoryview]]) -> list[int | None]:
+def _copy(src: memoryview, views: list[memoryview]) -> None:
+    """The first bytes of `src` into the views, in order, as far as `src` goes."""
+    offset = 0
+    for view in views:
+        step = min(view.nbytes, src.nbytes - offset)
+        view[:step] = src[offset:offset + step]
+        offset += step
+        if offset == src.nbytes:
+            return
+
+
+def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+    """The views left after the first n bytes were filled."""
+    i = 0
+    while i < len(views) and n >= views[i].nbytes:
+        n -= views[i].nbytes
+        i += 1
+    views = views[i:]
+    if views and n:
+        views[0] = views[0][n:]
+    return views
+
+
+def get_into(client: redis.Redis, names: list[str], views: list[list[memoryview]], gate: WriteGate = NO_GATE
+             ) -> list[int | None]:
     """GET every name in one pipelined round trip; a value of exactly the size of its views is read
     into them (in order), any other value is read past. Returns each value's size (None: no such
-    key). A redis error reply raises redis.ResponseError after the whole stream was read; socket
-    failures raise redis.ConnectionError / redis.TimeoutError (the connection is dropped)."""
+    key). With a `gate` (the views are memory the caller may take back), the views are written only
+    inside it (kvstore.gate); LoadAbandoned once it is closed.
+    A redis error reply raises redis.ResponseError after the whole stream was read; socket failures
+    raise redis.ConnectionError / redis.TimeoutError (the connection is dropped)."""
     pool = client.connection_pool
     conn = pool.get_connection()
     clean = False
+    sock, timeout = None, None
     try:
         conn.send_packed_command(conn.pack_commands([("GET", name) for name in names]))
-        replies = _Replies(conn._sock)  # noqa: SLF001 (redis-py keeps the connected socket there)
+        sock = conn._sock  # noqa: SLF001 (redis-py keeps the connected socket there)
+        timeout = sock.gettimeout()
+        replies = _Replies(sock, gate, timeout)
+        if replies.polled:
+            sock.settimeout(0.0)  # every wait is replies' own poll, bounded by the socket timeout
         sizes: list[int | None] = []
         error = None
         for spans in views:
@@ -76,8 +156,7 @@ def get_into(client: redis.Redis, names: list[str], views: list[list[memoryview]
             if kind == b"$" and head != b"$-1":
                 size = int(head[1:])
                 if size == sum(span.nbytes for span in spans):
-                    for span in spans:
-                        replies.into(span)
+                    replies.fill(spans, gate)
                 else:
                     replies.skip(size)
                 replies.skip(2)  # the value's closing CRLF
@@ -98,6 +177,8 @@ def get_into(client: redis.Redis, names: list[str], views: list[list[memoryview]
     except OSError as exc:
         raise redis.ConnectionError(f"reading replies: {exc}") from exc
     finally:
+        if sock is not None and sock is conn._sock:  # noqa: SLF001
+            sock.settimeout(timeout)
         if not clean:
             conn.disconnect()
         pool.release(conn)

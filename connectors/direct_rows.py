@@ -1,0 +1,87 @@
+"""Where a store read puts each byte of a load when it reads straight into paged KV (docs/architecture.md, §7).
+
+A stored object holds one layer of one chunk: its K rows, then its V rows, token after token.
+In a paged KV cache [2, num_blocks, block_size, H, D] (contiguous) a token's K row sits at byte
+slot * row_bytes of the K half, its V row at the same offset of the V half, so a run of
+consecutive slots is one contiguous span of each half. `DirectRows` cuts every chunk's payload
+into such spans, once per load (every layer has the same slots):
+
+- rows in the load's write range [lo, hi) go to their slots (only the request's own, freshly
+  allocated blocks: rows before N may sit in prefix-cached blocks shared with other requests,
+  and the last prompt token's row is computed, so neither is ever written);
+- every other row of a chunk goes to scratch memory of the reading thread (the checksum covers
+  the whole object, so those bytes are read all the same).
+
+`spans(cache_bytes, scratch)` turns that plan into memoryviews of one layer's cache for
+KVStore.get_layer_spans, which writes them only inside the load's gate (kvstore.gate).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_CACHE, _SCRATCH = 0, 1
+
+
+@dataclass
+class DirectRows:
+    """Per chunk, its payload as (where, byte offset, nbytes) pieces: K pieces then V pieces."""
+
+    pieces: list[list[tuple[int, int, int]]]
+    scratch_bytes: int
+
+    @classmethod
+    def plan(cls, slots: torch.Tensor, chunk_lens: list[int], lo: int, hi: int, row_bytes: int,
+             half_bytes: int) -> DirectRows:
+        """slots: the slot of each row in [lo, hi) (rows counted from the first chunk's first token);
+        row_bytes: one token's K (or V) bytes; half_bytes: the K half of one layer's cache."""
+        flat = slots.numpy().astype(np.int64, copy=False)
+        breaks = np.flatnonzero(np.diff(flat) != 1) + 1
+        run_starts = np.concatenate(([0], breaks)).tolist()  # row index (from lo) where each slot run starts
+        run_ends = np.concatenate((breaks, [len(flat)])).tolist()
+        first_slots = flat[run_starts].tolist() if len(flat) else []
+        total = sum(chunk_lens)
+        outside = lo + (total - hi)  # rows read into scratch: K's first, then V's
+        used = 0  # scratch rows handed out so far
+        pieces: list[list[tuple[int, int, int]]] = []
+        start, run = 0, 0
+        for n in chunk_lens:
+            end = start + n
+            k: list[tuple[int, int, int]] = []
+            v: list[tuple[int, int, int]] = []
+            for a, b, where in ((start, min(end, lo), _SCRATCH), (max(start, lo), min(end, hi), _CACHE),
+                                (max(start, hi), end, _SCRATCH)):
+                if where == _SCRATCH and b > a:
+                    k.append((_SCRATCH, used * row_bytes, (b - a) * row_bytes))
+                    v.append((_SCRATCH, (outside + used) * row_bytes, (b - a) * row_bytes))
+                    used += b - a
+                while where == _CACHE and a < b:  # cut at slot-run boundaries
+                    while run_ends[run] <= a - lo:
+                        run += 1
+                    stop = min(b, lo + run_ends[run])
+                    offset = (first_slots[run] + a - lo - run_starts[run]) * row_bytes
+                    k.append((_CACHE, offset, (stop - a) * row_bytes))
+                    v.append((_CACHE, half_bytes + offset, (stop - a) * row_bytes))
+                    a = stop
+            pieces.append(k + v)
+            start = end
+        return cls(pieces, 2 * outside * row_bytes)
+
+    def spans(self, cache_bytes: memoryview, scratch: memoryview) -> list[list[memoryview]]:
+        """Each chunk's spans in one layer's cache (its flat bytes) and in `scratch` (>= scratch_bytes)."""
+        mem = (cache_bytes, scratch)
+        return [[mem[where][offset:offset + nbytes] for where, offset, nbytes in chunk] for chunk in self.pieces]
+
+
+def cache_bytes(kv_cache: torch.Tensor) -> memoryview:
+    """The flat bytes of one layer's paged KV cache, writable (reads land in them)."""
+    return memoryview(kv_cache.view(-1).view(torch.uint8).numpy())
+
+
+def applies_to(kv_cache: torch.Tensor, dtype: torch.dtype, block_size: int) -> bool:
+    """Whether `kv_cache` has the layout DirectRows addresses: contiguous CPU [2, num_blocks,
+    block_size, H, D] holding `dtype` (the stored bytes as they are)."""
+    return (kv_cache.device.type == "cpu" and kv_cache.dim() == 5 and kv_cache.shape[0] == 2
+            and kv_cache.shape[2] == block_size and kv_cache.is_contiguous() and kv_cache.dtype == dtype)

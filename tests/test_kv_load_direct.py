@@ -1,0 +1,246 @@
+"""Loads read straight into paged KV blocks, and a read that returns after its load was abandoned writes nothing.
+
+The invariant (docs/architecture.md, Invariants): bytes reach a load's blocks only inside its write
+gate (kvstore.gate); a failed or cancelled load closes the gate, after which no read it started
+writes anything there, however late it returns. The end-to-end test makes a real file store's
+read of one object hang (as on a hung NFS mount: no RWF_NOWAIT there, every read waits for the
+medium), lets the load time out and the request recompute, hands the blocks over (a sentinel fill
+of the whole cache stands for "recomputed, or another request's now"), then lets the read finish.
+"""
+from __future__ import annotations
+
+import os
+import random
+import threading
+
+import pytest
+import torch
+
+from connectors.chunk_math import LoadPlan, chunk_bounds, slots_for
+from connectors.direct_rows import DirectRows, cache_bytes
+from kvstore import CorruptObject, open_store
+from kvstore.filesystem import FileSystemStore
+from kvstore.gate import LoadAbandoned, WriteGate
+from tests.connector_helpers import FALLBACK_RE, GREEDY, PREFILL, capture, engine_pair, lines, mono_engine, prompt
+from tests.kvstore_helpers import CHUNK, KV_SHAPE, make_chunks, open_test_store, write_all
+
+pytestmark = pytest.mark.timeout(120)
+SENTINEL = 0x5A
+
+
+# ---- where each byte goes ----
+@pytest.mark.parametrize("seed", range(40))
+def test_direct_rows_put_exactly_the_write_range_in_its_slots(seed):
+    """Every chunk's payload through DirectRows' spans == the write range's rows scattered into their slots
+    (rows before N and after the last loaded token land in scratch, never in the cache)."""
+    rng = random.Random(seed)
+    block, heads, dim, num_blocks = 4, 2, 4, 48
+    chunk = block * rng.choice([1, 2, 4])
+    tokens = rng.randrange(2, 70)
+    local = block * rng.randrange(0, (tokens - 1) // block + 1)
+    plan = LoadPlan(tokens, local, min(tokens, chunk * rng.randrange(1, tokens // chunk + 2)), chunk)
+    if not plan.need_to_load:
+        return
+    lo, hi = plan.write_range
+    blocks = rng.sample(range(num_blocks), -(-tokens // block))
+    if seed % 2:
+        blocks.sort()  # consecutive blocks: runs merge across block boundaries
+    slots = slots_for(blocks, lo, hi, block)
+    bounds = [chunk_bounds(i, tokens, chunk) for i in plan.chunk_range]
+    first = plan.aligned_start
+    cache = torch.zeros(2, num_blocks, block, heads, dim)
+    row = heads * dim * cache.element_size()
+    rows = DirectRows.plan(slots, [b - a for a, b in bounds], lo - first, hi - first, row, cache[0].numel() * 4)
+    scratch = memoryview(bytearray(rows.scratch_bytes + 1))
+    spans = rows.spans(cache_bytes(cache), scratch)
+    kv = torch.randn(2, bounds[-1][1] - first, heads, dim)
+    for (a, b), chunk_spans in zip(bounds, spans):
+        payload = kv[:, a - first:b - first].contiguous().view(torch.uint8).numpy().tobytes()
+        assert sum(span.nbytes for span in chunk_spans) == len(payload)
+        offset = 0
+        for span in chunk_spans:
+            span[:] = payload[offset:offset + span.nbytes]
+            offset += span.nbytes
+    want = torch.zeros_like(cache)
+    want.view(2, -1, heads, dim)[:, slots] = kv[:, lo - first:hi - first]
+    assert torch.equal(cache, want)
+
+
+# ---- the gate ----
+def test_close_waits_for_the_writer_inside_and_shuts_out_the_rest():
+    gate = WriteGate()
+    inside, release, closed = threading.Event(), threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with gate.writing():
+            inside.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    assert inside.wait(10)
+    closer = threading.Thread(target=lambda: (gate.close(), closed.set()))
+    closer.start()
+    assert not closed.wait(0.2)  # the copy inside is still running: close() waits for it
+    release.set()
+    assert closed.wait(10)
+    thread.join()
+    closer.join()
+    with pytest.raises(LoadAbandoned):
+        gate.enter()
+
+
+# ---- stores: gated reads into caller spans ----
+def _spans_of(staging: torch.Tensor, lens: list[int]) -> list[list[memoryview]]:
+    """Each chunk's K and V token slices of a [2, T, H, D] tensor, cut into 3-token pieces (as block pieces)."""
+    spans, start = [], 0
+    flat = memoryview(staging.view(torch.uint8).numpy()).cast("B")
+    half, row = flat.nbytes // 2, flat.nbytes // (2 * staging.shape[1])
+    for n in lens:
+        pieces = []
+        for base in (0, half):
+            pieces += [flat[base + a * row:base + min(a + 3, start + n) * row] for a in range(start, start + n, 3)]
+        spans.append(pieces)
+        start += n
+    return spans
+
+
+@pytest.fixture(params=["file", "file-no-nowait", "file-cold", "redis"])
+def loaded_store(request, tmp_path):
+    url = request.getfixturevalue("redis_server").url if request.param == "redis" else f"file://{tmp_path}"
+    store = open_test_store(url, 2)
+    keys, layers = make_chunks(3 * CHUNK + 5, 2)
+    write_all(store, keys, layers)
+    if request.param == "file-no-nowait":
+        store._nowait = False  # noqa: SLF001 (as on NFS: every read goes through scratch memory)
+    if request.param == "file-cold":  # the page cache dropped: RWF_NOWAIT finds nothing, the rest is read cold
+        for path in tmp_path.rglob("*.kv"):
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+    yield store, keys, layers
+    store.close()
+
+
+def test_gated_reads_land_checked_in_the_spans(loaded_store):
+    store, keys, layers = loaded_store
+    lens = [layers[1][key].shape[1] for key in keys]
+    staging = torch.zeros(2, sum(lens), *KV_SHAPE)
+    nbytes = store.get_layer_spans(1, keys, _spans_of(staging, lens), lens, WriteGate())
+    assert nbytes == staging.numel() * staging.element_size()
+    assert torch.equal(staging, torch.cat([layers[1][key] for key in keys], dim=1))
+
+
+def test_a_closed_gate_writes_nothing(loaded_store):
+    store, keys, layers = loaded_store
+    lens = [layers[0][key].shape[1] for key in keys]
+    staging = torch.full((2, sum(lens), *KV_SHAPE), 7.0)
+    gate = WriteGate()
+    gate.close()
+    with pytest.raises(LoadAbandoned):
+        store.get_layer_spans(0, keys, _spans_of(staging, lens), lens, gate)
+    assert bool((staging == 7.0).all())
+    # and the store (its redis connections too) serves the next load normally
+    assert store.get_layer_spans(0, keys, _spans_of(staging, lens), lens, WriteGate()) == staging.nbytes
+
+
+def test_a_bad_object_fails_its_gated_read(tmp_path):
+    store = open_test_store(f"file://{tmp_path}", 1)
+    keys, layers = make_chunks(CHUNK, 1)
+    write_all(store, keys, layers)
+    (path,) = tmp_path.rglob("0.kv")
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 1
+    path.write_bytes(bytes(raw))
+    staging = torch.zeros(2, CHUNK, *KV_SHAPE)
+    with pytest.raises(CorruptObject, match="checksum"):
+        store.get_layer_spans(0, keys, _spans_of(staging, [CHUNK]), [CHUNK], WriteGate())
+    store.close()
+
+
+# ---- end to end: a read that returns after its load was abandoned ----
+class HungStore(FileSystemStore):
+    """A real file store whose reads of one object wait for the medium until `release` (a hung NFS
+    server: no RWF_NOWAIT, so every read goes through the cold path), then complete for real."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._nowait = False
+        self.hung_path: str | None = None
+        self.hung = threading.Event()  # a read is stuck
+        self.release = threading.Event()
+        self.returned = threading.Event()  # the stuck read returned
+        self.outcome: BaseException | None = None
+
+    def _read_gated(self, fd, views, total, path, gate) -> None:
+        if path != self.hung_path:
+            return super()._read_gated(fd, views, total, path, gate)
+        try:
+            super()._read_gated(fd, views, total, path, gate)
+        except BaseException as exc:
+            self.outcome = exc
+            raise
+        finally:
+            self.returned.set()
+
+    def _read_cold(self, fd, nbytes, offset, path):
+        if path == self.hung_path:
+            self.hung.set()
+            self.release.wait(60)
+        return super()._read_cold(fd, nbytes, offset, path)
+
+
+@pytest.mark.parametrize("kv_load_mode", ["async", "layerwise"])
+def test_a_late_read_never_writes_into_blocks_it_gave_up(tiny_llama, tmp_path, kv_load_mode, caplog):
+    capture(caplog)
+    url = f"file://{tmp_path}"
+    producer, consumer = engine_pair(tiny_llama, url, load_timeout_s=1.0, kv_load_mode=kv_load_mode)
+    connector = consumer.engine.connector
+    opened = connector.store
+    store = HungStore(tmp_path, fingerprint=opened.fingerprint, num_layers=opened.num_layers, dtype=opened.dtype,
+                      kv_shape=opened.kv_shape, timeout=opened.timeout)
+    connector.store = store
+    opened.close()
+    try:
+        full = prompt(600, seed=90)
+        producer.generate([full], PREFILL)
+        store.hung_path = store.object_name(connector.keys_for(full, None)[1], 2)
+        out = consumer.generate([full], GREEDY)
+        assert out[0].token_ids == mono_engine(tiny_llama).generate([full], GREEDY)[0].token_ids
+        assert [(reason, n) for _, reason, n in lines(caplog, FALLBACK_RE)] == [("timeout", 599)]
+        assert store.hung.is_set() and not store.returned.is_set()  # the read is still out there
+        # The blocks are recomputed now, or free for the next request: stand for that with a sentinel.
+        for cache in connector.kv_caches:
+            cache.view(torch.uint8).fill_(SENTINEL)
+        store.release.set()
+        assert store.returned.wait(30)
+        assert isinstance(store.outcome, LoadAbandoned)
+        for cache in connector.kv_caches:
+            assert bool((cache.view(torch.uint8) == SENTINEL).all())
+    finally:
+        store.release.set()
+        producer.engine.shutdown()
+        consumer.engine.shutdown()
+
+
+def test_loads_read_in_place_into_host_blocks(tiny_llama, tmp_path):
+    """The CPU engine's loads take the in-place path (no staging buffer is ever taken from the pool)."""
+    producer, consumer = engine_pair(tiny_llama, f"file://{tmp_path}")
+    try:
+        full = prompt(700, seed=91)
+        producer.generate([full], PREFILL)
+        out = consumer.generate([full], GREEDY)
+        assert out[0].num_cached_tokens == 699
+        assert out[0].token_ids == mono_engine(tiny_llama).generate([full], GREEDY)[0].token_ids
+        assert consumer.engine.connector.transfer.pool.num_acquired == 0
+    finally:
+        producer.engine.shutdown()
+        consumer.engine.shutdown()
+
+
+def test_open_store_keeps_dtype_and_shape_for_span_reads(tmp_path):
+    store = open_store(f"file://{tmp_path}", fingerprint="ab" * 16, num_layers=1)
+    with pytest.raises(ValueError, match="dtype and kv_shape"):
+        store.get_layer_spans(0, [], [], [], WriteGate())
+    store.close()
