@@ -4,16 +4,24 @@ Why a thread: a step (a long prefill especially) can take seconds; run on the ev
 would stall /health and every other connection. Torch releases the GIL inside its ops, so the
 loop stays responsive. Only the step thread touches the LLMEngine (it is not thread-safe):
 the loop sends it commands through a queue and gets outputs back via call_soon_threadsafe.
+
+Why servers build the engine on that thread too (`AsyncLLMEngine.build`): every multi-threaded
+CPU op of the process (torch's and kernels/csrc's, one libgomp) then runs on one thread, so the
+process has one OpenMP team. A second thread running parallel ops (say, the main thread that
+loaded the weights) brings a second team; libgomp then manages more threads than there are CPUs
+and cuts its spin-wait to almost nothing, so every parallel region of every step waits for its
+workers to be woken (docs/architecture.md, "One OpenMP team").
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from engine.outputs import RequestOutput, Resume
 from engine.sampling_params import SamplingParams
@@ -64,6 +72,30 @@ class AsyncLLMEngine:
         self._accepting = False
         self.num_steps = 0  # steps started (written by the step thread only)
         self._step_started: float | None = None
+        self._go = threading.Event()  # build(): the waiting step thread may begin (or end: no loop)
+
+    @classmethod
+    def build(cls, factory: Callable[[], Any], max_waiting_requests: int = 256) -> AsyncLLMEngine:
+        """Start the step thread, build the engine there with `factory()` and return once it is built;
+        what `factory` raises is raised here. `start()` then lets that thread begin stepping."""
+        built: concurrent.futures.Future = concurrent.futures.Future()
+
+        def thread_main() -> None:
+            try:
+                async_engine = cls(factory(), max_waiting_requests)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller of build()
+                built.set_exception(e)
+                return
+            built.set_result(async_engine)
+            async_engine._go.wait()
+            if async_engine._loop is not None:  # shut down before it ever started: nothing to run
+                async_engine._run()
+
+        thread = threading.Thread(target=thread_main, name="engine-step", daemon=True)
+        thread.start()
+        async_engine = built.result()
+        async_engine._thread = thread
+        return async_engine
 
     # ------------------------------------------------------------ event-loop side
 
@@ -71,8 +103,10 @@ class AsyncLLMEngine:
         """Start the step thread; call from the event loop that will consume the outputs."""
         self._loop = asyncio.get_running_loop()
         self._accepting = True
-        self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
-        self._thread.start()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
+            self._thread.start()
+        self._go.set()
 
     @property
     def stats(self) -> Any:
@@ -150,6 +184,7 @@ class AsyncLLMEngine:
             self._commands.put(("abort", rid))
             stream.queue.put_nowait(RequestAbortedError("the server is shutting down"))
         self._commands.put(("stop",))
+        self._go.set()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
 

@@ -47,14 +47,16 @@ def create_async_engine(args: argparse.Namespace) -> tuple[AsyncLLMEngine, list[
     from connectors.factory import create_connector
     from engine.llm_engine import LLMEngine
 
-    try:
-        llm = LLMEngine(EngineConfig.from_kwargs(model, **kwargs), create_connector)
+    try:  # built on its step thread: the process's one OpenMP team (engine/async_engine.py)
+        config = EngineConfig.from_kwargs(model, **kwargs)
+        async_engine = AsyncLLMEngine.build(lambda: LLMEngine(config, create_connector),
+                                            max_waiting_requests=args.max_waiting_requests)
     except Exception as e:  # transformers/safetensors/config errors: a one-line reason, no traceback
         logger.debug("engine start-up failed", exc_info=True)
         raise StartupError(f"cannot load model from {model}: {type(e).__name__}: {e}") from None
     # Clients may name the model by directory name or by the path it was loaded from.
     names = [args.served_model_name] if args.served_model_name else [Path(model).name, model]
-    async_engine = AsyncLLMEngine(llm, max_waiting_requests=args.max_waiting_requests)
+    llm = async_engine.engine
     async_engine.metrics = EngineMetrics(names[0], lambda: async_engine.stats)
     connector_metrics = getattr(llm.connector, "metrics", None)
     if connector_metrics is not None:  # KV hand-off counters (hits, loads, saves, fallbacks) on /metrics
