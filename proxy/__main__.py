@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pd-proxy: error: {e}", file=sys.stderr)
         return 1
     asyncio.run(serve_app(Proxy(config).app(), sock, "pd-proxy", lambda: (
-        f"(policy {config.policy}, prefill {','.join(config.prefill) or '-'}, decode {','.join(config.decode)})")))
+        f"(policy {config.policy}, prefill {','.join(config.prefill) or '- (decode nodes prefill every prompt)'}, "
+        f"decode {','.join(config.decode)})")))
     return 0
 
 

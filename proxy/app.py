@@ -184,10 +184,14 @@ class Proxy:
             async for p, d in outputs:
                 assembler.add(self._choice_output(subs, p, d))
         usage = assembler.usage()
+        response = web.json_response(builder.response(assembler.all(), usage, prompt_ids.get(0) if len(subs) == 1 else None),
+                                     headers={"X-Request-Id": rid})
+        with contextlib.suppress(ConnectionResetError):  # a client gone meanwhile (aiohttp ignores it too)
+            await response.prepare(request)  # sent before the log line: the client need not wait for it
+            await response.write_eof()
         logger.info("Reqid: %s, done: %d tokens, finish %s, %.1f ms", rid, usage["completion_tokens"],
                     assembler.finish_reason, (time.perf_counter() - t0) * 1e3)
-        return web.json_response(builder.response(assembler.all(), usage, prompt_ids.get(0) if len(subs) == 1 else None),
-                                 headers={"X-Request-Id": rid})
+        return response
 
     def _choice_output(self, subs: list[oai.GenerationRequest], p: int, d: pb.GenerateDelta) -> ChoiceOutput:
         sub = subs[p]
@@ -212,9 +216,10 @@ class Proxy:
             await sse.error(e)
             return await sse.finish(None)
         usage = assembler.usage()
+        response = await sse.finish(usage)
         logger.info("Reqid: %s, done: %d tokens, finish %s, %.1f ms", rid, usage["completion_tokens"],
                     assembler.finish_reason, (time.perf_counter() - t0) * 1e3)
-        return await sse.finish(usage)
+        return response
 
     async def _one_prompt(self, rid: str, req: oai.GenerationRequest, max_model_len: int,
                           prompt_ids: dict[int, list[int]], p: int) -> AsyncIterator[pb.GenerateDelta]:
@@ -231,6 +236,8 @@ class Proxy:
 
     async def _prefill(self, rid: str, req: oai.GenerationRequest, prompt: pb.Prompt) -> list[int] | None:
         """Prompt token ids once a prefill node has committed the KV; None: let decode prefill locally."""
+        if not self.prefill.nodes:  # a decode-only cluster (its ready line says so): nothing to log per request
+            return None
         if prompt_size_bound(req) < self.config.local_prefill_threshold:
             logger.info("Reqid: %s, short prompt: decode node prefills locally", rid)
             return None

@@ -65,6 +65,10 @@ _FLAGS = {"connect_s": "--connect-timeout", "first_token_s": "--first-token-time
           "stall_s": "--stall-timeout"}
 
 
+def _finished(call: grpc.aio.Call) -> None:
+    """Done callback that only holds a reference to the call until its status has arrived."""
+
+
 class NodeFailed(Exception):
     """The node missed a deadline or broke the stream; `down` says whether to take it out of rotation."""
 
@@ -88,6 +92,7 @@ class DecodeStream:
         self.token_ids: list[int] = []  # what the client has received
         self.num_chars = 0
         self.num_resumes = 0
+        self._complete = False  # the current node's call delivered every choice's finish
 
     async def deltas(self) -> AsyncIterator[pb.GenerateDelta]:
         """Every delta with tokens or text or a finish reason, across node failures; APIError when none is left."""
@@ -111,16 +116,14 @@ class DecodeStream:
                 self.num_resumes += 1
                 logger.warning("Reqid: %s, resuming on %s after %d tokens", self.request_id, node.address,
                                len(self.token_ids))
-            num_finished = 0
             try:
                 async for delta in self._deltas(node, call):
                     if not self.token_ids and not self.num_resumes:
                         logger.info("Reqid: %s, decoding on %s", self.request_id, node.address)
                     self.token_ids.extend(delta.token_ids)
                     self.num_chars += len(delta.text)
-                    num_finished += bool(delta.finish_reason)
                     yield delta
-                if num_finished >= self.num_choices:
+                if self._complete:
                     return
                 raise NodeFailed("the stream ended without a finish reason")
             except NodeFailed as e:
@@ -149,8 +152,13 @@ class DecodeStream:
         return call
 
     async def _deltas(self, node: Node, call: pb.GenerateRequest) -> AsyncIterator[pb.GenerateDelta]:
-        """One node's deltas (heartbeats dropped) under the deadlines; NodeFailed when it misses one."""
+        """One node's deltas (heartbeats dropped) under the deadlines; NodeFailed when it misses one.
+
+        Ends with the delta that finishes the last open choice (`_complete`): the call's status
+        follows, but the client need not wait for it (one more network hop and event-loop wake-up)."""
         d = self.deadlines
+        self._complete = False
+        open_choices = self.num_choices
         try:
             await node.ready(d.connect_s)
         except asyncio.TimeoutError as e:
@@ -182,9 +190,16 @@ class DecodeStream:
                     return
                 if delta.ByteSize():  # anything but a heartbeat (an empty message)
                     last_token = loop.time()
+                    open_choices -= bool(delta.finish_reason)
+                    self._complete = open_choices <= 0
                     yield delta
+                    if self._complete:
+                        return
         finally:
-            stream.cancel()  # no-op once finished; aborts the node's request when we leave it
+            if self._complete:  # only the status is still to come: keep the call alive until it does
+                stream.add_done_callback(_finished)  # (a collected call cancels itself)
+            else:
+                stream.cancel()  # no-op once finished; aborts the node's request when we leave it
             node.load.in_flight -= 1
 
     def _rpc_failure(self, e: grpc.aio.AioRpcError) -> Exception:
