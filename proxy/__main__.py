@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
+from common import eventloop
 from proxy.app import Proxy, ProxyConfig
 from proxy.decode_stream import Deadlines
 from proxy.router import DEFAULT_POLICY, POLICIES
@@ -83,11 +83,16 @@ def main(argv: list[str] | None = None) -> int:
                          health_interval_s=args.health_interval, grpc_security=security,
                          deadlines=deadlines, prefill_timeout_s=args.prefill_timeout)
     try:
+        eventloop.loop_kind()
+    except ValueError as e:
+        print(f"pd-proxy: error: {e}", file=sys.stderr)
+        return 1
+    try:
         sock = listen_socket(args.host, args.port)
     except StartupError as e:
         print(f"pd-proxy: error: {e}", file=sys.stderr)
         return 1
-    asyncio.run(serve_app(Proxy(config).app(), sock, "pd-proxy", lambda: (
+    eventloop.run(serve_app(Proxy(config).app(), sock, "pd-proxy", lambda: (
         f"(policy {config.policy}, prefill {','.join(config.prefill) or '- (decode nodes prefill every prompt)'}, "
         f"decode {','.join(config.decode)})")))
     return 0

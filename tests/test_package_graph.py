@@ -21,7 +21,7 @@ ALLOWED = {
     "engine": {"common", "kernels"},
     "connectors": {"common", "engine", "kernels", "kvstore"},
     "serving": {"common", "connectors", "engine", "kvstore", "protos"},
-    "proxy": {"protos", "serving"},
+    "proxy": {"common", "protos", "serving"},
     "prefill_node": {"serving"},
     "decode_node": {"serving"},
     "deploy": {"engine", "proxy"},

@@ -1,0 +1,40 @@
+"""common/eventloop.py: which loop a process runs on, and the opt-out that picks asyncio's own."""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+
+import pytest
+
+from common import eventloop
+from tests.utils import console_script
+
+
+async def _loop_module() -> str:
+    return type(asyncio.get_running_loop()).__module__
+
+
+def test_uvloop_by_default(monkeypatch):
+    monkeypatch.delenv(eventloop.ENV, raising=False)
+    assert eventloop.loop_kind() == "uvloop"
+    assert eventloop.run(_loop_module()).startswith("uvloop")
+
+
+def test_asyncio_on_request(monkeypatch):
+    monkeypatch.setenv(eventloop.ENV, "asyncio")
+    assert eventloop.run(_loop_module()).startswith("asyncio")
+
+
+def test_unknown_loop_is_refused(monkeypatch):
+    monkeypatch.setenv(eventloop.ENV, "trio")
+    with pytest.raises(ValueError, match="PDSERVE_EVENT_LOOP must be one of uvloop, asyncio, got 'trio'"):
+        eventloop.loop_kind()
+
+
+def test_proxy_refuses_an_unknown_loop_in_one_line():
+    proc = subprocess.run([*console_script("pd-proxy"), "--decode", "127.0.0.1:1"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, eventloop.ENV: "trio"})
+    assert proc.returncode == 1, proc
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pd-proxy: error: PDSERVE_EVENT_LOOP must be one of"), proc.stderr
