@@ -104,18 +104,23 @@ class NodeServicer(pb_grpc.PDNodeServicer):
 
             resume = Resume(list(request.resume.output_token_ids), request.resume.num_sent_chars)
         started: set[int] = set()  # choices that sent their first delta
+        open_choices = params.n
         outputs = self._outputs(request.request_id, req, ids, params, context, resume)
-        async for out in with_heartbeat(outputs):
-            if out is None:  # still waiting (queue, KV load, prefill): an empty delta says "alive"
-                yield pb.GenerateDelta()
-                continue
-            # A choice's first delta carries what the proxy needs for echo and prompt_logprobs.
-            first = out.index not in started
-            started.add(out.index)
-            positions = prompt_positions(ids, out.prompt_logprobs, self.server.tokenizer.decode) if first else None
-            text = self.server.tokenizer.decode(ids) if first and req.echo else ""
-            yield wire.delta_to_pb(self.server.output_delta(req, out), self.server.usage(out) if out.finished else None,
-                                   positions, text)
+        async with contextlib.aclosing(with_heartbeat(outputs)) as beats:
+            async for out in beats:
+                if out is None:  # still waiting (queue, KV load, prefill): an empty delta says "alive"
+                    yield pb.GenerateDelta()
+                    continue
+                # A choice's first delta carries what the proxy needs for echo and prompt_logprobs.
+                first = out.index not in started
+                started.add(out.index)
+                positions = prompt_positions(ids, out.prompt_logprobs, self.server.tokenizer.decode) if first else None
+                text = self.server.tokenizer.decode(ids) if first and req.echo else ""
+                yield wire.delta_to_pb(self.server.output_delta(req, out),
+                                       self.server.usage(out) if out.finished else None, positions, text)
+                open_choices -= out.finished
+                if not open_choices:  # the status goes out now, not after one more turn of the engine's stream
+                    return
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         """A routing hint: read-only peeks at the prefix cache and the store, never blocking the engine."""
