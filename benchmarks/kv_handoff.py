@@ -9,7 +9,7 @@ Every measurement uses a fresh prompt (no local prefix-cache hit); best of --rep
 
 Two load throughputs, labelled apart:
   load only   (file, redis) the connector's real load path for one prompt of the largest length
-              (store read -> integrity check -> scatter into paged blocks) with no forward pass
+              (store read into the paged blocks -> integrity check there) with no forward pass
               competing, against a raw read of the very same objects in the same run
               (benchmarks/kv_load_only.py). The >= 70% bar applies to this one.
   in TTFT     bytes over load time from the consumer connector's own counters during the TTFT

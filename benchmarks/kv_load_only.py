@@ -2,10 +2,11 @@
 
 What "load" means here is everything a decode node does to bring a prompt's KV in, through the
 connector's real code path: `StoreConnector.start_load_kv` and `wait_for_layer_load` for every
-layer (store read -> header, key binding and xxh3 check -> scatter into paged KV blocks), with
-no forward pass competing for the cores. The blocks are a shuffled set (the scatter's worst
-case: no two consecutive), in paged KV caches of the engine's layout allocated here, so the
-engine's own caches are never touched.
+layer (store read straight into the paged KV blocks -> header, key binding and xxh3 check there,
+inside the load's write gate), with no forward pass competing for the cores. The blocks are a
+shuffled set (the worst case: no two consecutive, so each object lands in one piece per block
+and half), in paged KV caches of the engine's layout allocated here, so the engine's own caches
+are never touched.
 
 The raw ceiling reads the same objects (same names, same sizes, page cache warm for files) with
 no check and no scatter, each into its own pre-faulted buffer kept for the whole load (a reader
@@ -53,7 +54,7 @@ FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 class LoadOnly:
     """GB/s of one prompt's load and of the raw reads of its objects (best of the repeats)."""
 
-    nbytes: int  # payload bytes the load wrote into paged memory's staging (what the connector counts)
+    nbytes: int  # payload bytes the load read (what the connector counts)
     objects: int
     load: float
     raw: float  # the ceiling: the best raw read that keeps the bytes

@@ -12,7 +12,7 @@ into such spans, once per load (every layer has the same slots):
 - every other row of a chunk goes to scratch memory of the reading thread (the checksum covers
   the whole object, so those bytes are read all the same).
 
-`spans(cache_bytes, scratch)` turns that plan into memoryviews of one layer's cache for
+`spans(cache_bytes, scratch)` turns that plan into one layer's kvstore.spans.SpanTable for
 KVStore.get_layer_spans, which writes them only inside the load's gate (kvstore.gate).
 """
 from __future__ import annotations
@@ -22,14 +22,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvstore.spans import SpanTable
+
 _CACHE, _SCRATCH = 0, 1
 
 
 @dataclass
 class DirectRows:
-    """Per chunk, its payload as (where, byte offset, nbytes) pieces: K pieces then V pieces."""
+    """Per chunk, its payload as (where, byte offset, nbytes) pieces: K pieces then V pieces (`desc` rows
+    first[j]:first[j + 1] for chunk j, the layout of kvstore.spans.SpanTable)."""
 
-    pieces: list[list[tuple[int, int, int]]]
+    desc: np.ndarray  # int64 [pieces, 3]
+    first: np.ndarray  # int64 [chunks + 1]
     scratch_bytes: int
 
     @classmethod
@@ -67,12 +71,13 @@ class DirectRows:
                     a = stop
             pieces.append(k + v)
             start = end
-        return cls(pieces, 2 * outside * row_bytes)
+        first = np.cumsum([0] + [len(chunk) for chunk in pieces], dtype=np.int64)
+        desc = np.array([piece for chunk in pieces for piece in chunk], np.int64).reshape(-1, 3)
+        return cls(desc, first, 2 * outside * row_bytes)
 
-    def spans(self, cache_bytes: memoryview, scratch: memoryview) -> list[list[memoryview]]:
+    def spans(self, cache_bytes: memoryview, scratch: memoryview) -> SpanTable:
         """Each chunk's spans in one layer's cache (its flat bytes) and in `scratch` (>= scratch_bytes)."""
-        mem = (cache_bytes, scratch)
-        return [[mem[where][offset:offset + nbytes] for where, offset, nbytes in chunk] for chunk in self.pieces]
+        return SpanTable([cache_bytes, scratch], self.desc, self.first)
 
 
 def cache_bytes(kv_cache: torch.Tensor) -> memoryview:

@@ -14,6 +14,8 @@ still in the background. Every store failure turns into "recompute" (loads) or a
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.request import Request
 
+logger = logging.getLogger(__name__)
 _REASONS = ((StoreUnavailable, "unavailable"), (StoreTimeout, "timeout"), (CorruptObject, "corrupt"),
             (NotFound, "missing"))
 
@@ -118,6 +121,8 @@ class StoreConnector(ChunkedConnector):
         direct = self.transfer.reads_in_place and all(direct_rows.applies_to(c, self.dtype, self.block_size)
                                                       for c in self.kv_caches)
         self._cache_bytes = [direct_rows.cache_bytes(c) for c in self.kv_caches] if direct else []
+        if direct and hasattr(self.store, "span_reader") and self.store.span_reader is None:
+            self.store.span_reader = _span_reader()  # a layer's file reads and checksums in C (None: in Python)
 
     def _start_loads(self, specs: list[LoadSpec]) -> list[InFlightLoad]:
         loads = []
@@ -282,6 +287,21 @@ class StoreConnector(ChunkedConnector):
 
     def shutdown(self) -> None:
         self.store.close()
+
+
+@functools.lru_cache(maxsize=1)
+def _span_reader() -> Any:
+    """The compiled file reader of direct loads (kernels/kv_read.py), built once per process; None
+    when no C compiler works (the store's Python path does the same)."""
+    from engine.builtin_model import cache_dir
+    from kernels.cpu_build import BuildError
+    from kernels.kv_read import KVReadLibrary
+
+    try:
+        return KVReadLibrary(cache_dir() / "kernels")
+    except (BuildError, OSError, AttributeError) as exc:
+        logger.info("KV loads read files in Python (the compiled reader is unavailable: %s)", exc)
+        return None
 
 
 def _resolve(target: concurrent.futures.Future, source: concurrent.futures.Future) -> None:

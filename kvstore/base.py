@@ -85,6 +85,7 @@ import torch
 from kvstore import codec
 from kvstore.errors import CorruptObject, StoreError, StoreTimeout
 from kvstore.gate import NO_GATE, WriteGate
+from kvstore.spans import SpanTable
 
 Buffer = bytes | bytearray | memoryview
 
@@ -222,13 +223,14 @@ class KVStore(ABC):
                     read_seconds=time.perf_counter() - start)
         return whole.nbytes
 
-    def get_layer_spans(self, layer: int, keys: Sequence[str], spans: Sequence[Sequence[memoryview]],
+    def get_layer_spans(self, layer: int, keys: Sequence[str], spans: SpanTable | Sequence[Sequence[memoryview]],
                         chunk_lens: Sequence[int], gate: WriteGate) -> int:
         """Read layer `layer` of consecutive chunks straight into memory the caller may take back (paged
         KV blocks); returns the payload bytes read.
 
         spans[j] are byte spans that chunk j's payload fills in order (its K rows, then its V rows,
-        split anywhere: block pieces, scratch for rows not wanted), chunk_lens[j] its token count. Bytes
+        split anywhere: block pieces, scratch for rows not wanted), as memoryviews or as one
+        kvstore.spans.SpanTable (what the compiled file reader takes), chunk_lens[j] its token count. Bytes
         reach the spans only inside `gate` (kvstore.gate): once the caller closed it, a read that
         returns late writes nothing there and the call raises LoadAbandoned. Each object is checked
         (header, key binding, xxh3) right after it landed; an error leaves the spans partly written
@@ -241,8 +243,11 @@ class KVStore(ABC):
             raise ValueError(f"{len(keys)} keys, {len(spans)} span lists and {len(chunk_lens)} chunk lengths")
         start = time.perf_counter()
         shapes = [(2, n, *self.kv_shape) for n in chunk_lens]
-        views = [list(row) for row in spans]
-        self._guard(self._get_spans, [(layer, key) for key in keys], views, shapes, self.dtype, gate)
+        items = [(layer, key) for key in keys]
+        if isinstance(spans, SpanTable):
+            self._guard(self._get_table, items, spans, shapes, self.dtype, gate)
+        else:
+            self._guard(self._get_spans, items, [list(row) for row in spans], shapes, self.dtype, gate)
         nbytes = 2 * sum(chunk_lens) * self.kv_shape[0] * self.kv_shape[1] * self.dtype.itemsize  # checked per object
         self._count(objects_read=len(keys), bytes_read=codec.HEADER_SIZE * len(keys) + nbytes,
                     read_seconds=time.perf_counter() - start)
@@ -450,6 +455,11 @@ class KVStore(ABC):
                     offset += span.nbytes
             codec.check_payload(view[:codec.HEADER_SIZE], payload, self.fingerprint, dtype, shape, name, key=key,
                                 layer=layer)
+
+    def _get_table(self, items: list[tuple[int, str]], table: SpanTable, shapes: list[tuple[int, ...]],
+                   dtype: torch.dtype, gate: WriteGate) -> None:
+        """_get_spans into a SpanTable's spans; backends with a reader that takes the table override this."""
+        self._get_spans(items, table.views(), shapes, dtype, gate)
 
     @abstractmethod
     def _commit(self, keys: list[str], num_layers: int) -> None: ...

@@ -180,6 +180,16 @@ def check_payload(header: bytes | bytearray | memoryview, payload: list[memoryvi
         raise CorruptObject(f"{name}: shape {list(found)}, expected {list(shape)}")
 
 
+def header_and_digest_match(header: memoryview, digest: int, fingerprint: str, dtype: torch.dtype,
+                            shape: tuple[int, ...], *, key: str, layer: int) -> bool:
+    """Whether `header` is exactly the one valid header of layer `layer` of chunk `key` holding a `dtype`
+    tensor of `shape`, and `digest` (xxh3_64 over header bytes [0, 56) and the payload, computed by a
+    reader that hashed the payload where it landed) is the checksum it carries. False: check_payload
+    over the same bytes says why."""
+    return header[:_HEAD.size] == expected_header(fingerprint, dtype, shape, key=key, layer=layer) and \
+        digest == _SUM.unpack_from(header, _HEAD.size)[0]
+
+
 def _checksum(head: bytes | memoryview, payload: list[memoryview]) -> int:
     checksum = xxhash.xxh3_64(head)
     for span in payload:

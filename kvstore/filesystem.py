@@ -30,6 +30,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from kvstore import codec
@@ -38,6 +39,7 @@ from kvstore.errors import CorruptObject, NotFound, StoreError, StoreTimeout, St
 from kvstore import fs_ledger
 from kvstore.fs_ledger import ChunkLedger
 from kvstore.gate import NO_GATE, WriteGate
+from kvstore.spans import SpanReader, SpanTable
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,8 @@ class FileSystemStore(KVStore):
         self.max_bytes = max_bytes
         self.fsync = fsync
         self._nowait = hasattr(os, "RWF_NOWAIT")  # cleared the first time the filesystem refuses it
+        # Set by the connector when kernels/kv_read.py built: a layer's gated reads in three C calls.
+        self.span_reader: SpanReader | None = None
         self._ledger = ChunkLedger(self._root, self._walk_committed, self._marker_size) if max_bytes is not None \
             else None
         self._reconciling: threading.Thread | None = None
@@ -127,18 +131,67 @@ class FileSystemStore(KVStore):
             if layer == 0:
                 self._touch(f"{chunk}/{MARKER}")
 
-    def _read_gated(self, fd: int, views: list[memoryview], total: int, path: str, gate: WriteGate) -> None:
+    def _get_table(self, items: list[tuple[int, str]], table: SpanTable, shapes: list[tuple[int, ...]],
+                   dtype: torch.dtype, gate: WriteGate) -> None:
+        """_get_spans through the compiled reader: open every object (outside the gate), read them from
+        the page cache and hash each while it is in cache (one call inside the gate: no I/O wait), then
+        check headers and digests. An object not wholly in the page cache (or any error) takes the
+        Python path for the rest of it, which says precisely what is wrong."""
+        reader = self.span_reader
+        if reader is None or not self._nowait or gate is NO_GATE:
+            return self._get_spans(items, table.views(), shapes, dtype, gate)
+        paths = [f"{self._chunk_dir(key)}/{layer}.kv" for layer, key in items]
+        fds, sizes = reader.open(paths)
+        try:
+            for path, fd, size, total, shape in zip(paths, fds.tolist(), sizes.tolist(), table.totals, shapes):
+                if fd < 0:
+                    raise OSError(-fd, os.strerror(-fd), path)  # FileNotFoundError for ENOENT
+                codec.check_size(path, size, [], shape, dtype, total)
+            headers = np.empty(codec.HEADER_SIZE * len(items), np.uint8)
+            with gate.writing():
+                got, digests = reader.read_hash(fds, table.desc, table.first, table.bases(), headers)
+            all_headers = memoryview(headers)
+            views = None
+            for i, ((layer, key), path, shape) in enumerate(zip(items, paths, shapes)):
+                header = all_headers[codec.HEADER_SIZE * i:codec.HEADER_SIZE * (i + 1)]
+                total = codec.HEADER_SIZE + table.totals[i]
+                done = int(got[i])
+                if done != total or not codec.header_and_digest_match(header, int(digests[i]), self.fingerprint,
+                                                                      dtype, shape, key=key, layer=layer):
+                    views = views or table.views()
+                    self._finish_object(int(fds[i]), done, [header, *views[i]], total, path, gate)
+                    codec.check_payload(header, views[i], self.fingerprint, dtype, shape, path, key=key, layer=layer,
+                                        nbytes=table.totals[i])
+                if layer == 0:
+                    self._touch(f"{self._chunk_dir(key)}/{MARKER}")
+        finally:
+            reader.close(fds)
+
+    def _finish_object(self, fd: int, done: int, views: list[memoryview], total: int, path: str,
+                       gate: WriteGate) -> None:
+        """After the compiled reader read `done` bytes of an object (-errno: an error), the rest the
+        Python way: gated RWF_NOWAIT reads, then cold reads into scratch."""
+        if done < 0:
+            if -done not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise OSError(-done, os.strerror(-done), path)
+            done = 0
+        if done < total:
+            self._read_gated(fd, _advance(views, done), total - done, path, gate, done)
+
+    def _read_gated(self, fd: int, views: list[memoryview], total: int, path: str, gate: WriteGate,
+                    start: int = 0) -> None:
         """Fill the views, writing them only inside `gate` (kvstore.gate): what the page cache holds is
         read straight into them with RWF_NOWAIT (a copy that never waits for the medium); the rest,
         or everything where the filesystem has no RWF_NOWAIT (NFS), is read into scratch memory
-        outside the gate, however long that takes, and then copied in inside it. `total`: the views' bytes."""
+        outside the gate, however long that takes, and then copied in inside it. `total`: the views' bytes;
+        `start`: the file offset they begin at."""
         got = 0
         if self._nowait:
             gate.enter()
             try:
                 while got < total:
                     try:
-                        n = os.preadv(fd, views, got, os.RWF_NOWAIT)
+                        n = os.preadv(fd, views, start + got, os.RWF_NOWAIT)
                     except BlockingIOError:  # not (all) in the page cache: read the rest outside the gate
                         break
                     except OSError as exc:
@@ -149,7 +202,7 @@ class FileSystemStore(KVStore):
                                     "memory", self.root, exc.strerror)
                         break
                     if n == 0:
-                        raise CorruptObject(f"{path}: file ended after {got} of {total} bytes")
+                        raise CorruptObject(f"{path}: file ended after {start + got} of {start + total} bytes")
                     got += n
                     if got < total:
                         views = _advance(views, n)
@@ -157,7 +210,7 @@ class FileSystemStore(KVStore):
                 gate.leave()
         if got < total:
             views = [v for v in views if v.nbytes]
-            scratch = self._read_cold(fd, total - got, got, path)
+            scratch = self._read_cold(fd, total - got, start + got, path)
             with gate.writing():
                 offset = 0
                 for view in views:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
+import numpy as np
 import redis
 import torch
 from redis.backoff import NoBackoff
@@ -26,6 +27,7 @@ from kvstore import codec, resp
 from kvstore.base import Buffer, ChunkInfo, KVStore
 from kvstore.errors import NotFound, StoreError, StoreTimeout, StoreUnavailable
 from kvstore.gate import NO_GATE, WriteGate
+from kvstore.spans import SpanReader, SpanTable
 
 # Replies that mean "this shard cannot serve right now" (a cluster mid-failover): an outage, not a bug.
 _OUTAGE = (redis.ConnectionError, redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
@@ -48,6 +50,7 @@ class RedisStore(KVStore):
         self.ttl = ttl
         self.prefix = prefix
         self.max_connections = max_connections
+        self.span_reader: SpanReader | None = None  # set by the connector: loads hash in C (kernels/kv_read.py)
         self._client = self._connect()
 
     def _connect(self) -> Any:
@@ -130,12 +133,26 @@ class RedisStore(KVStore):
             raise NotFound(f"{len(missing)} object(s) missing, e.g. {self._key(key, layer)}")
         return values
 
+    def _get_table(self, items: list[tuple[int, str]], table: SpanTable, shapes: list[tuple[int, ...]],
+                   dtype: torch.dtype, gate: WriteGate) -> None:
+        """_get_spans, hashing each object with the compiled reader (one call per layer) when there is one."""
+        if self.span_reader is None:
+            return self._get_spans(items, table.views(), shapes, dtype, gate)
+        headers = np.empty(codec.HEADER_SIZE * len(items), np.uint8)
+        spans = table.views()
+        self._get_spans(items, spans, shapes, dtype, gate, headers, table)
+
     def _get_spans(self, items: list[tuple[int, str]], spans: list[list[memoryview]], shapes: list[tuple[int, ...]],
-                   dtype: torch.dtype, gate: WriteGate = NO_GATE) -> None:
+                   dtype: torch.dtype, gate: WriteGate = NO_GATE, header_bytes: np.ndarray | None = None,
+                   table: SpanTable | None = None) -> None:
         """One pipelined round trip whose values land in the spans (kvstore.resp); a dropped pooled
-        connection (a redis restart) is retried once at once, like every other call."""
+        connection (a redis restart) is retried once at once, like every other call. With `table` (the
+        spans' SpanTable) and `header_bytes`, the headers land there and the compiled reader hashes."""
         names = [self._key(key, layer) for layer, key in items]
-        headers = [memoryview(bytearray(codec.HEADER_SIZE)) for _ in items]
+        if header_bytes is None:
+            header_bytes = np.empty(codec.HEADER_SIZE * len(items), np.uint8)
+        all_headers = memoryview(header_bytes)
+        headers = [all_headers[codec.HEADER_SIZE * i:codec.HEADER_SIZE * (i + 1)] for i in range(len(items))]
         views = [[header, *payload] for header, payload in zip(headers, spans)]
         try:
             sizes = resp.get_into(self._redis, names, views, gate)
@@ -146,7 +163,14 @@ class RedisStore(KVStore):
         missing = [name for name, size in zip(names, sizes) if size is None]
         if missing:
             raise NotFound(f"{len(missing)} object(s) missing, e.g. {missing[0]}")
-        for (layer, key), name, size, header, payload, shape in zip(items, names, sizes, headers, spans, shapes):
+        digests = None
+        if table is not None and all(size == codec.HEADER_SIZE + total for size, total in zip(sizes, table.totals)):
+            digests = self.span_reader.hash(table.desc, table.first, table.bases(), header_bytes).tolist()
+        for i, ((layer, key), name, size, header, payload, shape) in enumerate(zip(items, names, sizes, headers, spans,
+                                                                                   shapes)):
+            if digests is not None and codec.header_and_digest_match(header, digests[i], self.fingerprint, dtype,
+                                                                     shape, key=key, layer=layer):
+                continue
             codec.check_size(name, size, payload, shape, dtype)
             codec.check_payload(header, payload, self.fingerprint, dtype, shape, name, key=key, layer=layer)
 

@@ -13,14 +13,17 @@ import os
 import random
 import threading
 
+import numpy as np
 import pytest
 import torch
 
 from connectors.chunk_math import LoadPlan, chunk_bounds, slots_for
 from connectors.direct_rows import DirectRows, cache_bytes
-from kvstore import CorruptObject, open_store
+from kernels.kv_read import KVReadLibrary
+from kvstore import CorruptObject, NotFound, open_store
 from kvstore.filesystem import FileSystemStore
 from kvstore.gate import LoadAbandoned, WriteGate
+from kvstore.spans import SpanTable
 from tests.connector_helpers import FALLBACK_RE, GREEDY, PREFILL, capture, engine_pair, lines, mono_engine, prompt
 from tests.kvstore_helpers import CHUNK, KV_SHAPE, make_chunks, open_test_store, write_all
 
@@ -52,7 +55,7 @@ def test_direct_rows_put_exactly_the_write_range_in_its_slots(seed):
     row = heads * dim * cache.element_size()
     rows = DirectRows.plan(slots, [b - a for a, b in bounds], lo - first, hi - first, row, cache[0].numel() * 4)
     scratch = memoryview(bytearray(rows.scratch_bytes + 1))
-    spans = rows.spans(cache_bytes(cache), scratch)
+    spans = rows.spans(cache_bytes(cache), scratch).views()
     kv = torch.randn(2, bounds[-1][1] - first, heads, dim)
     for (a, b), chunk_spans in zip(bounds, spans):
         payload = kv[:, a - first:b - first].contiguous().view(torch.uint8).numpy().tobytes()
@@ -105,15 +108,34 @@ def _spans_of(staging: torch.Tensor, lens: list[int]) -> list[list[memoryview]]:
     return spans
 
 
-@pytest.fixture(params=["file", "file-no-nowait", "file-cold", "redis"])
+def _table_of(staging: torch.Tensor, lens: list[int]) -> SpanTable:
+    """_spans_of's pieces as a SpanTable over the staging bytes (what the compiled file reader takes)."""
+    flat = memoryview(staging.view(torch.uint8).numpy()).cast("B")
+    base = np.frombuffer(flat, np.uint8).ctypes.data
+    rows, first = [], [0]
+    for chunk in _spans_of(staging, lens):
+        rows += [(0, np.frombuffer(span, np.uint8).ctypes.data - base, span.nbytes) for span in chunk]
+        first.append(len(rows))
+    return SpanTable([flat], np.array(rows, np.int64).reshape(-1, 3), np.array(first, np.int64))
+
+
+@pytest.fixture(scope="module")
+def compiled_reader(tmp_path_factory):
+    return KVReadLibrary(tmp_path_factory.mktemp("kernels"))
+
+
+@pytest.fixture(params=["file", "file-no-nowait", "file-cold", "file-c", "file-c-cold", "redis", "redis-c"])
 def loaded_store(request, tmp_path):
-    url = request.getfixturevalue("redis_server").url if request.param == "redis" else f"file://{tmp_path}"
+    redis = request.param.startswith("redis")
+    url = request.getfixturevalue("redis_server").url if redis else f"file://{tmp_path}"
     store = open_test_store(url, 2)
     keys, layers = make_chunks(3 * CHUNK + 5, 2)
     write_all(store, keys, layers)
+    if request.param.endswith("-c") or request.param.startswith("file-c"):
+        store.span_reader = request.getfixturevalue("compiled_reader")
     if request.param == "file-no-nowait":
         store._nowait = False  # noqa: SLF001 (as on NFS: every read goes through scratch memory)
-    if request.param == "file-cold":  # the page cache dropped: RWF_NOWAIT finds nothing, the rest is read cold
+    if request.param.endswith("cold"):  # the page cache dropped: RWF_NOWAIT finds nothing, the rest is read cold
         for path in tmp_path.rglob("*.kv"):
             fd = os.open(path, os.O_RDONLY)
             os.fsync(fd)
@@ -123,46 +145,72 @@ def loaded_store(request, tmp_path):
     store.close()
 
 
-def test_gated_reads_land_checked_in_the_spans(loaded_store):
+@pytest.mark.parametrize("form", [_spans_of, _table_of])
+def test_gated_reads_land_checked_in_the_spans(loaded_store, form):
     store, keys, layers = loaded_store
     lens = [layers[1][key].shape[1] for key in keys]
     staging = torch.zeros(2, sum(lens), *KV_SHAPE)
-    nbytes = store.get_layer_spans(1, keys, _spans_of(staging, lens), lens, WriteGate())
+    nbytes = store.get_layer_spans(1, keys, form(staging, lens), lens, WriteGate())
     assert nbytes == staging.numel() * staging.element_size()
     assert torch.equal(staging, torch.cat([layers[1][key] for key in keys], dim=1))
 
 
-def test_a_closed_gate_writes_nothing(loaded_store):
+@pytest.mark.parametrize("form", [_spans_of, _table_of])
+def test_a_closed_gate_writes_nothing(loaded_store, form):
     store, keys, layers = loaded_store
     lens = [layers[0][key].shape[1] for key in keys]
     staging = torch.full((2, sum(lens), *KV_SHAPE), 7.0)
     gate = WriteGate()
     gate.close()
     with pytest.raises(LoadAbandoned):
-        store.get_layer_spans(0, keys, _spans_of(staging, lens), lens, gate)
+        store.get_layer_spans(0, keys, form(staging, lens), lens, gate)
     assert bool((staging == 7.0).all())
     # and the store (its redis connections too) serves the next load normally
-    assert store.get_layer_spans(0, keys, _spans_of(staging, lens), lens, WriteGate()) == staging.nbytes
+    assert store.get_layer_spans(0, keys, form(staging, lens), lens, WriteGate()) == staging.nbytes
 
 
-def test_a_bad_object_fails_its_gated_read(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("damage", ["payload", "header", "short", "missing"])
+def test_a_bad_object_fails_its_gated_read(tmp_path, compiled_reader, compiled, damage):
     store = open_test_store(f"file://{tmp_path}", 1)
-    keys, layers = make_chunks(CHUNK, 1)
+    store.span_reader = compiled_reader if compiled else None
+    keys, layers = make_chunks(2 * CHUNK, 1)
     write_all(store, keys, layers)
-    (path,) = tmp_path.rglob("0.kv")
+    path = next(p for p in tmp_path.rglob("0.kv") if keys[1] in str(p))
     raw = bytearray(path.read_bytes())
-    raw[-3] ^= 1
-    path.write_bytes(bytes(raw))
-    staging = torch.zeros(2, CHUNK, *KV_SHAPE)
-    with pytest.raises(CorruptObject, match="checksum"):
-        store.get_layer_spans(0, keys, _spans_of(staging, [CHUNK]), [CHUNK], WriteGate())
+    if damage == "missing":
+        path.unlink()
+    else:
+        if damage == "short":
+            raw = raw[:-4]
+        else:
+            raw[-3 if damage == "payload" else 50] ^= 1  # 50: the binding, under the checksum
+        path.write_bytes(bytes(raw))
+    staging = torch.zeros(2, 2 * CHUNK, *KV_SHAPE)
+    error, match = {"payload": (CorruptObject, "checksum"), "header": (CorruptObject, "checksum"),
+                    "short": (CorruptObject, "bytes"), "missing": (NotFound, "no such object")}[damage]
+    with pytest.raises(error, match=match):
+        store.get_layer_spans(0, keys, _table_of(staging, [CHUNK, CHUNK]), [CHUNK, CHUNK], WriteGate())
     store.close()
+
+
+def test_span_tables_stay_inside_their_regions():
+    region = memoryview(bytearray(100))
+    with pytest.raises(ValueError, match="outside"):
+        SpanTable([region], np.array([[0, 90, 11]], np.int64), np.array([0, 1], np.int64))
+    with pytest.raises(ValueError, match="outside"):
+        SpanTable([region], np.array([[1, 0, 1]], np.int64), np.array([0, 1], np.int64))
+    with pytest.raises(ValueError, match="writable"):
+        SpanTable([memoryview(bytes(100))], np.zeros((0, 3), np.int64), np.array([0], np.int64))
+    table = SpanTable([region], np.array([[0, 10, 5], [0, 0, 3], [0, 50, 50]], np.int64), np.array([0, 2, 3], np.int64))
+    assert table.totals == [8, 50] and [[v.nbytes for v in row] for row in table.views()] == [[5, 3], [50]]
 
 
 # ---- end to end: a read that returns after its load was abandoned ----
 class HungStore(FileSystemStore):
     """A real file store whose reads of one object wait for the medium until `release` (a hung NFS
-    server: no RWF_NOWAIT, so every read goes through the cold path), then complete for real."""
+    server: no RWF_NOWAIT, so every read goes through the cold path, and the compiled reader, which
+    needs RWF_NOWAIT, stands aside), then complete for real."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -225,7 +273,8 @@ def test_a_late_read_never_writes_into_blocks_it_gave_up(tiny_llama, tmp_path, k
 
 
 def test_loads_read_in_place_into_host_blocks(tiny_llama, tmp_path):
-    """The CPU engine's loads take the in-place path (no staging buffer is ever taken from the pool)."""
+    """The CPU engine's loads take the in-place path (no staging buffer is ever taken from the pool),
+    through the compiled reader."""
     producer, consumer = engine_pair(tiny_llama, f"file://{tmp_path}")
     try:
         full = prompt(700, seed=91)
@@ -234,6 +283,7 @@ def test_loads_read_in_place_into_host_blocks(tiny_llama, tmp_path):
         assert out[0].num_cached_tokens == 699
         assert out[0].token_ids == mono_engine(tiny_llama).generate([full], GREEDY)[0].token_ids
         assert consumer.engine.connector.transfer.pool.num_acquired == 0
+        assert isinstance(consumer.engine.connector.store.span_reader, KVReadLibrary)
     finally:
         producer.engine.shutdown()
         consumer.engine.shutdown()

@@ -1,0 +1,80 @@
+"""A KV load's file reads and checksums for one layer's objects per call, in C (kernels/csrc/kv_read.c).
+
+Per object the Python path pays about as much in interpreter work (an open, a stat, a readv of
+some 30 block pieces, some 30 hash updates, under the GIL) as the kernel pays copying its half
+megabyte; the library does the syscalls and the xxh3 passes of a whole layer in three calls
+with the GIL released, so the store's I/O threads really run side by side. kvstore/filesystem.py
+uses it when the connector hands it one (`FileSystemStore.span_reader`), and redis loads hash
+with it (`RedisStore.span_reader`); without a C compiler the Python path does the same work.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from kernels.cpu_build import load_library
+
+SOURCE = Path(__file__).with_name("csrc") / "kv_read.c"
+_ptr, _int = ctypes.c_void_p, ctypes.c_int
+
+
+class KVReadLibrary:
+    """The compiled reader; construct once per process (it builds or loads the library)."""
+
+    def __init__(self, build_dir: Path) -> None:
+        lib = load_library(SOURCE, build_dir)
+        xxh = ctypes.CDLL(xxhash._xxhash.__file__)  # noqa: SLF001 (the module's own XXH3, already loaded)
+        # XXH3_64bits_update_dispatch picks the widest vector unit this CPU has (AVX2 here: about twice
+        # XXH3_64bits_update's speed, the same digest); a build without it has the plain one.
+        update = "XXH3_64bits_update_dispatch" if hasattr(xxh, "XXH3_64bits_update_dispatch") else \
+            "XXH3_64bits_update"
+        addresses = [ctypes.cast(getattr(xxh, name), _ptr).value for name in
+                     ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset", update, "XXH3_64bits_digest")]
+        lib.pd_kv_init.argtypes = [_ptr] * 5
+        lib.pd_kv_init(*addresses)
+        self._open = lib.pd_kv_open
+        self._open.argtypes = [_int, _ptr, _ptr, _ptr]
+        self._open.restype = None
+        self._read_hash = lib.pd_kv_read_hash
+        self._read_hash.argtypes = [_int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
+        self._read_hash.restype = _int
+        self._hash = lib.pd_kv_hash
+        self._hash.argtypes = [_int, _ptr, _ptr, _ptr, _ptr, _ptr]
+        self._hash.restype = _int
+        self._close = lib.pd_kv_close
+        self._close.argtypes = [_int, _ptr]
+        self._close.restype = None
+
+    def open(self, paths: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(fds, sizes): each path opened read-only and its size; fds[i] < 0 is -errno."""
+        n = len(paths)
+        names = (ctypes.c_char_p * n)(*[p.encode() for p in paths])
+        fds, sizes = np.empty(n, np.int32), np.zeros(n, np.int64)
+        self._open(n, ctypes.addressof(names), fds.ctypes.data, sizes.ctypes.data)
+        return fds, sizes
+
+    def read_hash(self, fds: np.ndarray, desc: np.ndarray, first: np.ndarray, bases: np.ndarray,
+                  headers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(got, digests): page-cache reads (never waiting for the medium) of every object into its
+        header (headers[64 i:64 i + 64]) and its spans, and the xxh3 of each object read whole."""
+        n = len(fds)
+        got, digests = np.empty(n, np.int64), np.empty(n, np.uint64)
+        if self._read_hash(n, fds.ctypes.data, desc.ctypes.data, first.ctypes.data, bases.ctypes.data,
+                           headers.ctypes.data, got.ctypes.data, digests.ctypes.data):
+            raise MemoryError("no xxh3 state could be allocated")
+        return got, digests
+
+    def hash(self, desc: np.ndarray, first: np.ndarray, bases: np.ndarray, headers: np.ndarray) -> np.ndarray:
+        """digests[i]: the xxh3 of header i's bytes [0, 56) and object i's spans (already filled)."""
+        n = len(first) - 1
+        digests = np.empty(n, np.uint64)
+        if self._hash(n, desc.ctypes.data, first.ctypes.data, bases.ctypes.data, headers.ctypes.data,
+                      digests.ctypes.data):
+            raise MemoryError("no xxh3 state could be allocated")
+        return digests
+
+    def close(self, fds: np.ndarray) -> None:
+        self._close(len(fds), fds.ctypes.data)

@@ -1,0 +1,74 @@
+"""A load's destination as a table of byte pieces, for reads that land straight in paged KV blocks.
+
+`KVStore.get_layer_spans` takes, per stored object, the byte spans its payload fills in order.
+As memoryviews that is some 30 views per object that every read re-walks in Python; a
+`SpanTable` describes the same spans once, as (region, offset, nbytes) rows over a few writable
+regions (one layer's paged KV cache, the reading thread's scratch memory), so a compiled reader
+(`SpanReader`, kernels/kv_read.py) can take a whole layer's objects in one call. `views()` gives
+the memoryviews for every other reader. The table is bounds-checked against its regions when made,
+so no piece can point outside them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+
+class SpanReader(Protocol):
+    """Reads of one layer's objects from files, one call per step (kernels/kv_read.KVReadLibrary)."""
+
+    def open(self, paths: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(fds, sizes); fds[i] < 0 is -errno."""
+
+    def read_hash(self, fds: np.ndarray, desc: np.ndarray, first: np.ndarray, bases: np.ndarray,
+                  headers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(got, digests): page-cache reads only (never waiting for the medium) into headers and spans;
+        got[i] bytes read or -errno, digests[i] the xxh3 of header [0, 56) and spans of a whole object."""
+
+    def hash(self, desc: np.ndarray, first: np.ndarray, bases: np.ndarray, headers: np.ndarray) -> np.ndarray:
+        """digests[i]: the xxh3 of header i's bytes [0, 56) and object i's spans, already filled."""
+
+    def close(self, fds: np.ndarray) -> None: ...
+
+
+@dataclass
+class SpanTable:
+    """Object i's payload fills pieces desc[first[i]:first[i + 1]] in order; a piece is (region, byte
+    offset, nbytes) in `regions` (writable byte memoryviews)."""
+
+    regions: list[memoryview]
+    desc: np.ndarray  # int64 [pieces, 3]
+    first: np.ndarray  # int64 [objects + 1]
+    totals: list[int] = field(init=False)  # payload bytes of each object
+
+    def __post_init__(self) -> None:
+        desc, first = self.desc, self.first
+        if desc.dtype != np.int64 or desc.ndim != 2 or desc.shape[1] != 3 or not desc.flags.c_contiguous or \
+                first.dtype != np.int64 or first.ndim != 1 or not first.flags.c_contiguous or len(first) < 1 or \
+                first[0] != 0 or first[-1] != len(desc) or (np.diff(first) < 0).any():
+            raise ValueError("a span table is int64 desc [pieces, 3] and first [objects + 1] from 0 to pieces")
+        if any(region.readonly or region.ndim != 1 or region.itemsize != 1 for region in self.regions):
+            raise ValueError("span table regions must be writable flat byte memoryviews")
+        if len(desc):
+            where, offset, nbytes = desc[:, 0], desc[:, 1], desc[:, 2]
+            sizes = np.array([region.nbytes for region in self.regions], np.int64)
+            if (where < 0).any() or (where >= len(sizes)).any() or (offset < 0).any() or (nbytes < 0).any() or \
+                    (offset + nbytes > sizes[where]).any():
+                raise ValueError("a span table piece lies outside its region")
+        sums = np.concatenate(([0], np.cumsum(desc[:, 2]))) if len(desc) else np.zeros(1, np.int64)
+        self.totals = (sums[first[1:]] - sums[first[:-1]]).tolist()
+
+    def __len__(self) -> int:
+        return len(self.first) - 1
+
+    def views(self) -> list[list[memoryview]]:
+        regions = self.regions
+        rows = self.desc.tolist()
+        return [[regions[w][o:o + n] for w, o, n in rows[a:b]] for a, b in zip(self.first[:-1].tolist(),
+                                                                             self.first[1:].tolist())]
+
+    def bases(self) -> np.ndarray:
+        """Each region's address (the regions must outlive the read)."""
+        return np.array([np.frombuffer(region, np.uint8).ctypes.data for region in self.regions], np.uint64)
