@@ -63,17 +63,20 @@ class _Replies:
         del self.buf[:end + 2]
         return line
 
-    def fill(self, views: list[memoryview], gate: WriteGate = NO_GATE) -> None:
-        """Fill `views` (in order) with the next bytes of the stream, writing them only inside `gate`."""
+    def fill(self, views: list[memoryview], gate: WriteGate = NO_GATE, nbytes: int | None = None) -> None:
+        """Fill `views` (in order; `nbytes` in all, when the caller has it) with the next bytes of the
+        stream, writing them only inside `gate`."""
         views = [view for view in views if view.nbytes]
+        if nbytes is None:
+            nbytes = sum(view.nbytes for view in views)
         if gate is not NO_GATE and not self.polled:  # TLS: wait for the bytes in our own memory first
-            scratch = memoryview(bytearray(sum(view.nbytes for view in views)))
+            scratch = memoryview(bytearray(nbytes))
             self.fill([scratch])
             with gate.writing():
                 _copy(scratch, views)
             return
         if self.buf and views:  # the start of the value came with its framing line
-            done = min(len(self.buf), sum(view.nbytes for view in views))
+            done = min(len(self.buf), nbytes)
             with gate.writing():
                 _copy(memoryview(self.buf)[:done], views)
             del self.buf[:done]
@@ -102,7 +105,7 @@ class _Replies:
         scratch = memoryview(bytearray(min(nbytes, 1 << 16)))
         while nbytes:
             step = min(nbytes, scratch.nbytes)
-            self.fill([scratch[:step]])
+            self.fill([scratch[:step]], NO_GATE, step)
             nbytes -= step
 
 
@@ -156,7 +159,7 @@ def get_into(client: redis.Redis, names: list[str], views: list[list[memoryview]
             if kind == b"$" and head != b"$-1":
                 size = int(head[1:])
                 if size == sum(span.nbytes for span in spans):
-                    replies.fill(spans, gate)
+                    replies.fill(spans, gate, size)
                 else:
                     replies.skip(size)
                 replies.skip(2)  # the value's closing CRLF
