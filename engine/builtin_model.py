@@ -33,7 +33,8 @@ ARCHS = ("llama", "qwen2", "mistral")
 VOCAB_SIZE = 384  # ByT5: pad 0, eos 1, unk 2, 256 bytes, 125 extra ids
 PAD_ID, EOS_ID = 0, 1
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ ' ' + message['name'] if message['name'] else '' }}"
+    "\n{{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 LOGIT_STD = 4.0  # target std of the final logits: top-1/top-2 gaps of ~0.1..1, far above fp noise

@@ -196,18 +196,21 @@ class Proxy:
     def _choice_output(self, subs: list[oai.GenerationRequest], p: int, d: pb.GenerateDelta) -> ChoiceOutput:
         sub = subs[p]
         text = sub.prompt if isinstance(sub.prompt, str) else d.prompt_text  # token ids: the node decoded them
-        return ChoiceOutput(p, delta_from_pb(d, sub.logprobs), lambda: text,
-                            lambda: positions_from_pb(d.prompt_logprobs), usage_from_pb(d) if d.finish_reason else None)
+        usage = usage_from_pb(d) if d.HasField("usage") else None  # a choice's first delta: its prompt's counts
+        return ChoiceOutput(p, delta_from_pb(d, sub.logprobs), lambda: text, lambda: positions_from_pb(d.prompt_logprobs),
+                            usage if d.finish_reason else None,
+                            (usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]) if usage else None)
 
     async def _stream(self, request: web.Request, builder: ResponseBuilder, assembler: Assembler,
                       subs: list[oai.GenerationRequest], first: tuple[int, pb.GenerateDelta],
                       outputs: AsyncIterator[tuple[int, pb.GenerateDelta]], t0: float) -> web.StreamResponse:
         rid = request["request_id"]
-        sse = SSEStream(builder)
+        sse = SSEStream(builder, assembler.choice_usage)
+        d = assembler.delta(self._choice_output(subs, *first))  # before start: the prompt's counts
         await sse.start(request, rid)
         n = 0
         try:
-            await sse.delta(assembler.delta(self._choice_output(subs, *first)))
+            await sse.delta(d)
             async for p, d in outputs:
                 n += len(d.token_ids)
                 await sse.delta(assembler.delta(self._choice_output(subs, p, d)))

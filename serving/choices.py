@@ -138,9 +138,9 @@ class Assembler:
             d = first_delta(self.req, d, out.prompt_text, out.positions)
         if d.finish_reason:
             self.finish_reason = d.finish_reason
-        if out.usage is not None:
-            self._prompts.setdefault(out.prompt_index, (out.usage["prompt_tokens"],
-                                                        out.usage["prompt_tokens_details"]["cached_tokens"]))
+        if out.usage is not None:  # the final word on its prompt's counts
+            self._prompts[out.prompt_index] = (out.usage["prompt_tokens"],
+                                               out.usage["prompt_tokens_details"]["cached_tokens"])
             self._completion_tokens[d.index] = out.usage["completion_tokens"]
         return d
 
@@ -157,6 +157,11 @@ class Assembler:
 
     def all(self) -> list[Delta]:
         return [self._choices[i] for i in sorted(self._choices)]
+
+    def choice_usage(self, index: int) -> dict[str, Any]:
+        """Choice `index`'s usage so far (vLLM's continuous usage stats): its prompt and its output."""
+        prompt, cached = self._prompts.get(index // self.req.n, (0, 0))
+        return usage_dict(prompt, self._completion_tokens.get(index, self._sent_tokens.get(index, 0)), cached)
 
     def usage(self) -> dict[str, Any]:
         """Each prompt counted once, every choice's output counted (OpenAI's usage for n > 1); a choice

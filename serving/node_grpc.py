@@ -117,7 +117,7 @@ class NodeServicer(pb_grpc.PDNodeServicer):
                 positions = prompt_positions(ids, out.prompt_logprobs, self.server.tokenizer.decode) if first else None
                 text = self.server.tokenizer.decode(ids) if first and req.echo else ""
                 yield wire.delta_to_pb(self.server.output_delta(req, out),
-                                       self.server.usage(out) if out.finished else None, positions, text)
+                                       self.server.usage(out) if out.finished or first else None, positions, text)
                 open_choices -= out.finished
                 if not open_choices:  # the status goes out now, not after one more turn of the engine's stream
                     return

@@ -185,11 +185,17 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
         if not isinstance(m, dict) or m.get("role") not in _CHAT_ROLES:
             raise bad_request(f"messages[{i}] must be an object with a role in {', '.join(_CHAT_ROLES)}",
                               "messages")
-        for key, value in m.items():  # name, tool_calls, audio, ...: refused, not dropped
-            if key not in ("role", "content") and value not in (None, [], ""):
+        for key, value in m.items():  # tool_calls, audio, ...: refused, not dropped
+            if key not in ("role", "content", "name") and value not in (None, [], ""):
                 raise bad_request(f"messages[{i}].{key} is not supported by this server", "messages",
                                   "unsupported_parameter")
-        out.append({"role": m["role"], "content": _content_text(m.get("content", ""), i)})
+        message = {"role": m["role"], "content": _content_text(m.get("content", ""), i)}
+        name = m.get("name")
+        if name not in (None, ""):  # OpenAI's participant name: the chat template may render it
+            if not isinstance(name, str):
+                raise bad_request(f"messages[{i}].name must be a string", "messages")
+            message["name"] = name
+        out.append(message)
     return out
 
 
@@ -215,6 +221,7 @@ class GenerationRequest:
     max_tokens: int | None  # None: up to the context length
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage so far in every chunk
     logprobs: bool = False
     top_logprobs: int = 0  # most likely tokens reported per position
     return_token_ids: bool = False
@@ -313,7 +320,7 @@ def parse_request(kind: str, raw: bytes | str | Any, check_grammar: bool = True)
         top_logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
         logprobs, top_logprobs = top_logprobs is not None, top_logprobs or 0
     stream, echo = _bool(body, "stream"), _bool(body, "echo")
-    include_usage = _parse_stream_options(body, stream)
+    include_usage, continuous_usage = _parse_stream_options(body, stream)
     prompt_logprobs = _int(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if prompt_logprobs is not None and stream:
         raise bad_request("prompt_logprobs is not available with stream=true", "prompt_logprobs")
@@ -345,7 +352,7 @@ def parse_request(kind: str, raw: bytes | str | Any, check_grammar: bool = True)
                           "min_tokens")
     return GenerationRequest(
         kind=kind, model=model, prompt=prompt, messages=messages, max_tokens=max_tokens,
-        stream=stream, include_usage=include_usage,
+        stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
         logprobs=logprobs, top_logprobs=top_logprobs, return_token_ids=_bool(body, "return_token_ids"),
         user=_str(body, "user") or _str(body, "safety_identifier"), cache_salt=_str(body, "cache_salt"),
         sampling=sampling, prompts=prompts, echo=echo, add_generation_prompt=_bool(body, "add_generation_prompt", True),
@@ -368,27 +375,35 @@ def _check_fields(kind: str, body: dict) -> None:
         raise bad_request(f"Unrecognized request argument supplied: {name}", name, "unsupported_parameter")
 
 
-# stream_options keys: OpenAI's include_usage; the others only at the value that means "off"
-# (vLLM's continuous_usage_stats, OpenAI's include_obfuscation padding).
-_STREAM_OPTIONS_OFF = {"continuous_usage_stats": False, "include_obfuscation": False}
+# stream_options keys: OpenAI's include_usage, vLLM's continuous_usage_stats; the others only at the
+# value that means "off" (OpenAI's include_obfuscation padding).
+_STREAM_OPTIONS_OFF = {"include_obfuscation": False}
 
 
-def _parse_stream_options(body: dict, stream: bool) -> bool:
-    """include_usage; 400 for stream_options without stream=true (as vLLM) or a key it would ignore."""
+def _parse_stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous usage: each chunk's usage so far, only with include_usage, as in
+    vLLM); 400 for stream_options without stream=true (as vLLM) or a key it would ignore."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not isinstance(options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
     if not stream:
         raise bad_request("stream_options can only be set when stream=true", "stream_options")
     for key, value in options.items():
-        if key == "include_usage" or value is None or (key in _STREAM_OPTIONS_OFF and _STREAM_OPTIONS_OFF[key] is value):
+        if key in ("include_usage", "continuous_usage_stats") or value is None or \
+                (key in _STREAM_OPTIONS_OFF and _STREAM_OPTIONS_OFF[key] is value):
             continue
         message = f"stream_options.{key}={json.dumps(value)} is not supported by this server" \
             if key in _STREAM_OPTIONS_OFF else f"Unrecognized stream_options key: {key}"
         raise bad_request(message, "stream_options", "unsupported_parameter")
-    return _bool(options, "include_usage")
+    flags = {}
+    for key in ("include_usage", "continuous_usage_stats"):
+        flags[key] = options.get(key) or False
+        if not isinstance(flags[key], bool):
+            raise bad_request(f"stream_options.{key} must be a boolean, got {json.dumps(options[key])}",
+                              "stream_options")
+    return flags["include_usage"], flags["include_usage"] and flags["continuous_usage_stats"]
 
 
 def _parse_token_list(body: dict, name: str) -> list[int]:

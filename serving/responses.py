@@ -140,12 +140,13 @@ class ResponseBuilder:
             choice["prompt_logprobs"] = d.prompt_logprobs
         return choice
 
-    def chunk(self, d: Delta, *, role: bool = False) -> dict[str, Any]:
-        """A streaming chunk; `role=True` for a chat stream's first chunk."""
+    def chunk(self, d: Delta, *, role: bool = False, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A streaming chunk; `role=True` for a chat stream's first chunk; `usage` the choice's usage so
+        far (continuous usage), else null in every chunk before the usage chunk (include_usage)."""
         obj = "chat.completion.chunk" if self.req.kind == CHAT else "text_completion"
         out = self._envelope(obj, [self._choice(d, stream=True, role=role)])
         if self.req.include_usage:
-            out["usage"] = None
+            out["usage"] = usage
         return out
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:

@@ -164,17 +164,18 @@ class OpenAIServer:
 
     @staticmethod
     def usage(out: Any) -> dict[str, Any]:
-        """Usage of a choice's final RequestOutput (the whole output rides on the final one only)."""
+        """Usage of a choice's RequestOutput; its completion count is the whole output only on the final one."""
         return usage_dict(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
 
     async def _stream(self, request: web.Request, builder: ResponseBuilder, assembler: Assembler,
                       subs: list[oai.GenerationRequest], outputs: Any, first: Any) -> None:
         """Write SSE chunks, the choices interleaved as their tokens come, until every choice finished."""
-        sse = SSEStream(builder)
-        await sse.start(request, request["request_id"])
+        sse = SSEStream(builder, assembler.choice_usage)
         p, out = first
+        d = assembler.delta(self.choice_output(subs[p], p, out))  # before start: the prompt's counts
+        await sse.start(request, request["request_id"])
         while True:
-            await sse.delta(assembler.delta(self.choice_output(subs[p], p, out)))
+            await sse.delta(d)
             try:
                 p, out = await anext(outputs)
             except StopAsyncIteration:
@@ -183,6 +184,7 @@ class OpenAIServer:
                 for index in assembler.unfinished:
                     await sse.delta(Delta("", finish_reason="abort", index=index))
                 break
+            d = assembler.delta(self.choice_output(subs[p], p, out))
         await sse.finish(assembler.usage())
 
     # ------------------------------------------------------------ other endpoints

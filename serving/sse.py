@@ -2,12 +2,12 @@
 
 Everything that makes an OpenAI stream lives here once: the headers, the chat role chunks that
 open a chat stream, the rule for when a delta is worth a chunk, the closing usage chunk of
-`stream_options.include_usage`, and `data: [DONE]`. Callers only feed it Deltas.
+`stream_options.include_usage` (and vLLM's continuous usage in every chunk), and `data: [DONE]`. Callers only feed it Deltas.
 """
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
@@ -25,9 +25,12 @@ def sse_event(obj: dict[str, Any]) -> bytes:
 class SSEStream:
     """One request's stream: `start`, then `delta` per engine/node output, then `finish`."""
 
-    def __init__(self, builder: ResponseBuilder) -> None:
+    def __init__(self, builder: ResponseBuilder, usage_so_far: Callable[[int], dict[str, Any]] | None = None) -> None:
+        """`usage_so_far(choice index)`: that choice's usage up to now (Assembler.choice_usage), put in
+        every chunk when the client asked for continuous usage stats."""
         self.builder = builder
         self.response: web.StreamResponse | None = None
+        self._usage = usage_so_far if builder.req.continuous_usage else None
 
     async def start(self, request: web.Request, request_id: str) -> None:
         """Send the headers (the status is 200 from here on) and, for chat, each choice's role chunk
@@ -37,13 +40,14 @@ class SSEStream:
         await self.response.prepare(request)
         if self.builder.req.kind == CHAT:
             for index in range(self.builder.req.n):
-                await self._write(self.builder.chunk(Delta("", index=index), role=True))
+                role = self.builder.chunk(Delta("", index=index), role=True, usage=self._usage_of(index, output=False))
+                await self._write(role)
 
     async def delta(self, d: Delta) -> None:
         """A chunk when the delta carries text, a finish reason, or token ids the client asked for."""
         req = self.builder.req
-        if d.text or d.finish_reason or (d.token_ids and (req.logprobs or req.return_token_ids)):
-            await self._write(self.builder.chunk(d))
+        if d.text or d.finish_reason or (d.token_ids and (req.logprobs or req.return_token_ids or self._usage)):
+            await self._write(self.builder.chunk(d, usage=self._usage_of(d.index)))
 
     async def error(self, err: APIError) -> None:
         """A failure after the stream started: the client learns it in-band, as an error event."""
@@ -57,6 +61,13 @@ class SSEStream:
         await self.response.write(SSE_DONE)
         await self.response.write_eof()
         return self.response
+
+    def _usage_of(self, index: int, output: bool = True) -> dict[str, Any] | None:
+        """Choice `index`'s usage so far; `output=False`: before any of its output (a role chunk)."""
+        if self._usage is None:
+            return None
+        usage = self._usage(index)
+        return usage if output else {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
 
     async def _write(self, obj: dict[str, Any]) -> None:
         assert self.response is not None

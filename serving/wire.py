@@ -8,6 +8,7 @@ both ends.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from engine.sampling_params import StructuredOutputsParams
@@ -17,9 +18,19 @@ from serving.responses import Delta, PromptPosition, usage_dict
 from serving.tokenize_api import TokenizeRequest
 
 
+def messages_to_pb(messages: list[dict[str, str]]) -> list[pb.ChatMessage]:
+    return [pb.ChatMessage(**m) for m in messages]
+
+
+def messages_from_pb(messages: Iterable[pb.ChatMessage]) -> list[dict[str, str]]:
+    """The protocol module's chat messages (a name only where the client gave one)."""
+    return [{"role": m.role, "content": m.content, **({"name": m.name} if m.HasField("name") else {})}
+            for m in messages]
+
+
 def prompt_to_pb(req: oai.GenerationRequest) -> pb.Prompt:
     if req.kind == oai.CHAT:
-        return pb.Prompt(chat=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in req.messages],
+        return pb.Prompt(chat=pb.ChatMessages(messages=messages_to_pb(req.messages),
                                               add_generation_prompt=req.add_generation_prompt))
     if isinstance(req.prompt, str):
         return pb.Prompt(text=req.prompt)
@@ -90,7 +101,7 @@ def request_from_pb(prompt: pb.Prompt, params: pb.SamplingParams, cache_salt: st
         add_generation_prompt=not prompt.chat.HasField("add_generation_prompt") or prompt.chat.add_generation_prompt,
         structured_field=(params.structured_outputs.field or None) if params.HasField("structured_outputs") else None,
         prompt=prompt.text if kind_of == "text" else (list(prompt.token_ids.ids) if kind_of == "token_ids" else None),
-        messages=[{"role": m.role, "content": m.content} for m in prompt.chat.messages] if kind == oai.CHAT else None)
+        messages=messages_from_pb(prompt.chat.messages) if kind == oai.CHAT else None)
 
 
 def positions_to_pb(positions: list[PromptPosition]) -> list[pb.PromptLogprobs]:
@@ -114,7 +125,8 @@ def positions_from_pb(entries: Any) -> list[PromptPosition] | None:
 def delta_to_pb(d: Delta, usage: dict[str, Any] | None = None, positions: list[PromptPosition] | None = None,
                 prompt_text: str = "") -> pb.GenerateDelta:
     """A node's output delta of choice `d.index`; `usage` (responses.usage_dict) rides on a choice's
-    last one, the prompt's logprobs and text (when asked for) on its first."""
+    first one (the prompt's counts, known from then on) and its last, the prompt's logprobs and text
+    (when asked for) on its first."""
     out = pb.GenerateDelta(text=d.text, token_ids=d.token_ids, finish_reason=d.finish_reason or "",
                            logprobs=d.logprobs, tokens=d.tokens or [], index=d.index, prompt_text=prompt_text,
                            top_logprobs=[pb.TopLogprobs(tokens=[t for t, _ in top], logprobs=[lp for _, lp in top])
@@ -138,7 +150,7 @@ def usage_from_pb(d: pb.GenerateDelta) -> dict[str, Any]:
 
 
 def tokenize_to_pb(req: TokenizeRequest) -> pb.TokenizeRequest:
-    prompt = pb.Prompt(chat=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in req.messages])) \
+    prompt = pb.Prompt(chat=pb.ChatMessages(messages=messages_to_pb(req.messages))) \
         if req.messages is not None else pb.Prompt(text=req.prompt)
     return pb.TokenizeRequest(prompt=prompt, add_special_tokens=req.add_special_tokens,
                               add_generation_prompt=req.add_generation_prompt, return_token_strs=req.return_token_strs)
@@ -147,6 +159,5 @@ def tokenize_to_pb(req: TokenizeRequest) -> pb.TokenizeRequest:
 def tokenize_from_pb(call: pb.TokenizeRequest) -> TokenizeRequest:
     chat = call.prompt.WhichOneof("kind") == "chat"
     return TokenizeRequest(model=None, prompt=None if chat else call.prompt.text,
-                           messages=[{"role": m.role, "content": m.content} for m in call.prompt.chat.messages]
-                           if chat else None, add_special_tokens=call.add_special_tokens,
+                           messages=messages_from_pb(call.prompt.chat.messages) if chat else None, add_special_tokens=call.add_special_tokens,
                            add_generation_prompt=call.add_generation_prompt, return_token_strs=call.return_token_strs)

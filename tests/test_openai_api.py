@@ -174,6 +174,55 @@ def test_streams_open_count_and_close_every_choice(api):
     assert counts(chunks[-1].usage) == counts(whole.usage) and whole.usage.prompt_tokens == len("OnceTwice upon")
 
 
+def test_continuous_usage_stats_count_every_chunk(api):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's usage so far (the
+    role chunks none of the output yet), and the closing usage chunk is the whole response's."""
+    body = dict(model=api.model, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}, stream=True,
+                stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chat = list(api.oai.chat.completions.create(messages=[{"role": "user", "content": "count"}], n=2, **body))
+    text = list(api.oai.completions.create(prompt="count with me", **body))
+    for chunks in (chat, text):
+        final = chunks[-1].usage
+        assert chunks[-1].choices == [] and final.completion_tokens == 6 * len({c.choices[0].index for c in chunks[:-1]})
+        seen: dict[int, list[int]] = {}
+        for c in chunks[:-1]:
+            assert (c.usage.prompt_tokens, c.usage.total_tokens) == (final.prompt_tokens,
+                                                                     final.prompt_tokens + c.usage.completion_tokens)
+            seen.setdefault(c.choices[0].index, []).append(c.usage.completion_tokens)
+        for counts_so_far in seen.values():  # grows with the output, to the choice's whole output
+            assert counts_so_far == sorted(counts_so_far) and counts_so_far[-1] == 6 and len(set(counts_so_far)) >= 3
+    assert [counts_so_far[0] for counts_so_far in by_choice(chat).values()] == [0, 0]  # the role chunks
+    # Without it (or without include_usage, as in vLLM) the chunks' usage stays null.
+    plain = list(api.oai.completions.create(prompt="count", **{**body, "stream_options": {"continuous_usage_stats": True}}))
+    assert all(c.usage is None for c in plain)
+
+
+def by_choice(chunks) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for c in chunks:
+        if c.choices:
+            out.setdefault(c.choices[0].index, []).append(c.usage.completion_tokens)
+    return out
+
+
+def test_message_names_reach_the_chat_template(api, tiny_llama):
+    """OpenAI's per-message `name` is rendered by the chat template (the built-in one writes it after the
+    role), on pd-serve and across P/D alike."""
+    from engine.tokenizer import apply_chat_template, load_tokenizer
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi", "name": "ann"}]
+    expected = apply_chat_template(load_tokenizer(tiny_llama), messages)
+    assert len(expected) > len(apply_chat_template(load_tokenizer(tiny_llama), [{"role": m["role"], "content": m["content"]}
+                                                                               for m in messages]))
+    out = api.oai.chat.completions.create(model=api.model, messages=messages, max_tokens=2, temperature=0,
+                                          extra_body={"return_token_ids": True})
+    assert out.usage.prompt_tokens == len(expected)
+    assert out.model_extra["prompt_token_ids"] == expected
+    status, err = api.post("/v1/chat/completions", {"model": api.model, "messages": [
+        {"role": "user", "content": "hi", "name": 7}]})
+    assert status == 400 and "messages[0].name must be a string" in err["error"]["message"]
+
+
 def test_echo_and_prompt_logprobs_match_hf(api, hf_model):
     prompt = PROMPTS[0]
     with torch.inference_mode():

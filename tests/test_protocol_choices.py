@@ -76,9 +76,11 @@ def test_bad_values_and_unsupported_fields_are_400_naming_them(body, param):
     refused({"prompt": "x", **body}, param)
 
 
-def test_message_fields_beyond_role_and_content_are_refused_unless_empty():
-    e = refused({"messages": [{"role": "user", "content": "x", "name": "ann"}]}, "messages", oai.CHAT)
-    assert "messages[0].name" in e.message and e.code == "unsupported_parameter"
+def test_message_fields_beyond_role_content_and_name_are_refused_unless_empty():
+    assert parse({"messages": [{"role": "user", "content": "x", "name": "ann"}]}, oai.CHAT).messages == \
+        [{"role": "user", "content": "x", "name": "ann"}]
+    e = refused({"messages": [{"role": "user", "content": "x", "audio": {"id": "a"}}]}, "messages", oai.CHAT)
+    assert "messages[0].audio" in e.message and e.code == "unsupported_parameter"
     refused({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "t"}]}]}, "messages", oai.CHAT)
     replayed = {"role": "assistant", "content": "hi", "refusal": None, "tool_calls": None, "annotations": []}
     assert parse({"messages": [replayed]}, oai.CHAT).messages == [{"role": "assistant", "content": "hi"}]

@@ -64,8 +64,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", None),
     ({"prompt": "x", "stream_options": 3}, "stream_options", None),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", None),  # without stream
-    ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options",
+    ({"prompt": "x", "stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options",
      "unsupported_parameter"),
+    ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, "stream_options", None),
     ({"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "usage_every": 2}}, "stream_options",
      "unsupported_parameter"),
     ({"prompt": LONG}, "prompt", "context_length_exceeded"),
