@@ -19,6 +19,7 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from common import eventloop
 from engine.async_engine import RequestAbortedError
 from engine.tokenizer import apply_chat_template, encode_prompt
 from engine.sampling_params import SamplingParams
@@ -259,15 +260,19 @@ def run_node(args: argparse.Namespace, prog: str, preflight: Callable[[], None] 
     setup_logging(args.log_level)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
+        try:
+            eventloop.loop_kind()  # a bad PDSERVE_EVENT_LOOP fails before any weights load
+        except ValueError as e:
+            raise StartupError(str(e)) from None
         if preflight is not None:
             preflight()
         sock = listen_socket(args.host, args.port)
         async_engine, names = create_async_engine(args)
         server = OpenAIServer(async_engine, names, async_engine.metrics)
         if run is None:
-            asyncio.run(serve(server, sock, prog, args.shutdown_timeout))
+            eventloop.run(serve(server, sock, prog, args.shutdown_timeout))
         else:
-            asyncio.run(run(server, sock))
+            eventloop.run(run(server, sock))
     except StartupError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1

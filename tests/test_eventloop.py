@@ -4,10 +4,12 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
 from common import eventloop
+from tests.serve_helpers import ServerProcess
 from tests.utils import console_script
 
 
@@ -32,9 +34,21 @@ def test_unknown_loop_is_refused(monkeypatch):
         eventloop.loop_kind()
 
 
-def test_proxy_refuses_an_unknown_loop_in_one_line():
-    proc = subprocess.run([*console_script("pd-proxy"), "--decode", "127.0.0.1:1"], capture_output=True, text=True,
+@pytest.mark.parametrize("prog,args", [("pd-proxy", ["--decode", "127.0.0.1:1"]), ("pd-serve", []),
+                                       ("pd-decode", ["--kv-store", "file:///nonexistent"])])
+def test_processes_refuse_an_unknown_loop_in_one_line(prog, args):
+    proc = subprocess.run([*console_script(prog), *args], capture_output=True, text=True,
                           timeout=60, env={**os.environ, eventloop.ENV: "trio"})
     assert proc.returncode == 1, proc
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pd-proxy: error: PDSERVE_EVENT_LOOP must be one of"), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: PDSERVE_EVENT_LOOP must be one of"), proc.stderr
+
+
+@pytest.mark.parametrize("kind", ["uvloop", "asyncio"])
+def test_pd_serve_runs_on_the_chosen_loop(tiny_llama, monkeypatch, kind):
+    """Nodes and pd-serve share run_node: uvloop's extension is loaded in the serving process only when
+    it runs on uvloop (it is imported only then)."""
+    monkeypatch.setenv(eventloop.ENV, kind)
+    with ServerProcess("--model", str(tiny_llama), "--kv-cache-memory", "64MiB") as server:
+        maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+    assert ("/uvloop/loop." in maps) == (kind == "uvloop")
