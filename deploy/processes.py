@@ -143,6 +143,22 @@ class ClusterSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
+# The nodes of one LocalCluster share this machine's cores, each engine with a thread per core. A
+# worker that spins after a parallel region (libgomp's default, right for an engine that owns its
+# cores) then burns a core the other engine needs: two engines decoding at once ran 2-4x slower
+# each than with a 100-iteration spin (docs/architecture.md, "One OpenMP team"). The operator's own
+# OpenMP wait settings win.
+SHARED_CORES_ENV = {"GOMP_SPINCOUNT": "100"}
+_WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def shared_cores_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` for an engine that shares its cores with other engines: a short OpenMP spin unless set."""
+    if any(name in os.environ or name in env for name in _WAIT_SETTINGS):
+        return env
+    return {**SHARED_CORES_ENV, **env}
+
+
 def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
@@ -182,7 +198,7 @@ class LocalCluster:
 
     def _node(self, role: str, index: int) -> Node:
         name = f"{role}{index}"
-        node = Node(name, [], self.spec.log_dir, self.spec.env, role=role, http_port=free_port(),
+        node = Node(name, [], self.spec.log_dir, shared_cores_env(self.spec.env), role=role, http_port=free_port(),
                     grpc_port=free_port())
         node.argv = python_module(f"{role}_node", "--model", self.spec.model, "--kv-store", self.kv_store,
                                   "--host", HOST, "--port", str(node.http_port), "--grpc-port", str(node.grpc_port),

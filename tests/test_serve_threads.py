@@ -75,3 +75,31 @@ def test_compute_threads_spin_between_parallel_regions(parallel_model: Path) -> 
     for tid, (cpu, switches) in compute.items():
         assert switches / TOKENS < 4, (f"thread {tid} slept {switches} times in {TOKENS} tokens ({cpu:.2f} s CPU): "
                                       "the compute threads are not one OpenMP team")
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def test_cluster_nodes_that_share_cores_wait_briefly(tiny_llama, tmp_path, monkeypatch):
+    """A LocalCluster's engines share the machine's cores, so their workers spin only briefly before
+    sleeping (deploy/processes.py SHARED_CORES_ENV); an operator's own OpenMP wait setting wins."""
+    from deploy.processes import SHARED_CORES_ENV, shared_cores_env
+    from tests.cluster_helpers import start_cluster
+
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    cluster = start_cluster(tiny_llama, tmp_path)
+    try:
+        for node in cluster.prefill + cluster.decode:
+            env = _environ(node.proc.pid)
+            assert {k: env.get(k) for k in SHARED_CORES_ENV} == SHARED_CORES_ENV, node.name
+        assert "GOMP_SPINCOUNT" not in _environ(cluster.proxy.proc.pid)  # not an engine
+    finally:
+        cluster.stop()
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert shared_cores_env({"X": "1"}) == {"X": "1"}
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert shared_cores_env({"GOMP_SPINCOUNT": "5000"}) == {"GOMP_SPINCOUNT": "5000"}
+    assert shared_cores_env({}) == SHARED_CORES_ENV
