@@ -39,7 +39,7 @@ from kvstore.errors import CorruptObject, NotFound, StoreError, StoreTimeout, St
 from kvstore import fs_ledger
 from kvstore.fs_ledger import ChunkLedger
 from kvstore.gate import NO_GATE, WriteGate
-from kvstore.spans import SpanReader, SpanTable
+from kvstore.spans import SpanReader, SpanTable, advance
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class FileSystemStore(KVStore):
                 raise OSError(-done, os.strerror(-done), path)
             done = 0
         if done < total:
-            self._read_gated(fd, _advance(views, done), total - done, path, gate, done)
+            self._read_gated(fd, advance(views, done), total - done, path, gate, done)
 
     def _read_gated(self, fd: int, views: list[memoryview], total: int, path: str, gate: WriteGate,
                     start: int = 0) -> None:
@@ -205,7 +205,7 @@ class FileSystemStore(KVStore):
                         raise CorruptObject(f"{path}: file ended after {start + got} of {start + total} bytes")
                     got += n
                     if got < total:
-                        views = _advance(views, n)
+                        views = advance(views, n)
             finally:
                 gate.leave()
         if got < total:
@@ -445,26 +445,15 @@ def _read_exact(fd: int, views: list[memoryview], path: str, strict: bool = True
                 raise CorruptObject(f"{path}: file ended after {got} of {total} bytes")
             return got
         got += n
-        views = _advance(views, n)
+        views = advance(views, n)
     return got
 
 
 def _write_all(fd: int, parts: tuple[Buffer, ...]) -> None:
     views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
     while views:
-        views = _advance(views, os.writev(fd, views))
+        views = advance(views, os.writev(fd, views))
 
-
-def _advance(views: list[memoryview], n: int) -> list[memoryview]:
-    """The views left after the first n bytes were transferred."""
-    i = 0
-    while i < len(views) and n >= views[i].nbytes:
-        n -= views[i].nbytes
-        i += 1
-    views = views[i:]
-    if views and n:
-        views = [views[0][n:], *views[1:]]
-    return views
 
 
 def _marker_bytes(marker: str) -> int:

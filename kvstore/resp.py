@@ -18,6 +18,7 @@ from typing import Any
 import redis
 
 from kvstore.gate import NO_GATE, WriteGate
+from kvstore.spans import advance
 
 _LINE_READ = 4096  # framing reads: one line and the start of the value that follows it
 
@@ -80,7 +81,7 @@ class _Replies:
             with gate.writing():
                 _copy(memoryview(self.buf)[:done], views)
             del self.buf[:done]
-            views = _advance(views, done)
+            views = advance(views, done)
         while views:
             if self.tls:  # no recvmsg on TLS sockets (and no gate here: see above)
                 got = self.sock.recv_into(views[0])
@@ -99,7 +100,7 @@ class _Replies:
                 got = self.sock.recvmsg_into(views)[0]
             if not got:
                 raise redis.ConnectionError("redis closed the connection in the middle of a value")
-            views = _advance(views, got)
+            views = advance(views, got)
 
     def skip(self, nbytes: int) -> None:
         scratch = memoryview(bytearray(min(nbytes, 1 << 16)))
@@ -119,17 +120,6 @@ def _copy(src: memoryview, views: list[memoryview]) -> None:
         if offset == src.nbytes:
             return
 
-
-def _advance(views: list[memoryview], n: int) -> list[memoryview]:
-    """The views left after the first n bytes were filled."""
-    i = 0
-    while i < len(views) and n >= views[i].nbytes:
-        n -= views[i].nbytes
-        i += 1
-    views = views[i:]
-    if views and n:
-        views[0] = views[0][n:]
-    return views
 
 
 def get_into(client: redis.Redis, names: list[str], views: list[list[memoryview]], gate: WriteGate = NO_GATE

@@ -16,6 +16,19 @@ from typing import Protocol
 import numpy as np
 
 
+def advance(views: list[memoryview], n: int) -> list[memoryview]:
+    """The views still to fill after the first n bytes of `views` were transferred (a short read or
+    write continues from there)."""
+    i = 0
+    while i < len(views) and n >= views[i].nbytes:
+        n -= views[i].nbytes
+        i += 1
+    views = views[i:]
+    if views and n:
+        views = [views[0][n:], *views[1:]]
+    return views
+
+
 class SpanReader(Protocol):
     """Reads of one layer's objects from files, one call per step (kernels/kv_read.KVReadLibrary)."""
 

@@ -79,6 +79,17 @@ static int object_iov(int i, const int64_t *desc, const int64_t *first, const ui
     return count;
 }
 
+/* xxh3_64 over object i's header bytes [0, SUMMED) and its spans, with `state` reused. */
+static uint64_t hash_object(void *state, int i, const int64_t *desc, const int64_t *first, const uint64_t *bases,
+                            const uint8_t *headers) {
+    xxh_reset(state);
+    xxh_update(state, headers + (size_t)HEADER * i, SUMMED);
+    for (int64_t k = first[i]; k < first[i + 1]; k++)
+        xxh_update(state, (const void *)(uintptr_t)(bases[desc[3 * k]] + (uint64_t)desc[3 * k + 1]),
+                   (size_t)desc[3 * k + 2]);
+    return xxh_digest(state);
+}
+
 /* For each object: read it from the page cache (preadv2 with RWF_NOWAIT: stops at the first byte
  * that is not there, never waits for the medium) into its header and spans; got[i] = the bytes
  * read, or -errno (EOPNOTSUPP: no RWF_NOWAIT on this filesystem). When it was read whole,
@@ -113,12 +124,7 @@ int pd_kv_read_hash(int n, const int32_t *fds, const int64_t *desc, const int64_
             }
         }
         if (got[i] != total) continue;
-        xxh_reset(state);
-        xxh_update(state, headers + (size_t)HEADER * i, SUMMED);
-        for (int64_t k = first[i]; k < first[i + 1]; k++)
-            xxh_update(state, (const void *)(uintptr_t)(bases[desc[3 * k]] + (uint64_t)desc[3 * k + 1]),
-                       (size_t)desc[3 * k + 2]);
-        digests[i] = xxh_digest(state);
+        digests[i] = hash_object(state, i, desc, first, bases, headers);
     }
     xxh_free(state);
     return 0;
@@ -129,14 +135,7 @@ int pd_kv_hash(int n, const int64_t *desc, const int64_t *first, const uint64_t 
                uint64_t *digests) {
     void *state = xxh_create();
     if (!state) return -ENOMEM;
-    for (int i = 0; i < n; i++) {
-        xxh_reset(state);
-        xxh_update(state, headers + (size_t)HEADER * i, SUMMED);
-        for (int64_t k = first[i]; k < first[i + 1]; k++)
-            xxh_update(state, (const void *)(uintptr_t)(bases[desc[3 * k]] + (uint64_t)desc[3 * k + 1]),
-                       (size_t)desc[3 * k + 2]);
-        digests[i] = xxh_digest(state);
-    }
+    for (int i = 0; i < n; i++) digests[i] = hash_object(state, i, desc, first, bases, headers);
     xxh_free(state);
     return 0;
 }
