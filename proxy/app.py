@@ -196,10 +196,11 @@ class Proxy:
     def _choice_output(self, subs: list[oai.GenerationRequest], p: int, d: pb.GenerateDelta) -> ChoiceOutput:
         sub = subs[p]
         text = sub.prompt if isinstance(sub.prompt, str) else d.prompt_text  # token ids: the node decoded them
-        usage = usage_from_pb(d) if d.HasField("usage") else None  # a choice's first delta: its prompt's counts
-        return ChoiceOutput(p, delta_from_pb(d, sub.logprobs), lambda: text, lambda: positions_from_pb(d.prompt_logprobs),
-                            usage if d.finish_reason else None,
-                            (usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]) if usage else None)
+        usage = usage_from_pb(d) if d.HasField("usage") else None  # on a choice's first delta: its prompt's counts
+        prompt_tokens = (usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]) if usage else None
+        return ChoiceOutput(p, delta_from_pb(d, sub.logprobs), lambda: text,
+                            lambda: positions_from_pb(d.prompt_logprobs), usage if d.finish_reason else None,
+                            prompt_tokens)
 
     async def _stream(self, request: web.Request, builder: ResponseBuilder, assembler: Assembler,
                       subs: list[oai.GenerationRequest], first: tuple[int, pb.GenerateDelta],

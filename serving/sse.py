@@ -2,7 +2,8 @@
 
 Everything that makes an OpenAI stream lives here once: the headers, the chat role chunks that
 open a chat stream, the rule for when a delta is worth a chunk, the closing usage chunk of
-`stream_options.include_usage` (and vLLM's continuous usage in every chunk), and `data: [DONE]`. Callers only feed it Deltas.
+`stream_options.include_usage` (and vLLM's continuous usage in every chunk), and
+`data: [DONE]`. Callers only feed it Deltas.
 """
 from __future__ import annotations
 

@@ -183,7 +183,8 @@ def test_continuous_usage_stats_count_every_chunk(api):
     text = list(api.oai.completions.create(prompt="count with me", **body))
     for chunks in (chat, text):
         final = chunks[-1].usage
-        assert chunks[-1].choices == [] and final.completion_tokens == 6 * len({c.choices[0].index for c in chunks[:-1]})
+        choices = {c.choices[0].index for c in chunks[:-1]}
+        assert chunks[-1].choices == [] and final.completion_tokens == 6 * len(choices)
         seen: dict[int, list[int]] = {}
         for c in chunks[:-1]:
             assert (c.usage.prompt_tokens, c.usage.total_tokens) == (final.prompt_tokens,
@@ -193,7 +194,8 @@ def test_continuous_usage_stats_count_every_chunk(api):
             assert counts_so_far == sorted(counts_so_far) and counts_so_far[-1] == 6 and len(set(counts_so_far)) >= 3
     assert [counts_so_far[0] for counts_so_far in by_choice(chat).values()] == [0, 0]  # the role chunks
     # Without it (or without include_usage, as in vLLM) the chunks' usage stays null.
-    plain = list(api.oai.completions.create(prompt="count", **{**body, "stream_options": {"continuous_usage_stats": True}}))
+    plain = list(api.oai.completions.create(prompt="count",
+                                            **{**body, "stream_options": {"continuous_usage_stats": True}}))
     assert all(c.usage is None for c in plain)
 
 
@@ -211,9 +213,10 @@ def test_message_names_reach_the_chat_template(api, tiny_llama):
     from engine.tokenizer import apply_chat_template, load_tokenizer
 
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi", "name": "ann"}]
-    expected = apply_chat_template(load_tokenizer(tiny_llama), messages)
-    assert len(expected) > len(apply_chat_template(load_tokenizer(tiny_llama), [{"role": m["role"], "content": m["content"]}
-                                                                               for m in messages]))
+    tokenizer = load_tokenizer(tiny_llama)
+    expected = apply_chat_template(tokenizer, messages)
+    unnamed = [{"role": m["role"], "content": m["content"]} for m in messages]
+    assert len(expected) > len(apply_chat_template(tokenizer, unnamed))
     out = api.oai.chat.completions.create(model=api.model, messages=messages, max_tokens=2, temperature=0,
                                           extra_body={"return_token_ids": True})
     assert out.usage.prompt_tokens == len(expected)
