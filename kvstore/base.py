@@ -85,7 +85,7 @@ import torch
 from kvstore import codec
 from kvstore.errors import CorruptObject, StoreError, StoreTimeout
 from kvstore.gate import NO_GATE, WriteGate
-from kvstore.spans import SpanTable
+from kvstore.spans import SpanTable, copy_into
 
 Buffer = bytes | bytearray | memoryview
 
@@ -448,11 +448,8 @@ class KVStore(ABC):
             name = self.object_name(key, layer)
             view = memoryview(buf).cast("B")
             codec.check_size(name, view.nbytes, payload, shape, dtype)
-            offset = codec.HEADER_SIZE
             with gate.writing():  # the object is in our memory already: a bounded copy
-                for span in payload:
-                    span[:] = view[offset:offset + span.nbytes]
-                    offset += span.nbytes
+                copy_into(view[codec.HEADER_SIZE:], payload)
             codec.check_payload(view[:codec.HEADER_SIZE], payload, self.fingerprint, dtype, shape, name, key=key,
                                 layer=layer)
 

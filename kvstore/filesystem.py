@@ -39,7 +39,7 @@ from kvstore.errors import CorruptObject, NotFound, StoreError, StoreTimeout, St
 from kvstore import fs_ledger
 from kvstore.fs_ledger import ChunkLedger
 from kvstore.gate import NO_GATE, WriteGate
-from kvstore.spans import SpanReader, SpanTable, advance
+from kvstore.spans import SpanReader, SpanTable, advance, copy_into
 
 logger = logging.getLogger(__name__)
 
@@ -212,10 +212,7 @@ class FileSystemStore(KVStore):
             views = [v for v in views if v.nbytes]
             scratch = self._read_cold(fd, total - got, start + got, path)
             with gate.writing():
-                offset = 0
-                for view in views:
-                    view[:] = scratch[offset:offset + view.nbytes]
-                    offset += view.nbytes
+                copy_into(scratch, views)
 
     def _read_cold(self, fd: int, nbytes: int, offset: int, path: str) -> memoryview:
         """Bytes [offset, offset + nbytes) of an object in fresh scratch memory: the read that may wait

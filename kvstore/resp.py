@@ -18,7 +18,7 @@ from typing import Any
 import redis
 
 from kvstore.gate import NO_GATE, WriteGate
-from kvstore.spans import advance
+from kvstore.spans import advance, copy_into
 
 _LINE_READ = 4096  # framing reads: one line and the start of the value that follows it
 
@@ -74,12 +74,12 @@ class _Replies:
             scratch = memoryview(bytearray(nbytes))
             self.fill([scratch])
             with gate.writing():
-                _copy(scratch, views)
+                copy_into(scratch, views)
             return
         if self.buf and views:  # the start of the value came with its framing line
             done = min(len(self.buf), nbytes)
             with gate.writing():
-                _copy(memoryview(self.buf)[:done], views)
+                copy_into(memoryview(self.buf)[:done], views)
             del self.buf[:done]
             views = advance(views, done)
         while views:
@@ -108,17 +108,6 @@ class _Replies:
             step = min(nbytes, scratch.nbytes)
             self.fill([scratch[:step]], NO_GATE, step)
             nbytes -= step
-
-
-def _copy(src: memoryview, views: list[memoryview]) -> None:
-    """The first bytes of `src` into the views, in order, as far as `src` goes."""
-    offset = 0
-    for view in views:
-        step = min(view.nbytes, src.nbytes - offset)
-        view[:step] = src[offset:offset + step]
-        offset += step
-        if offset == src.nbytes:
-            return
 
 
 

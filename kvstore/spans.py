@@ -29,6 +29,17 @@ def advance(views: list[memoryview], n: int) -> list[memoryview]:
     return views
 
 
+def copy_into(src: memoryview, views: list[memoryview]) -> None:
+    """The first bytes of `src` into the views, in order, as far as `src` goes."""
+    offset = 0
+    for view in views:
+        step = min(view.nbytes, src.nbytes - offset)
+        view[:step] = src[offset:offset + step]
+        offset += step
+        if offset == src.nbytes:
+            return
+
+
 class SpanReader(Protocol):
     """Reads of one layer's objects from files, one call per step (kernels/kv_read.KVReadLibrary)."""
 
