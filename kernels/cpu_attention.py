@@ -16,8 +16,12 @@ import torch
 from kernels.cpu_build import load_library
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_decode_attention.c"
+HEADERS = (SOURCE.with_name("cpu_decode_attention_avx512.h"),)  # included by SOURCE
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_GROUP = 16  # query heads per kv head (MAX_GROUP in the C source)
+# The vector path a build takes for bf16 caches (pd_decode_attention_isa): fp32/fp16 caches take the
+# AVX2 path whenever the build has AVX2; head_dims not a multiple of 8 take plain C below AVX-512.
+ISA_PATHS = ("c", "avx2", "avx512", "avx512_bf16")
 
 _c_ptr, _c_int, _c_i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
@@ -25,8 +29,13 @@ _c_ptr, _c_int, _c_i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 class CpuDecodeAttention:
     """The compiled decode kernel; construct once per process (it builds or loads the library)."""
 
-    def __init__(self, build_dir: Path) -> None:
-        self._fn = load_library(SOURCE, build_dir).pd_paged_decode_attention
+    def __init__(self, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> None:
+        """`extra_flags`: appended to the build's flags; tests use e.g. ("-mno-avx512f",) to build and
+        check the lower ISA paths on a machine that would not take them."""
+        self.extra_flags = extra_flags
+        lib = load_library(SOURCE, build_dir, extra_flags, HEADERS)
+        self.isa = ISA_PATHS[lib.pd_decode_attention_isa()]
+        self._fn = lib.pd_paged_decode_attention
         self._fn.restype = _c_int
         self._fn.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int, _c_int, _c_int, _c_int, _c_int,
                              _c_i64, _c_i64, _c_i64, _c_i64, ctypes.c_float, _c_int, _c_int]

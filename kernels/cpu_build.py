@@ -51,26 +51,31 @@ def _compiler() -> str:
     return cc
 
 
-def load_library(source: Path, build_dir: Path) -> ctypes.CDLL:
-    """The compiled library of `source` (built now if this machine kind has no cached build)."""
+def load_library(source: Path, build_dir: Path, extra_flags: tuple[str, ...] = (),
+                 depends: tuple[Path, ...] = ()) -> ctypes.CDLL:
+    """The compiled library of `source` (built now if this machine kind has no cached build).
+    `extra_flags` follow FLAGS (tests build a lower ISA level with e.g. -mno-avx512f); `depends`:
+    files `source` includes, part of the cache key like the source."""
     cc = _compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise BuildError(f"compiler {cc} does not run: {exc}") from None
-    key = hashlib.sha256("\0".join([source.read_text(), version, *FLAGS, _cpu_identity()]).encode()).hexdigest()
+    flags = (*FLAGS, *extra_flags)
+    texts = [source.read_text(), *(d.read_text() for d in depends)]
+    key = hashlib.sha256("\0".join([*texts, version, *flags, _cpu_identity()]).encode()).hexdigest()
     target = build_dir / f"{source.stem}-{key[:16]}.so"
     if not target.exists():
         build_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}-", dir=build_dir)
         os.close(fd)
         try:
-            proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(source), "-lm"], capture_output=True, text=True,
+            proc = subprocess.run([cc, *flags, "-o", tmp, str(source), "-lm"], capture_output=True, text=True,
                                   timeout=300)
             if proc.returncode != 0:
                 raise BuildError(f"{cc} failed on {source.name}: {proc.stderr.strip()[-2000:]}")
             os.replace(tmp, target)
-            logger.info("built %s with %s (%s)", target, cc, " ".join(FLAGS))
+            logger.info("built %s with %s (%s)", target, cc, " ".join(flags))
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

@@ -1,9 +1,13 @@
 """The compiled CPU decode-attention kernel against the torch reference, and its build cache.
 
-Cases: fp32/bf16/fp16; GQA ratios 1, 2, 3 (the plain C path), 4 and 8; head dims 64 and 128
-(vector path) and 40 (plain C path); block sizes 8 and 16; lengths 1, at and around block
-boundaries, and past the kernel's 256-key partitions (whose results it merges); scattered,
-non-contiguous block tables; a query that is a strided view of a fused qkv projection.
+Every case runs on four builds of the same source, so that the paths this machine would not take
+stay tested: native (-march=native), AVX-512 without avx512_bf16, AVX2 and plain C; a test checks
+that each build takes the path meant, as far as this CPU has it.
+Cases: fp32/bf16/fp16; GQA ratios 1, 2, 3, 4, 8 and 16 (3 and 16: plain C below AVX-512); head dims
+64 and 128 and, not a multiple of 32 (AVX-512: a masked last chunk), 40, 56, 72 and 80 (40 and 72: plain C
+below AVX-512 for bf16); block sizes 8 and 16; lengths 1, at and around block boundaries, and past the
+kernel's 256-key partitions (whose results it merges); scattered, non-contiguous block tables; a query
+that is a strided view of a fused qkv projection.
 """
 from __future__ import annotations
 
@@ -11,22 +15,40 @@ import pytest
 import torch
 
 from kernels import torch_ref
-from kernels.cpu_attention import CpuDecodeAttention
+from kernels.cpu_attention import ISA_PATHS, CpuDecodeAttention
 
 # Against the reference on the same (rounded) inputs.
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 LENGTHS = [1, 15, 16, 17, 255, 256, 257, 600]
+# Build name -> (extra compiler flags, the best path that build may take).
+BUILDS = {"native": ((), "avx512_bf16"), "avx512": (("-mno-avx512bf16",), "avx512"),
+          "avx2": (("-mno-avx512f",), "avx2"), "c": (("-mno-avx",), "c")}
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory) -> CpuDecodeAttention:
-    return CpuDecodeAttention(tmp_path_factory.mktemp("kernels"))
+def _cpu_path() -> str:
+    """The best path this CPU runs (the C source's feature tests, from /proc/cpuinfo's flags)."""
+    with open("/proc/cpuinfo") as f:
+        flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        return "avx512_bf16" if "avx512_bf16" in flags else "avx512"
+    return "avx2" if {"avx2", "fma", "f16c"} <= flags else "c"
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def kernel(request, tmp_path_factory) -> CpuDecodeAttention:
+    return CpuDecodeAttention(tmp_path_factory.mktemp("kernels"), BUILDS[request.param][0])
+
+
+def test_each_build_takes_its_path(kernel):
+    """A lower-ISA build really runs its own path (else the cases below would test one path four times)."""
+    meant = next(cap for flags, cap in BUILDS.values() if flags == kernel.extra_flags)
+    assert kernel.isa == min(meant, _cpu_path(), key=ISA_PATHS.index)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
     (4, 4, 64, 16), (8, 4, 64, 16), (12, 4, 64, 8), (16, 4, 128, 16), (16, 2, 40, 8), (8, 1, 64, 16),
-    (8, 4, 40, 16), (4, 4, 72, 16)])  # head_dim 40 / 72: 5 / 9 vectors of 8 per head
+    (8, 4, 40, 16), (4, 4, 72, 16), (16, 1, 64, 16), (8, 2, 80, 16), (8, 2, 56, 16)])
 def test_decode_matches_reference(kernel, dtype, heads, kv_heads, head_dim, block_size):
     gen = torch.Generator().manual_seed(heads * 1000 + head_dim + block_size)
     batch = len(LENGTHS)

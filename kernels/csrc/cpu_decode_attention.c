@@ -11,8 +11,11 @@
  * that a few long requests still keep every thread busy: each item computes its scores (fp32),
  * their max and exp-sum and the weighted sum of values; a second loop merges a request's
  * partitions exactly (rescaling by exp(m_p - m)). The query heads that share a kv head (GQA)
- * share its K/V reads. AVX2+FMA builds use vector code for head_dim % 8 == 0; everything else
- * takes the plain C loops (same arithmetic, fp32 accumulation).
+ * share its K/V reads. Paths: bf16 caches on AVX-512F/BW/VL builds take
+ * cpu_decode_attention_avx512.h (any head_dim and group; vdpbf16ps scores with avx512_bf16);
+ * otherwise AVX2+FMA builds use the vector code below for head_dim % 8 == 0 and groups 1, 2, 4, 8;
+ * everything else takes the plain C loops (same arithmetic, fp32 accumulation). All three are
+ * tested on any machine that can run them (tests/test_cpu_attention.py builds lower ISA levels).
  *
  * Built at first use by kernels/cpu_build.py (plain C, no torch headers: it compiles in about a
  * second) and called through ctypes with raw pointers; kernels/cpu_attention.py checks shapes,
@@ -25,6 +28,10 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define PD_AVX2 1
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define PD_AVX512 1 /* bf16 caches: cpu_decode_attention_avx512.h */
 #endif
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
@@ -227,6 +234,28 @@ DEFINE_VECTOR_BODIES(4)
 DEFINE_VECTOR_BODIES(8)
 #endif
 
+/* A call's work items: partition p of request b is item first[b] + p, item_req[item] == b. */
+typedef struct {
+    const int64_t *first;
+    const int32_t *item_req, *seq_lens, *block_tables;
+    int64_t items, table_stride, q_stride; /* q_stride in elements */
+    const void *query;
+    float scale;
+    float *partial; /* per item: m[H], l[H], acc[H * D] */
+    size_t item_floats;
+} Items;
+
+/* Item `it`'s request and keys [t0, t1). */
+static inline void item_range(const Items *w, int64_t it, int *b, int *t0, int *t1) {
+    *b = w->item_req[it];
+    *t0 = (int)(it - w->first[*b]) * PART_TOKENS;
+    *t1 = *t0 + PART_TOKENS < w->seq_lens[*b] ? *t0 + PART_TOKENS : w->seq_lens[*b];
+}
+
+#ifdef PD_AVX512
+#include "cpu_decode_attention_avx512.h"
+#endif
+
 /* scores[h][col0 + i] = q[h] . k[off0 + i][h / group] for n tokens of the block at `blk`. */
 static void block_scores(const Layout *L, const float *q, const char *blk, int off0, int n, float *scores,
                          int col0, float *row) {
@@ -377,6 +406,15 @@ int pd_paged_decode_attention(void *out, const void *query, const void *kv_cache
     int threads = total_keys * H < SERIAL_WORK ? 1 : num_threads;
     if (threads > items) threads = (int)(items > 0 ? items : 1);
 
+    const Items w = {first, item_req, seq_lens, block_tables, items, table_stride, q_stride, query, scale, partial,
+                     item_floats};
+#ifdef PD_AVX512
+    int64_t counter = 0; /* the next unclaimed item (run_items512) */
+    const int use512 = dt == DT_BF16;
+#else
+    const int use512 = 0;
+#endif
+
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         float *q = malloc(sizeof(float) * (size_t)H * D);
@@ -385,19 +423,25 @@ int pd_paged_decode_attention(void *out, const void *query, const void *kv_cache
         int loaded = -1;
         const int ok = q != NULL && scores != NULL && row != NULL;
         if (!ok) failed = 1;
+        if (use512) {
+#ifdef PD_AVX512
+            if (!ok || run_items512(&L, &w, &counter, scores) != 0) failed = 1;
+#endif
+#pragma omp barrier
+        } else {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < items; item++) {
-            if (!ok) continue;
-            const int b = item_req[item];
-            if (loaded != b) {
-                load_row(q, (const char *)query + (size_t)b * q_stride * elem, H * D, dt);
-                for (int i = 0; i < H * D; i++) q[i] *= scale;
-                loaded = b;
+            for (int64_t item = 0; item < items; item++) {
+                if (!ok) continue;
+                int b, t0, t1;
+                item_range(&w, item, &b, &t0, &t1);
+                if (loaded != b) {
+                    load_row(q, (const char *)query + (size_t)b * q_stride * elem, H * D, dt);
+                    for (int i = 0; i < H * D; i++) q[i] *= scale;
+                    loaded = b;
+                }
+                float *m = partial + (size_t)item * item_floats, *l = m + H, *acc = l + H;
+                attend_partition(&L, q, block_tables + (size_t)b * table_stride, t0, t1, m, l, acc, scores, row);
             }
-            const int t0 = (int)(item - first[b]) * PART_TOKENS;
-            const int t1 = t0 + PART_TOKENS < seq_lens[b] ? t0 + PART_TOKENS : seq_lens[b];
-            float *m = partial + (size_t)item * item_floats, *l = m + H, *acc = l + H;
-            attend_partition(&L, q, block_tables + (size_t)b * table_stride, t0, t1, m, l, acc, scores, row);
         }
         /* Merge each request's partitions (the implicit barrier above made them all visible). */
 #pragma omp for schedule(static)
@@ -431,4 +475,18 @@ int pd_paged_decode_attention(void *out, const void *query, const void *kv_cache
     free(item_req);
     free(first);
     return failed ? -1 : 0;
+}
+
+/* The vector path this build takes for bf16 caches: 0 plain C, 1 AVX2, 2 AVX-512, 3 AVX-512 with
+ * vdpbf16ps. Tests build the source with lower ISA flags and check each build takes the path meant. */
+int pd_decode_attention_isa(void) {
+#if defined(PD_AVX512) && defined(__AVX512BF16__)
+    return 3;
+#elif defined(PD_AVX512)
+    return 2;
+#elif defined(PD_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
 }
