@@ -464,6 +464,12 @@ int pd_paged_decode_attention(void *out, const void *query, const void *kv_cache
                 }
                 const float inv = total > 0.f ? 1.f / total : 0.f;
                 for (int d = 0; d < D; d++) res[d] *= inv;
+#ifdef PD_AVX512
+                if (dt == DT_BF16) {
+                    store_bf16_512((uint16_t *)(op + (size_t)h * D * elem), res, D);
+                    continue;
+                }
+#endif
                 store_row(op + (size_t)h * D * elem, res, D, dt);
             }
         }

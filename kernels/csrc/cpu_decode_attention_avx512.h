@@ -265,6 +265,20 @@ static void unpermute_acc(const float *acc, float *out, int H, int D) {
         }
 }
 
+/* f32_to_bf16 (cpu_decode_attention.c) of n floats, 16 at a time: the merge's output rows. */
+static void store_bf16_512(uint16_t *dst, const float *src, int n) {
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(k, src + i));
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                      _mm512_set1_epi32(0x7f800000));
+        r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+        _mm256_mask_storeu_epi16(dst + i, k, _mm512_cvtepi32_epi16(r));
+    }
+}
+
 /* attend_partition (cpu_decode_attention.c) for bf16 caches: q from q512_prepare (unscaled),
  * acc512: [num_heads][nchunks * CHUNK] 64-byte aligned scratch. The item's stream of blocks is its
  * key blocks, its value blocks, then `next` (the next item's first key blocks, NULL-padded):
