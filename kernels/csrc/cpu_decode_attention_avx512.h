@@ -55,9 +55,11 @@ static void q512_prepare(float *dst, const uint16_t *q, int H, int D) {
 static inline __m512 hsum16x16(const __m512 *a) {
     __m512 b[8], c[4], d[2];
     for (int i = 0; i < 8; i++)
-        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x88), _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xdd));
+        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x88),
+                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xdd));
     for (int i = 0; i < 4; i++)
-        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xdd));
+        c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xdd));
     for (int i = 0; i < 2; i++)
         d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x44),
                              _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xee));
@@ -79,10 +81,10 @@ static inline __attribute__((always_inline)) void qk_tile(const char *k0, int64_
                 const int tok = i + t < n ? i + t : n - 1;
                 const __m512i k = _mm512_maskz_loadu_epi16(m, k0 + tok * ts + c * 64);
 #ifdef __AVX512BF16__
-                for (int g = 0; g < GT; g++)
-                    acc[g * T + t] = _mm512_dpbf16_ps(acc[g * T + t],
-                                                      (__m512bh)_mm512_load_si512((const void *)(q + ((size_t)g * NC + c) * CHUNK)),
-                                                      (__m512bh)k);
+                for (int g = 0; g < GT; g++) {
+                    const __m512i qs = _mm512_load_si512((const void *)(q + ((size_t)g * NC + c) * CHUNK));
+                    acc[g * T + t] = _mm512_dpbf16_ps(acc[g * T + t], (__m512bh)qs, (__m512bh)k);
+                }
 #else
                 const __m512 ke = bf16_even(k), ko = bf16_odd(k);
                 for (int g = 0; g < GT; g++) {
@@ -97,8 +99,8 @@ static inline __attribute__((always_inline)) void qk_tile(const char *k0, int64_
         const int cnt = n - i < T ? n - i : T;
         const __mmask16 keep = (__mmask16)((1u << cnt) - 1);
         for (int g = 0; g < GT; g++) { /* lanes [g * T, g * T + cnt) to the head's row */
-            const __m512i from = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                  _mm512_set1_epi32(g * T));
+            const __m512i from = _mm512_add_epi32(
+                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(g * T));
             _mm512_mask_storeu_ps(scores + (size_t)g * PART_TOKENS + i, keep, _mm512_permutexvar_ps(from, s));
         }
     }
@@ -127,7 +129,8 @@ static inline __attribute__((always_inline)) void pv_tile(const char *v0, int64_
         const __m512 x1e = bf16_even(x1), x1o = bf16_odd(x1);
 #define PV_FMA(g, c)                                                                                          \
     if (g < HG && c < CC)                                                                                     \
-        a##g##c##e = _mm512_fmadd_ps(w##g, x##c##e, a##g##c##e), a##g##c##o = _mm512_fmadd_ps(w##g, x##c##o, a##g##c##o);
+        a##g##c##e = _mm512_fmadd_ps(w##g, x##c##e, a##g##c##e),                                              \
+        a##g##c##o = _mm512_fmadd_ps(w##g, x##c##o, a##g##c##o);
         PV_EACH(PV_FMA)
     }
 #define PV_STORE(g, c) \
@@ -201,9 +204,10 @@ static void block_pv512(const Layout *L, const float *p, const char *blk, int of
                 const __mmask32 m[2] = {chunk_mask(D, c0), CC == 2 ? chunk_mask(D, c0 + 1) : 0};
                 const char *vc = v0 + c0 * 64;
                 float *ac = acc + (size_t)h * astride + c0 * CHUNK;
-                if (HG == 4) CC == 2 ? pv_4x2(vc, ts, n, ph, ac, astride, m) : pv_4x1(vc, ts, n, ph, ac, astride, m);
-                else if (HG == 2) CC == 2 ? pv_2x2(vc, ts, n, ph, ac, astride, m) : pv_2x1(vc, ts, n, ph, ac, astride, m);
-                else CC == 2 ? pv_1x2(vc, ts, n, ph, ac, astride, m) : pv_1x1(vc, ts, n, ph, ac, astride, m);
+                void (*pv)(const char *, int64_t, int, const float *, float *, int, const __mmask32 *) =
+                    HG == 4 ? (CC == 2 ? pv_4x2 : pv_4x1) : HG == 2 ? (CC == 2 ? pv_2x2 : pv_2x1)
+                                                                  : (CC == 2 ? pv_1x2 : pv_1x1);
+                pv(vc, ts, n, ph, ac, astride, m);
             }
         }
     }
