@@ -1,9 +1,16 @@
-"""Linear layers with bf16 weights on CPUs without bf16 instructions.
+"""Linear layers with bf16 weights through the compiled kernels, for CPUs where oneDNN is not the best.
 
-Wraps kernels/csrc/cpu_linear_bf16.c (see its header for why and for the weight layout):
-engine/models/linear.py repacks each bf16 weight once at load (`pack`) and calls the kernel for
-the batches it wins when oneDNN cannot pack bf16 weights on this CPU. One ctypes call per linear
-layer: the kernel widens x, multiplies, adds the bias and rounds y to bf16 itself.
+Two kernels, one calling convention (y = x @ W^T + bias, bf16 in and out, one ctypes call per layer;
+the kernel converts x, multiplies, adds the bias and rounds y to bf16 itself):
+
+- `Bf16Linear` (kernels/csrc/cpu_linear_bf16.c): CPUs without bf16 instructions (AVX2-only), where
+  oneDNN cannot pack bf16 weights. Widens the weights to fp32 in registers.
+- `Bf16DotLinear` (kernels/csrc/cpu_linear_avx512bf16.c): CPUs with AVX512_BF16 and no AMX, for
+  decode-sized batches, where it beats oneDNN's packed bf16 GEMM. Uses the bf16 dot instruction.
+
+engine/models/linear.py repacks each weight once at load (`pack`) into the kernel's own layout (see
+each source's header) and picks the kernel per CPU and batch size. `extra_flags` builds a kernel with
+other compiler flags (the tests build both with `-march=x86-64-v3`, an AVX2-only CPU's view).
 """
 from __future__ import annotations
 
@@ -14,66 +21,73 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import load_library
+from kernels.cpu_build import BuildError, load_library
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_linear_bf16.c"
-PANEL = 16  # PANEL in the C source: output columns per weight panel
-# Stored position -> column within one k of a panel: position 2j holds column j, 2j+1 column j+8.
+DOT_SOURCE = Path(__file__).with_name("csrc") / "cpu_linear_avx512bf16.c"
+PANEL = 16  # PANEL in both C sources: output columns per weight panel
+# Bf16Linear's stored position -> column within one k of a panel: 2j holds column j, 2j+1 column j+8.
 _PANEL_ORDER = [c for j in range(PANEL // 2) for c in (j, j + PANEL // 2)]
 
 _c_ptr, _c_int, _c_i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+_ARGTYPES = [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int, _c_int, _c_int, _c_i64, _c_i64, _c_int]
 
 
 @functools.lru_cache(maxsize=None)
-def _function(build_dir: Path):
-    fn = load_library(SOURCE, build_dir).pd_linear_bf16
+def _library(source: Path, build_dir: Path, extra_flags: tuple[str, ...]) -> ctypes.CDLL:
+    return load_library(source, build_dir, extra_flags)
+
+
+def _entry(lib: ctypes.CDLL, name: str):
+    fn = getattr(lib, name)
     fn.restype = _c_int
-    fn.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int, _c_int, _c_int, _c_i64, _c_i64, _c_int]
+    fn.argtypes = _ARGTYPES
     return fn
 
 
 @dataclass
 class PackedBf16:
-    """A bf16 weight [N, K] as the kernel reads it: panels [ceil(N/16), K, 16] and the bias in fp32,
-    zero-padded to whole panels (None without bias)."""
+    """A bf16 weight [N, K] as one kernel reads it: panels of 16 output columns in that kernel's
+    `layout`, and the bias in fp32, zero-padded to whole panels (None without bias)."""
     panels: torch.Tensor
     bias: torch.Tensor | None
     out_features: int
     in_features: int
+    layout: str
 
 
-class Bf16Linear:
-    """y = x @ weight^T (+ bias) for bf16 CPU tensors, weights packed by `pack`; build once per process."""
+def _padded(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """weight [N, K] zero-padded to whole panels; the bias as fp32, padded alike."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=torch.bfloat16)
+    padded[:n] = weight.detach()
+    b = None
+    if bias is not None:
+        b = torch.zeros(panels * PANEL, dtype=torch.float32)
+        b[:n] = bias.detach().float()
+    return padded, b
 
-    def __init__(self, build_dir: Path) -> None:
-        self._fn = _function(build_dir)
 
-    @staticmethod
-    def supports(weight: torch.Tensor) -> bool:
+class _Kernel:
+    layout = ""
+    k_multiple = 1
+
+    def __init__(self, fn) -> None:
+        self._fn = fn
+
+    @classmethod
+    def supports(cls, weight: torch.Tensor) -> bool:
         return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-                and weight.shape[1] % 8 == 0 and weight.shape[1] > 0 and weight.shape[0] > 0)
-
-    @staticmethod
-    def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedBf16:
-        """The kernel's layout of `weight` (check `supports` first): same bytes as the weight plus the
-        padding of the last panel."""
-        n, k = weight.shape
-        panels = -(-n // PANEL)
-        padded = torch.zeros(panels * PANEL, k, dtype=torch.bfloat16)
-        padded[:n] = weight.detach()
-        order = torch.tensor(_PANEL_ORDER)
-        packed = padded.view(panels, PANEL, k)[:, order, :].transpose(1, 2).contiguous()
-        b = None
-        if bias is not None:
-            b = torch.zeros(panels * PANEL, dtype=torch.float32)
-            b[:n] = bias.detach().float()
-        return PackedBf16(packed, b, n, k)
+                and weight.shape[1] % cls.k_multiple == 0 and weight.shape[1] > 0 and weight.shape[0] > 0)
 
     def __call__(self, x: torch.Tensor, weight: PackedBf16) -> torch.Tensor:
         """x [M, K] bf16 (any M; rows may be strided) -> [M, N] bf16."""
         if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 2:
             raise TypeError(f"bf16 linear kernel takes 2-d bf16 CPU activations, not {x.dtype} {tuple(x.shape)} "
                             f"on {x.device}")
+        if weight.layout != self.layout:
+            raise ValueError(f"weight packed as {weight.layout!r}, this kernel reads {self.layout!r}")
         if x.stride(-1) != 1:
             x = x.contiguous()
         m, k = x.shape
@@ -89,3 +103,50 @@ class Bf16Linear:
         if rc != 0:
             raise MemoryError(f"bf16 linear kernel could not allocate scratch for {m} x {k} activations")
         return y
+
+
+class Bf16Linear(_Kernel):
+    """y = x @ weight^T (+ bias) for bf16 CPU tensors on any x86-64 CPU (AVX2 or not), weights packed
+    by `pack`; build once per process."""
+    layout = "fp32-widen"
+    k_multiple = 8
+
+    def __init__(self, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> None:
+        super().__init__(_entry(_library(SOURCE, build_dir, tuple(extra_flags)), "pd_linear_bf16"))
+
+    @staticmethod
+    def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedBf16:
+        """The kernel's layout of `weight` (check `supports` first): [ceil(N/16), K, 16], same bytes as the
+        weight plus the padding of the last panel."""
+        n, k = weight.shape
+        padded, b = _padded(weight, bias)
+        order = torch.tensor(_PANEL_ORDER)
+        packed = padded.view(-1, PANEL, k)[:, order, :].transpose(1, 2).contiguous()
+        return PackedBf16(packed, b, n, k, Bf16Linear.layout)
+
+
+class Bf16DotLinear(_Kernel):
+    """y = x @ weight^T (+ bias) with the AVX512_BF16 dot instruction, weights packed by `pack`. Built
+    anywhere; `available` says whether this build can run it (False on a CPU, or with flags, without
+    AVX512_BF16: then calls raise)."""
+    layout = "bf16-pairs"
+    k_multiple = 2
+
+    def __init__(self, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> None:
+        lib = _library(DOT_SOURCE, build_dir, tuple(extra_flags))
+        super().__init__(_entry(lib, "pd_linear_bf16_dot"))
+        self.available = bool(lib.pd_linear_bf16_dot_available())
+
+    @staticmethod
+    def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> PackedBf16:
+        """The kernel's layout of `weight` (check `supports` first): [ceil(N/16), K/2, 16, 2], k pairs of
+        16 columns, same bytes as the weight plus the padding of the last panel."""
+        n, k = weight.shape
+        padded, b = _padded(weight, bias)
+        packed = padded.view(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        return PackedBf16(packed, b, n, k, Bf16DotLinear.layout)
+
+    def __call__(self, x: torch.Tensor, weight: PackedBf16) -> torch.Tensor:
+        if not self.available:
+            raise BuildError("this build of the bf16 dot kernel has no AVX512_BF16 (check `available`)")
+        return super().__call__(x, weight)

@@ -1,22 +1,47 @@
-"""The compiled bf16 linear kernel against the exact product, and the build cache behind it.
+"""The compiled bf16 linear kernels against the exact product, and the build cache behind them.
 
-The kernel runs whatever the CPU (the engine uses it only where oneDNN cannot pack bf16). Row
-counts cover every register-tile height (1..6 rows) and more than one block of rows (48); output
-counts that are not a multiple of the 16-column panel leave a partial last panel; a strided x
-is a view of a wider tensor.
+Every kernel runs here whatever the CPU, in each build a CPU could get: `fp32-widen` (the kernel of
+AVX2-only CPUs) built for this CPU, for an AVX2-only CPU (-march=x86-64-v3, as on a Zen 3) and for
+baseline x86-64 (its portable C path); `bf16-dot` (AVX512_BF16) built for this CPU where it has the
+instruction (skipped elsewhere), and built for an AVX2-only CPU, where it must say it cannot run.
+Row counts cover every register-tile height of both (1..16 rows), evened-out tiles (17, 33) and
+more than one block of rows; output counts that are not a multiple of the 16-column panel leave a
+partial last panel; a strided x is a view of a wider tensor.
 """
 from __future__ import annotations
+
+import platform
 
 import pytest
 import torch
 
-from kernels.cpu_build import load_library
-from kernels.cpu_linear import Bf16Linear
+from kernels.cpu_build import BuildError, load_library
+from kernels.cpu_linear import Bf16DotLinear, Bf16Linear
+
+X86 = platform.machine() in ("x86_64", "AMD64")
+AVX2_ONLY = ("-march=x86-64-v3",)  # a later -march wins over FLAGS' -march=native
+BUILDS = {"widen-native": (Bf16Linear, ()), "widen-avx2": (Bf16Linear, AVX2_ONLY),
+          "widen-x86-64": (Bf16Linear, ("-march=x86-64",)), "dot-native": (Bf16DotLinear, ())}
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory) -> Bf16Linear:
-    return Bf16Linear(tmp_path_factory.mktemp("kernels"))
+def build_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def kernel(request, build_dir):
+    cls, flags = BUILDS[request.param]
+    if flags and not X86:
+        pytest.skip("x86 ISA levels")
+    k = cls(build_dir, flags)
+    if not getattr(k, "available", True):
+        pytest.skip("this CPU has no AVX512_BF16")
+    return k
+
+
+def _pack(kernel, weight, bias):
+    return type(kernel).pack(weight, bias)
 
 
 def _strided(x: torch.Tensor) -> torch.Tensor:
@@ -26,7 +51,7 @@ def _strided(x: torch.Tensor) -> torch.Tensor:
     return wide[:, 4:4 + x.shape[1]]
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 16, 17, 33, 49, 100])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 33, 49, 100])
 @pytest.mark.parametrize("out_features,in_features", [(50, 72), (64, 8), (33, 128)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_exact_sums_round_to_nearest_even(kernel, rows, out_features, in_features, bias):
@@ -39,7 +64,7 @@ def test_exact_sums_round_to_nearest_even(kernel, rows, out_features, in_feature
     x = _strided(torch.randint(-16, 17, (rows, in_features), generator=g).to(torch.bfloat16))
     expected = x.double() @ weight.double().T + (b.double() if bias else 0)
     assert expected.abs().max() < 2 ** 24
-    y = kernel(x, Bf16Linear.pack(weight, b))
+    y = kernel(x, _pack(kernel, weight, b))
     assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
     assert torch.equal(y, expected.float().to(torch.bfloat16))
 
@@ -53,7 +78,7 @@ def test_matches_fp32_product_rounded_to_bf16(kernel, rows, bias):
     b = torch.randn(200, generator=g).to(torch.bfloat16) if bias else None
     x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
     expected = (x.float() @ weight.float().T + (b.float() if bias else 0)).to(torch.bfloat16)
-    y = kernel(x, Bf16Linear.pack(weight, b))
+    y = kernel(x, _pack(kernel, weight, b))
     torch.testing.assert_close(y.float(), expected.float(), atol=1e-2, rtol=1e-2)
     assert (y != expected).float().mean() < 0.01  # a differing sum order flips a rounding now and then
 
@@ -63,20 +88,66 @@ def test_nan_and_inf_propagate(kernel):
     x = torch.ones(3, 16, dtype=torch.bfloat16)
     x[1, 5] = float("nan")
     x[2, 0] = float("inf")
-    y = kernel(x, Bf16Linear.pack(weight, None))
+    y = kernel(x, _pack(kernel, weight, None))
     assert torch.equal(y[0], torch.full((20,), 16.0, dtype=torch.bfloat16))
     assert y[1].isnan().all() and y[2].isposinf().all()
 
 
+@pytest.mark.parametrize("rows", [40, 70])
+def test_several_blocks_of_rows(kernel, rows):
+    """K = 4096: a block of rows holds 16 (fp32-widen) or 32 (bf16-dot) of them, so 40 and 70 rows
+    take several blocks, evened out; still exact sums (|sum| < 2**24)."""
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randint(-8, 9, (40, 4096), generator=g).to(torch.bfloat16)
+    x = torch.randint(-16, 17, (rows, 4096), generator=g).to(torch.bfloat16)
+    expected = (x.double() @ weight.double().T).float().to(torch.bfloat16)
+    assert torch.equal(kernel(x, _pack(kernel, weight, None)), expected)
+
+
+def test_denormal_inputs(kernel):
+    """A bf16 denormal input (2**-130): the fp32-widen kernel keeps it (fp32 FMAs under the default
+    MXCSR); the bf16 dot instruction reads it as zero, and so does oneDNN's packed bf16 GEMM on the
+    same CPU (the same instruction), so swapping one for the other changes nothing here."""
+    weight = torch.ones(32, 64, dtype=torch.bfloat16)
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    x[:, 0] = 2.0 ** -130
+    x[2, 1] = 1.0
+    y = kernel(x, _pack(kernel, weight, None))
+    if isinstance(kernel, Bf16DotLinear):
+        onednn = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(weight, 16), None,
+                                                    "none", [], "")
+        assert torch.equal(y[:2], torch.zeros(2, 32, dtype=torch.bfloat16)) and torch.equal(y, onednn)
+    else:
+        assert torch.equal(y[:2], torch.full((2, 32), 2.0 ** -130, dtype=torch.bfloat16))
+    assert torch.equal(y[2], torch.ones(32, dtype=torch.bfloat16))  # 1 + 2**-130 rounds to 1 either way
+
+
 def test_refuses_what_it_cannot_do(kernel):
+    cls = type(kernel)
+    assert not cls.supports(torch.zeros(8, 8 * cls.k_multiple + 1, dtype=torch.bfloat16))  # odd K
     assert not Bf16Linear.supports(torch.zeros(8, 60, dtype=torch.bfloat16))  # K % 8 != 0
-    assert not Bf16Linear.supports(torch.zeros(8, 64))  # not bf16
-    packed = Bf16Linear.pack(torch.zeros(8, 64, dtype=torch.bfloat16), None)
+    assert not cls.supports(torch.zeros(8, 64))  # not bf16
+    packed = cls.pack(torch.zeros(8, 64, dtype=torch.bfloat16), None)
     with pytest.raises(TypeError, match="bf16"):
         kernel(torch.zeros(2, 64), packed)
     with pytest.raises(ValueError, match="x has 72 features, the weight 64"):
         kernel(torch.zeros(2, 72, dtype=torch.bfloat16), packed)
+    other = (Bf16Linear if cls is Bf16DotLinear else Bf16DotLinear).pack(torch.zeros(8, 64, dtype=torch.bfloat16), None)
+    with pytest.raises(ValueError, match="packed as"):
+        kernel(torch.zeros(2, 64, dtype=torch.bfloat16), other)
     assert kernel(torch.zeros(0, 64, dtype=torch.bfloat16), packed).shape == (0, 8)
+
+
+def test_dot_kernel_built_for_an_avx2_only_cpu_says_so(build_dir):
+    """Built without AVX512_BF16 (as on a Zen 3), the dot kernel compiles, reports it cannot run and
+    refuses calls; the engine then keeps oneDNN (or the fp32-widen kernel)."""
+    if not X86:
+        pytest.skip("x86 ISA levels")
+    kernel = Bf16DotLinear(build_dir, AVX2_ONLY)
+    assert kernel.available is False
+    with pytest.raises(BuildError, match="AVX512_BF16"):
+        kernel(torch.ones(1, 64, dtype=torch.bfloat16), Bf16DotLinear.pack(torch.ones(8, 64, dtype=torch.bfloat16),
+                                                                            None))
 
 
 def test_build_is_cached_per_source(tmp_path):
@@ -96,14 +167,18 @@ def test_build_is_cached_per_source(tmp_path):
 
 
 def test_benchmark_script_runs():
-    """benchmarks/linear_kernels.py at a toy size (its figures mean nothing here): the table comes out."""
+    """benchmarks/linear_kernels.py at a toy size (its figures mean nothing here): both tables come out."""
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "linear_kernels.py"
     out = subprocess.run([sys.executable, str(script), "--rows", "1", "7", "--shapes", "40x64", "--iters", "1",
-                          "--repeats", "1", "--weight-mib", "0"], capture_output=True, text=True, timeout=120)
+                          "--repeats", "1", "--weight-mib", "0", "--layers", "1"],
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    rows = [line for line in out.stdout.splitlines() if line.startswith("| 40x64 |")]
+    lines = out.stdout.splitlines()
+    rows = [line for line in lines if line.startswith("| 40x64 |")]
     assert len(rows) == 2 and "x |" in rows[1]
+    step = lines[lines.index(next(line for line in lines if "4 calls" in line)) + 3:]
+    assert [line.split(" | ")[0] for line in step] == ["| 1", "| 7"] and all(line.endswith("x |") for line in step)
