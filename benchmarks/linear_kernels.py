@@ -134,7 +134,8 @@ def decode_step(paths: Paths, args, g: torch.Generator) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128, 256])
-    ap.add_argument("--shapes", nargs="+", default=BENCH_SHAPES, help="N x K of each weight")
+    ap.add_argument("--shapes", nargs="*", default=BENCH_SHAPES,
+                    help="N x K of each weight (none: only the step table)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--weight-mib", type=int, default=96,

@@ -4,16 +4,26 @@
 decode steps that repacking costs about as much as the product itself. Packing once at load time
 (what torch's own CPU compiler does for frozen weights) roughly halves decode matmul time for
 bfloat16 and more for float32. Anything else (other devices, dtypes, builds without oneDNN) uses
-plain `F.linear`.
+plain `F.linear`. The choice for bfloat16 weights, per CPU:
 
-bfloat16 on a CPU without bf16 matmul instructions (oneDNN's packed bf16 path needs avx512bw/vl/dq
-or avx_ne_convert; an AVX2-only CPU refuses it): the weights are repacked once into the panels of
-the compiled bf16 kernel (kernels/cpu_linear.py), which widens them to fp32 in registers and
-accumulates in fp32 (what a bf16 GEMM does: bf16 products are exact in fp32), the result rounded
-to bf16. It beats oneDNN's fp32 GEMM on an fp32 copy of the weights at every batch size measured
-(`benchmarks/linear_kernels.py`: 1 to 1024 rows, the bench model's shapes) and reads half the
-bytes, so no fp32 copy is kept. Where the kernel cannot be built (no C compiler) or cannot take
-the shape, an fp32 packed copy is the fallback.
+- AMX (Sapphire Rapids and later), or AVX-512 without AVX512_BF16: oneDNN's packed bf16 GEMM, every
+  batch size.
+- AVX512_BF16 without AMX (Zen 4, Cooper Lake): batches of up to `DOT_MAX_ROWS` rows (decode steps,
+  up to the default max_num_seqs) go through the compiled bf16 dot kernel (kernels/cpu_linear.py,
+  `Bf16DotLinear`), which keeps the dot instruction busy while the weights stream from memory
+  (`benchmarks/linear_kernels.py` on a 2-core Zen 4, the bench model's 48 calls: 1.2-1.5x oneDNN's
+  time at 1 and 16 rows, 1.1x at 4, 1.05x at 64, even at 128-256 rows, 0.97x at 512). Larger batches
+  (prefill) keep oneDNN's packed bf16 (even or ahead of the kernel there). Both
+  layouts are kept: twice the bf16 weight memory, for the decode step's speed. Both round y to bf16
+  from fp32 sums of exact bf16 products (in different orders), and both flush denormals (the same dot
+  instruction, which ignores MXCSR).
+- No bf16 instructions (AVX2-only; oneDNN's packed bf16 path needs avx512bw/vl/dq or avx_ne_convert,
+  so it refuses): the weights are repacked once into the panels of the compiled bf16 kernel
+  (kernels/cpu_linear.py, `Bf16Linear`), which widens them to fp32 in registers and accumulates in
+  fp32 (what a bf16 GEMM does: bf16 products are exact in fp32), the result rounded to bf16. It beats
+  oneDNN's fp32 GEMM on an fp32 copy of the weights at every batch size measured (1 to 1024 rows, the
+  bench model's shapes) and reads half the bytes, so no fp32 copy is kept. Where the kernel cannot be
+  built (no C compiler) or cannot take the shape, an fp32 packed copy is the fallback.
 """
 from __future__ import annotations
 
@@ -27,6 +37,30 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 _PACKABLE = (torch.float32, torch.bfloat16)
+
+
+# Batches of up to this many rows use the bf16 dot kernel where it is chosen (see the module
+# docstring; measured with benchmarks/linear_kernels.py --threads 1 and 2).
+DOT_MAX_ROWS = 64
+
+
+@functools.lru_cache(maxsize=1)
+def _dot_kernel():
+    """The bf16 dot kernel where it is chosen (AVX512_BF16 without AMX) and can be built, else None:
+    one build attempt and at most one warning per process."""
+    if not (torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()):
+        return None
+    from engine.builtin_model import cache_dir
+    from kernels.cpu_build import BuildError
+    from kernels.cpu_linear import Bf16DotLinear
+
+    try:
+        kernel = Bf16DotLinear(cache_dir() / "kernels")
+    except BuildError as exc:
+        logger.warning("bf16 dot kernel unavailable (%s); bf16 layers use oneDNN for every batch",
+                       str(exc).splitlines()[0])
+        return None
+    return kernel if kernel.available else None
 
 
 @functools.lru_cache(maxsize=1)
@@ -55,6 +89,8 @@ class Linear(nn.Module):
         self.compute_dtype: torch.dtype | None = None  # float32 when bf16 weights are packed as fp32
         self.bf16_kernel = None  # the compiled bf16 kernel, on CPUs without bf16 instructions
         self.bf16_panels = None  # the weights in that kernel's layout (kernels.cpu_linear.PackedBf16)
+        self.dot_kernel = None  # the bf16 dot kernel, for small batches on AVX512_BF16 CPUs without AMX
+        self.dot_panels = None  # the weights in its layout (kernels.cpu_linear.PackedBf16)
 
     def pack(self) -> None:
         """Call once the weights are loaded. The plain weight is then dropped (a tied embedding keeps
@@ -77,9 +113,24 @@ class Linear(nn.Module):
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().float(), 16)
                 if self.bias is not None:
                     self.packed_bias = self.bias.detach().float()
+        else:
+            if w.dtype == torch.bfloat16:
+                self._pack_dot()
         self.weight = None
 
+    def _pack_dot(self) -> None:
+        from kernels.cpu_linear import Bf16DotLinear
+
+        kernel = _dot_kernel() if Bf16DotLinear.supports(self.weight.detach()) else None
+        if kernel is not None:
+            self.dot_kernel = kernel
+            self.dot_panels = Bf16DotLinear.pack(self.weight.detach(),
+                                                 None if self.bias is None else self.bias.detach())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dot_panels is not None and x.numel() <= DOT_MAX_ROWS * x.shape[-1]:
+            y = self.dot_kernel(x.reshape(-1, x.shape[-1]), self.dot_panels)
+            return y.view(*x.shape[:-1], y.shape[-1])
         if self.bf16_panels is not None:
             y = self.bf16_kernel(x.reshape(-1, x.shape[-1]), self.bf16_panels)
             return y.view(*x.shape[:-1], y.shape[-1])
