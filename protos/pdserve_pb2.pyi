@@ -240,16 +240,18 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ok", "role", "served_model_names", "max_model_len")
+    __slots__ = ("ok", "role", "served_model_names", "max_model_len", "http_port")
     OK_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     role: str
     served_model_names: _containers.RepeatedScalarFieldContainer[str]
     max_model_len: int
-    def __init__(self, ok: bool = ..., role: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    http_port: int
+    def __init__(self, ok: bool = ..., role: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ..., http_port: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("prompt", "add_special_tokens", "add_generation_prompt", "return_token_strs")

@@ -91,7 +91,8 @@ class PDNodeServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Lookup(self, request, context):
-        """How much of this prompt this node could reuse (local prefix cache, shared store): for routing.
+        """(The same call is also served over the node's HTTP port: HealthResponse.http_port.)
+        How much of this prompt this node could reuse (local prefix cache, shared store): for routing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

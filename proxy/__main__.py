@@ -52,6 +52,10 @@ def build_parser() -> ArgumentParser:
                         f"as frozen (default {d.stall_s:g}; nodes send a heartbeat every second)")
     p.add_argument("--prefill-timeout", type=float, default=ProxyConfig.prefill_timeout_s, metavar="S",
                    help=f"seconds one Prefill call may take (default {ProxyConfig.prefill_timeout_s:g})")
+    p.add_argument("--decode-transport", choices=("auto", "grpc"), default="auto",
+                   help="how decode streams reach the nodes: auto (default) sends Generate to a decode node's "
+                        "HTTP port when it answers there and no --grpc-tls-* is given (less CPU per request than "
+                        "gRPC), else gRPC; grpc: always gRPC")
     add_proxy_security_args(p)
     p.add_argument("--log-file", default=None, help="also write the log here")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
@@ -81,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     config = ProxyConfig(prefill=args.prefill, decode=args.decode, policy=args.policy,
                          local_prefill_threshold=args.local_prefill_threshold, api_key=args.api_key,
                          health_interval_s=args.health_interval, grpc_security=security,
-                         deadlines=deadlines, prefill_timeout_s=args.prefill_timeout)
+                         deadlines=deadlines, prefill_timeout_s=args.prefill_timeout,
+                         decode_transport=args.decode_transport)
     try:
         eventloop.loop_kind()
     except ValueError as e:

@@ -20,9 +20,11 @@ import grpc
 
 from protos import pdserve_pb2 as pb
 from proxy.health import Node
+from proxy.http_generate import FrameCall
 from proxy.router import Router
 from serving import errors
 from serving import protocol as oai
+from serving.delta_frames import CallFailed
 from serving.heartbeat import HEARTBEAT_S
 
 logger = logging.getLogger(__name__)
@@ -159,13 +161,14 @@ class DecodeStream:
         d = self.deadlines
         self._complete = False
         open_choices = self.num_choices
-        try:
-            await node.ready(d.connect_s)
-        except asyncio.TimeoutError as e:
-            raise NodeFailed(str(e)) from None
+        if node.http_url is None:  # (over HTTP, connecting is part of the first read's deadline)
+            try:
+                await node.ready(d.connect_s)
+            except asyncio.TimeoutError as e:
+                raise NodeFailed(str(e)) from None
         node.load.in_flight += 1
         node.routed += 1
-        stream = node.stub.Generate(call)
+        stream = node.generate(self.request_id, call)
         loop = asyncio.get_running_loop()
         started = loop.time()
         last_token = None  # time of the last token (None: before the first)
@@ -184,7 +187,7 @@ class DecodeStream:
                         limit = d.first_token_s if last_token is None else d.token_s
                         raise NodeFailed(f"no {what} within {limit:g}s") from None
                     raise NodeFailed(f"silent for {d.stall_s:g}s (frozen?)") from None
-                except grpc.aio.AioRpcError as e:
+                except (grpc.aio.AioRpcError, CallFailed) as e:
                     raise self._rpc_failure(e) from None
                 if delta is grpc.aio.EOF:
                     return
@@ -196,13 +199,15 @@ class DecodeStream:
                     if self._complete:
                         return
         finally:
-            if self._complete:  # only the status is still to come: keep the call alive until it does
-                stream.add_done_callback(_finished)  # (a collected call cancels itself)
-            else:
+            if not self._complete:
                 stream.cancel()  # no-op once finished; aborts the node's request when we leave it
+            elif isinstance(stream, FrameCall):
+                stream.finish()  # the connection serves the next call
+            else:  # only the status is still to come: keep the call alive until it does
+                stream.add_done_callback(_finished)  # (a collected call cancels itself)
             node.load.in_flight -= 1
 
-    def _rpc_failure(self, e: grpc.aio.AioRpcError) -> Exception:
+    def _rpc_failure(self, e: grpc.aio.AioRpcError | CallFailed) -> Exception:
         """A client error (4xx: no node will take it) is raised as is; anything else is the node's failure."""
         err = errors.from_rpc_error(e)
         if err is not None and err.status < 500:

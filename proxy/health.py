@@ -15,6 +15,7 @@ import grpc
 from protos import KEEPALIVE_CLIENT_OPTIONS, MESSAGE_LIMITS
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from proxy.http_generate import FrameCall, HttpGenerate, http_base
 from serving.auth import GrpcSecurity, node_channel
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,8 @@ _CHANNEL_OPTIONS = [
     *MESSAGE_LIMITS,
     *KEEPALIVE_CLIENT_OPTIONS,  # a silent (partitioned) node fails its calls within ~10 s
 ]
+
+_HTTP_RETRY_S = 30.0
 
 
 def _round(x: float | None) -> float | None:
@@ -57,12 +60,17 @@ class NodeLoad:
 
 
 class Node:
-    """One prefill or decode instance reached over gRPC."""
+    """One prefill or decode instance reached over gRPC (and, for Generate, over HTTP when `http` is set
+    and the node offers it: proxy/http_generate.py)."""
 
-    def __init__(self, address: str, role: str, security: GrpcSecurity = GrpcSecurity()) -> None:
+    def __init__(self, address: str, role: str, security: GrpcSecurity = GrpcSecurity(),
+                 http: HttpGenerate | None = None) -> None:
         self.address = address
         self.role = role
         self.security = security
+        self.http = http
+        self.http_url: str | None = None  # where Generate goes over HTTP; None: over gRPC
+        self._http_refused: tuple[str, float] | None = None  # (base, when): a port that did not answer
         self.channel: grpc.aio.Channel | None = None
         self.stub: pb_grpc.PDNodeStub | None = None
         self.healthy = False
@@ -92,6 +100,30 @@ class Node:
                 raise asyncio.TimeoutError(f"not connected within {timeout_s:g}s") from None
             state = self.channel.get_state(try_to_connect=True)
 
+    def generate(self, request_id: str, call: pb.GenerateRequest) -> FrameCall | grpc.aio.UnaryStreamCall:
+        """Start a Generate call: a stream of deltas, over HTTP where the node offers it."""
+        if self.http_url is not None:
+            return self.http.call(self.http_url, request_id, call)
+        return self.stub.Generate(call)
+
+    async def _check_http(self, port: int, timeout_s: float) -> None:
+        """Generate over the node's HTTP port once it answers there; a port that did not is tried again
+        after _HTTP_RETRY_S (it may still have been starting)."""
+        base = http_base(self.address, port) if port else None
+        if base == self.http_url:
+            return
+        now = asyncio.get_running_loop().time()
+        if base is not None and self._http_refused is not None and self._http_refused[0] == base \
+                and now - self._http_refused[1] < _HTTP_RETRY_S:
+            return
+        if base is not None and not await self.http.reachable(base, timeout_s):
+            self._http_refused = (base, now)
+            if self.http_url is None:
+                return
+            base = None
+        logger.info("%s node %s: Generate over %s", self.role, self.address, base or "gRPC")
+        self.http_url = base
+
     def mark_down(self, reason: str) -> None:
         if self.healthy:
             logger.warning("%s node %s out of rotation: %s", self.role, self.address, reason)
@@ -104,6 +136,8 @@ class Node:
         stats = await self.stub.Stats(pb.StatsRequest(), timeout=timeout_s)
         if not health.ok:
             raise RuntimeError("node reports not ok (shutting down)")
+        if self.http is not None:
+            await self._check_http(health.http_port, timeout_s)
         self.model_names, self.max_model_len = list(health.served_model_names), health.max_model_len
         self.load.num_running, self.load.num_waiting = stats.num_running, stats.num_waiting
         self.load.num_free_blocks, self.load.num_total_blocks = stats.num_free_blocks, stats.num_total_blocks
@@ -119,7 +153,8 @@ class Node:
                 "in_flight": self.load.in_flight, "running": self.load.num_running,
                 "waiting": self.load.num_waiting, "free_blocks": self.load.num_free_blocks,
                 "total_blocks": self.load.num_total_blocks, "kv_usage": round(self.load.kv_usage, 4),
-                "prefix_cache_hit_rate": _round(self.load.prefix_cache_hit_rate), "last_error": self.last_error}
+                "prefix_cache_hit_rate": _round(self.load.prefix_cache_hit_rate), "last_error": self.last_error,
+                "generate_over": self.http_url or "grpc"}
 
     async def close(self) -> None:
         if self.channel is not None:

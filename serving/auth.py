@@ -99,14 +99,14 @@ class GrpcSecurity:
 
 # ---------------------------------------------------------------- HTTP (nodes and proxy)
 
-def _bearer(key: str) -> str:
+def bearer(key: str) -> str:
     return f"Bearer {key}"
 
 
 def check_http_api_key(request: web.Request, api_key: str | None) -> None:
     """401 in OpenAI's shape when /v1/* lacks `Authorization: Bearer <api_key>` (no key: open)."""
     if api_key and request.path.startswith("/v1/") and not hmac.compare_digest(
-            request.headers.get("Authorization", "").encode(), _bearer(api_key).encode()):
+            request.headers.get("Authorization", "").encode(), bearer(api_key).encode()):
         raise oai.APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
 
@@ -126,7 +126,7 @@ class ApiKeyServerInterceptor(grpc.aio.ServerInterceptor):
     """Fails every RPC whose metadata lacks `authorization: Bearer <key>` with UNAUTHENTICATED."""
 
     def __init__(self, api_key: str) -> None:
-        self._expected = _bearer(api_key).encode()
+        self._expected = bearer(api_key).encode()
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[grpc.RpcMethodHandler]],
                                 details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
@@ -177,7 +177,7 @@ class _ApiKeyMetadata:
     """Adds `authorization: Bearer <key>` to a call's metadata (plaintext and TLS channels alike)."""
 
     def __init__(self, api_key: str) -> None:
-        self._pair = (_METADATA_KEY, _bearer(api_key))
+        self._pair = (_METADATA_KEY, bearer(api_key))
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         return details._replace(metadata=grpc.aio.Metadata(*(details.metadata or ()), self._pair))

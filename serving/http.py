@@ -37,7 +37,7 @@ def api_middleware(on_outcome: Callable[[web.Request, str], None] | None = None,
     """The middleware of every OpenAI-speaking app.
 
     Handlers may set `request["outcome"]` (finish reason) and `request["summary"]` (text for the
-    log line); failures set them here. `on_outcome(request, outcome)` then sees every finished
+    log line); failures set them here. A handler that counts its outcome itself sets `request["counted"]`. `on_outcome(request, outcome)` then sees every finished
     request (pd-serve counts them by outcome). With `api_key`, /v1/* needs `Authorization: Bearer KEY`.
     """
     @web.middleware
@@ -74,7 +74,7 @@ def api_middleware(on_outcome: Callable[[web.Request, str], None] | None = None,
             response = json_response(error_body("internal server error", "server_error", None, "internal_error"), 500)
         finally:
             if request["outcome"]:
-                if on_outcome is not None:
+                if on_outcome is not None and not request.get("counted"):  # counted: the handler did it
                     on_outcome(request, request["outcome"])
                 logger.info("Reqid: %s, %s -> %s, outcome %s, %.1f ms%s", rid, request.path,
                             response.status if response is not None else "client gone", request["outcome"],

@@ -21,6 +21,7 @@ from serving.auth import GrpcSecurity, add_node_security_args, http_api_key_midd
 from serving.cli import ArgumentParser, add_engine_args, add_log_file, add_server_args
 from serving.errors import StartupError
 from serving.node_grpc import NodeServicer
+from serving.node_http import add_generate_route
 from serving.server import run_node, serve
 from serving.startup import check_model_dir
 
@@ -138,7 +139,9 @@ def node_main(role: NodeRole, argv: list[str] | None = None) -> int:
             raise StartupError(f"cannot read LMCache config {args.lmcache_config}")
 
     async def run(server: Any, sock: socket.socket) -> None:
-        await serve_with_grpc(server, NodeServicer(server, role.name), sock, args.host, args.grpc_port,
-                              parser.prog, args.shutdown_timeout, security)
+        servicer = NodeServicer(server, role.name, http_port=sock.getsockname()[1])
+        add_generate_route(server.app, servicer)
+        await serve_with_grpc(server, servicer, sock, args.host, args.grpc_port, parser.prog, args.shutdown_timeout,
+                              security)
 
     return run_node(args, parser.prog, preflight=preflight, run=run)

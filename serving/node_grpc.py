@@ -22,6 +22,7 @@ from serving import errors
 from serving import protocol as oai
 from serving import tokenize_api, wire
 from serving.choices import prompt_positions
+from serving.delta_frames import CallFailed
 from serving.heartbeat import with_heartbeat
 
 logger = logging.getLogger(__name__)
@@ -30,23 +31,29 @@ logger = logging.getLogger(__name__)
 class NodeServicer(pb_grpc.PDNodeServicer):
     """Prefill / Generate / Lookup / Health / Stats over the node's OpenAIServer and engine."""
 
-    def __init__(self, server: Any, role: str) -> None:
+    def __init__(self, server: Any, role: str, http_port: int = 0) -> None:
         self.server = server  # serving.server.OpenAIServer: tokenization is shared with the HTTP API
         self.async_engine = server.async_engine
         self.engine = server.engine  # LLMEngine: read-only peeks (Lookup, Health)
         self.role = role
+        self.http_port = http_port  # where Generate is also served (serving/node_http.py); 0: nowhere
+
+    def _failed(self, err: oai.APIError) -> CallFailed:
+        """The call's failure with pd-serve's error body, counted by outcome like pd-serve counts it."""
+        self.server.metrics.record_outcome(errors.outcome(err))
+        return CallFailed(errors.grpc_code(err), json.dumps(err.body()))
 
     async def _abort(self, context: grpc.aio.ServicerContext, err: oai.APIError) -> None:
-        """Fail the call with pd-serve's error body, counted by outcome like pd-serve counts it."""
-        self.server.metrics.record_outcome(errors.outcome(err))
-        await context.abort(errors.grpc_code(err), json.dumps(err.body()))
+        failed = self._failed(err)
+        await context.abort(failed.code(), failed.details())
 
     async def _token_ids(self, req: oai.GenerationRequest) -> list[int]:
         return await self.server.prompt_token_ids_of(req)  # the HTTP API's own tokenization
 
     async def _outputs(self, rid: str, req: oai.GenerationRequest, ids: list[int], params: Any,
-                       context: grpc.aio.ServicerContext, resume: Any = None) -> AsyncIterator[Any]:
-        """Engine outputs with engine errors mapped to pd-serve's OpenAI errors; aborts when the caller leaves."""
+                       resume: Any = None) -> AsyncIterator[Any]:
+        """Engine outputs with engine errors raised as the call's failure (CallFailed, pd-serve's OpenAI
+        errors); closing it (the caller left) aborts the request."""
         from engine.async_engine import RequestAbortedError
 
         outputs = self.async_engine.generate(rid, ids, params, req.cache_salt, resume)
@@ -59,13 +66,13 @@ class NodeServicer(pb_grpc.PDNodeServicer):
                         finish_reason = out.finish_reason
                     yield out
             except RequestAbortedError as e:  # the server's abort, not a rejection: the proxy may retry
-                await context.abort(grpc.StatusCode.ABORTED, str(e))
+                raise CallFailed(grpc.StatusCode.ABORTED, str(e)) from None
             except Exception as e:
                 err = errors.from_engine_error(e, req.kind)
                 if err is None:
                     raise
                 rejected = True
-                await self._abort(context, err)
+                raise self._failed(err) from None
             finally:  # requests by outcome, as pd-serve's HTTP path counts them (caller gone: abort)
                 if not rejected:
                     self.server.metrics.record_outcome(finish_reason or "abort")
@@ -80,8 +87,11 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         except oai.APIError as e:
             await self._abort(context, e)
         last = None
-        async for last in self._outputs(request.request_id, req, ids, params, context):
-            pass
+        try:
+            async for last in self._outputs(request.request_id, req, ids, params):
+                pass
+        except CallFailed as e:
+            await context.abort(e.code(), e.details())
         ms = (time.perf_counter() - t0) * 1e3
         logger.info("Reqid: %s, prefill done: %d prompt tokens, %d cached, KV committed, %.1f ms",
                     request.request_id, len(ids), last.num_cached_tokens, ms)
@@ -90,12 +100,22 @@ class NodeServicer(pb_grpc.PDNodeServicer):
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateDelta]:
+        async with contextlib.aclosing(self.generate_deltas(request)) as deltas:
+            try:
+                async for delta, _ in deltas:
+                    yield delta
+            except CallFailed as e:
+                await context.abort(e.code(), e.details())
+
+    async def generate_deltas(self, request: pb.GenerateRequest) -> AsyncIterator[tuple[pb.GenerateDelta, bool]]:
+        """Generate, transport-neutral (gRPC above, HTTP frames in serving/node_http.py): (delta, last)
+        pairs, where `last` marks the delta that finishes the last open choice; CallFailed on failure."""
         req = wire.request_from_pb(request.prompt, request.params, request.cache_salt)
         try:
             ids = await self._token_ids(req)
             params = await self.server.engine_params(req, len(ids))
         except oai.APIError as e:
-            await self._abort(context, e)
+            raise self._failed(e) from None
         if request.prompt.WhichOneof("kind") != "token_ids":
             logger.info("Reqid: %s, local prefill: prompt tokenized here (%d tokens)", request.request_id, len(ids))
         resume = None
@@ -105,20 +125,21 @@ class NodeServicer(pb_grpc.PDNodeServicer):
             resume = Resume(list(request.resume.output_token_ids), request.resume.num_sent_chars)
         started: set[int] = set()  # choices that sent their first delta
         open_choices = params.n
-        outputs = self._outputs(request.request_id, req, ids, params, context, resume)
+        outputs = self._outputs(request.request_id, req, ids, params, resume)
         async with contextlib.aclosing(with_heartbeat(outputs)) as beats:
             async for out in beats:
                 if out is None:  # still waiting (queue, KV load, prefill): an empty delta says "alive"
-                    yield pb.GenerateDelta()
+                    yield pb.GenerateDelta(), False
                     continue
                 # A choice's first delta carries what the proxy needs for echo and prompt_logprobs.
                 first = out.index not in started
                 started.add(out.index)
                 positions = prompt_positions(ids, out.prompt_logprobs, self.server.tokenizer.decode) if first else None
                 text = self.server.tokenizer.decode(ids) if first and req.echo else ""
-                yield wire.delta_to_pb(self.server.output_delta(req, out),
-                                       self.server.usage(out) if out.finished or first else None, positions, text)
                 open_choices -= out.finished
+                yield wire.delta_to_pb(self.server.output_delta(req, out),
+                                       self.server.usage(out) if out.finished or first else None, positions,
+                                       text), not open_choices
                 if not open_choices:  # the status goes out now, not after one more turn of the engine's stream
                     return
 
@@ -147,7 +168,8 @@ class NodeServicer(pb_grpc.PDNodeServicer):
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         return pb.HealthResponse(ok=self.async_engine.accepting, role=self.role,
-                                 served_model_names=self.server.served_names, max_model_len=self.engine.max_model_len)
+                                 served_model_names=self.server.served_names, max_model_len=self.engine.max_model_len,
+                                 http_port=self.http_port)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         """The proxy's /tokenize: this node's tokenizer, the HTTP endpoint's rules."""
