@@ -238,6 +238,7 @@ DEFINE_VECTOR_BODIES(8)
 typedef struct {
     const int64_t *first;
     const int32_t *item_req, *seq_lens, *block_tables;
+    const int64_t *order; /* the items, full partitions first (run_items512 takes them in this order) */
     int64_t items, table_stride, q_stride; /* q_stride in elements */
     const void *query;
     float scale;
@@ -398,6 +399,18 @@ int pd_paged_decode_attention(void *out, const void *query, const void *kv_cache
     }
     for (int b = 0; b < num_reqs; b++)
         for (int64_t it = first[b]; it < first[b + 1]; it++) item_req[it] = b;
+    /* Short partitions (each request's last) last: the threads then finish a call close together. */
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)(items > 0 ? items : 1)), n_ordered = 0;
+    if (order == NULL) {
+        free(partial), free(item_req), free(first);
+        return -1;
+    }
+    for (int pass = 0; pass < 2; pass++)
+        for (int64_t it = 0; it < items; it++) {
+            const int b = item_req[it];
+            const int full = (it - first[b] + 1) * PART_TOKENS <= seq_lens[b];
+            if (full == (pass == 0)) order[n_ordered++] = it;
+        }
     int failed = 0;
     /* A parallel region costs a few microseconds (more when the cores are busy elsewhere): small
      * steps run on the calling thread, and no step uses more threads than it has items. */
@@ -406,8 +419,9 @@ int pd_paged_decode_attention(void *out, const void *query, const void *kv_cache
     int threads = total_keys * H < SERIAL_WORK ? 1 : num_threads;
     if (threads > items) threads = (int)(items > 0 ? items : 1);
 
-    const Items w = {first, item_req, seq_lens, block_tables, items, table_stride, q_stride, query, scale, partial,
-                     item_floats};
+    const Items w = {.first = first, .item_req = item_req, .seq_lens = seq_lens, .block_tables = block_tables,
+                     .order = order, .items = items, .table_stride = table_stride, .q_stride = q_stride,
+                     .query = query, .scale = scale, .partial = partial, .item_floats = item_floats};
 #ifdef PD_AVX512
     int64_t counter = 0; /* the next unclaimed item (run_items512) */
     const int use512 = dt == DT_BF16;
@@ -478,6 +492,7 @@ int pd_paged_decode_attention(void *out, const void *query, const void *kv_cache
         free(row);
     }
     free(partial);
+    free(order);
     free(item_req);
     free(first);
     return failed ? -1 : 0;

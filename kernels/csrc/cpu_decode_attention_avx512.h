@@ -332,15 +332,16 @@ static int run_items512(const Layout *L, const Items *w, int64_t *counter, float
         const char *next[PF_BLOCKS] = {0};
         if (nxt < w->items) {
             int b, t0, t1;
-            item_range(w, nxt, &b, &t0, &t1);
+            item_range(w, w->order[nxt], &b, &t0, &t1);
             const int32_t *tb = w->block_tables + (size_t)b * w->table_stride;
             for (int s = 0; s < PF_BLOCKS && t0 / bs + s <= (t1 - 1) / bs; s++)
                 next[s] = L->k_base + (int64_t)tb[t0 / bs + s] * L->block_stride;
         }
         int b, t0, t1;
-        item_range(w, cur, &b, &t0, &t1);
+        const int64_t item = w->order[cur];
+        item_range(w, item, &b, &t0, &t1);
         if (loaded != b) q512_prepare(q, (const uint16_t *)w->query + (size_t)b * w->q_stride, H, D), loaded = b;
-        float *m = w->partial + (size_t)cur * w->item_floats, *l = m + H, *acc = l + H;
+        float *m = w->partial + (size_t)item * w->item_floats, *l = m + H, *acc = l + H;
         attend_partition512(L, q, w->scale, w->block_tables + (size_t)b * w->table_stride, t0, t1, m, l, acc, scores,
                             acc512, next, cold);
         cold = 0;
