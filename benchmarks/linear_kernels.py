@@ -3,8 +3,8 @@ shape and batch rows, and for a whole decode step's linear layers.
 
 Which pair is compared depends on the CPU, as engine/models/linear.py's choice does:
 - AVX512_BF16 (with or without AMX): oneDNN's packed bf16 GEMM vs the bf16 dot kernel
-  (`Bf16DotLinear`); the engine takes the kernel for batches of up to DOT_MAX_ROWS rows, on CPUs
-  without AMX. This table is what that threshold rests on.
+  (`Bf16DotLinear`); the engine takes the kernel for every batch on CPUs without AMX (one weight
+  layout). This table is what that choice rests on.
 - no bf16 instructions (AVX2-only): oneDNN's fp32 GEMM on an fp32 copy of the weights vs the
   fp32-widening bf16 kernel (`Bf16Linear`), which the engine takes for every batch there.
 

@@ -150,26 +150,24 @@ def test_dot_kernel_built_for_an_avx2_only_cpu_says_so(build_dir):
                                                                             None))
 
 
-def test_engine_uses_dot_kernel_for_decode_batches_only():
-    """On a CPU with AVX512_BF16 and no AMX, engine/models/linear.py sends batches of up to DOT_MAX_ROWS
-    rows through the dot kernel and larger ones through oneDNN's packed bf16: each output is exactly
-    that path's."""
+def test_engine_takes_the_dot_kernel_for_every_batch_where_it_is_chosen():
+    """On a CPU with AVX512_BF16 and no AMX, engine/models/linear.py sends every batch, decode-sized or
+    prefill-sized, through the dot kernel and keeps no other layout of the weights (no second copy);
+    elsewhere the dot kernel is not used at all."""
     from engine.models import linear
 
-    if linear._dot_kernel() is None:
-        pytest.skip("the dot kernel is not chosen on this CPU (no AVX512_BF16, or AMX)")
     g = torch.Generator().manual_seed(0)
     lin = linear.Linear(256, 100, True, torch.bfloat16)
     lin.weight.data.copy_(torch.randn(100, 256, generator=g) * 0.05)
     lin.bias.data.copy_(torch.randn(100, generator=g))
     lin.pack()
-    assert lin.dot_panels is not None and lin.packed is not None
-    for rows in (1, 16, linear.DOT_MAX_ROWS, linear.DOT_MAX_ROWS + 1, 300):
+    if linear._dot_kernel() is None:
+        assert lin.dot_panels is None
+        return
+    assert lin.dot_panels is not None and lin.packed is None and lin.weight is None
+    for rows in (1, 16, 64, 65, 300):
         x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
-        if rows <= linear.DOT_MAX_ROWS:
-            expected = lin.dot_kernel(x, lin.dot_panels)
-        else:
-            expected = torch.ops.mkldnn._linear_pointwise(x, lin.packed, lin.packed_bias, "none", [], "")
+        expected = lin.dot_kernel(x, lin.dot_panels)
         assert torch.equal(lin(x), expected)
         assert torch.equal(lin(x.view(1, rows, 256)), expected.view(1, rows, 100))
 

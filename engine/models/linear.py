@@ -8,15 +8,13 @@ plain `F.linear`. The choice for bfloat16 weights, per CPU:
 
 - AMX (Sapphire Rapids and later), or AVX-512 without AVX512_BF16: oneDNN's packed bf16 GEMM, every
   batch size.
-- AVX512_BF16 without AMX (Zen 4, Cooper Lake): batches of up to `DOT_MAX_ROWS` rows (decode steps,
-  up to the default max_num_seqs) go through the compiled bf16 dot kernel (kernels/cpu_linear.py,
-  `Bf16DotLinear`), which keeps the dot instruction busy while the weights stream from memory
-  (`benchmarks/linear_kernels.py` on a 2-core Zen 4, the bench model's 48 calls: 1.2-1.5x oneDNN's
-  time at 1 and 16 rows, 1.1x at 4, 1.05x at 64, even at 128-256 rows, 0.97x at 512). Larger batches
-  (prefill) keep oneDNN's packed bf16 (even or ahead of the kernel there). Both
-  layouts are kept: twice the bf16 weight memory, for the decode step's speed. Both round y to bf16
-  from fp32 sums of exact bf16 products (in different orders), and both flush denormals (the same dot
-  instruction, which ignores MXCSR).
+- AVX512_BF16 without AMX (Zen 4, Cooper Lake): the compiled bf16 dot kernel (kernels/cpu_linear.py,
+  `Bf16DotLinear`) for every batch size. It keeps the dot instruction busy while the weights stream
+  from memory (`benchmarks/linear_kernels.py` on a 2-core Zen 4, the bench model's 48 calls:
+  1.2-1.5x oneDNN's packed bf16 at 1 and 16 rows, 1.1x at 4, 1.05x at 64, even at 128-256 rows,
+  0.97x at 512). One layout only: keeping oneDNN's as well for prefill batches would double the
+  weights' memory to win those 3% back. Both round y to bf16 from fp32 sums of exact bf16 products
+  (in different orders), and both flush denormals (the same dot instruction, which ignores MXCSR).
 - No bf16 instructions (AVX2-only; oneDNN's packed bf16 path needs avx512bw/vl/dq or avx_ne_convert,
   so it refuses): the weights are repacked once into the panels of the compiled bf16 kernel
   (kernels/cpu_linear.py, `Bf16Linear`), which widens them to fp32 in registers and accumulates in
@@ -39,11 +37,6 @@ logger = logging.getLogger(__name__)
 _PACKABLE = (torch.float32, torch.bfloat16)
 
 
-# Batches of up to this many rows use the bf16 dot kernel where it is chosen (see the module
-# docstring; measured with benchmarks/linear_kernels.py --threads 1 and 2).
-DOT_MAX_ROWS = 64
-
-
 @functools.lru_cache(maxsize=1)
 def _dot_kernel():
     """The bf16 dot kernel where it is chosen (AVX512_BF16 without AMX) and can be built, else None:
@@ -57,7 +50,7 @@ def _dot_kernel():
     try:
         kernel = Bf16DotLinear(cache_dir() / "kernels")
     except BuildError as exc:
-        logger.warning("bf16 dot kernel unavailable (%s); bf16 layers use oneDNN for every batch",
+        logger.warning("bf16 dot kernel unavailable (%s); bf16 layers use oneDNN's packed bf16",
                        str(exc).splitlines()[0])
         return None
     return kernel if kernel.available else None
@@ -89,7 +82,7 @@ class Linear(nn.Module):
         self.compute_dtype: torch.dtype | None = None  # float32 when bf16 weights are packed as fp32
         self.bf16_kernel = None  # the compiled bf16 kernel, on CPUs without bf16 instructions
         self.bf16_panels = None  # the weights in that kernel's layout (kernels.cpu_linear.PackedBf16)
-        self.dot_kernel = None  # the bf16 dot kernel, for small batches on AVX512_BF16 CPUs without AMX
+        self.dot_kernel = None  # the bf16 dot kernel, on AVX512_BF16 CPUs without AMX
         self.dot_panels = None  # the weights in its layout (kernels.cpu_linear.PackedBf16)
 
     def pack(self) -> None:
@@ -97,6 +90,9 @@ class Linear(nn.Module):
         its own reference): holding two layouts costs memory."""
         w = self.weight
         if w.device.type != "cpu" or w.dtype not in _PACKABLE or not torch.backends.mkldnn.is_available():
+            return
+        if w.dtype == torch.bfloat16 and self._pack_dot():
+            self.weight = None
             return
         self.packed_bias = None if self.bias is None else self.bias.detach()
         try:
@@ -113,22 +109,21 @@ class Linear(nn.Module):
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().float(), 16)
                 if self.bias is not None:
                     self.packed_bias = self.bias.detach().float()
-        else:
-            if w.dtype == torch.bfloat16:
-                self._pack_dot()
         self.weight = None
 
-    def _pack_dot(self) -> None:
+    def _pack_dot(self) -> bool:
+        """Whether the bf16 dot kernel takes this layer (its layout then replaces the weight)."""
         from kernels.cpu_linear import Bf16DotLinear
 
         kernel = _dot_kernel() if Bf16DotLinear.supports(self.weight.detach()) else None
-        if kernel is not None:
-            self.dot_kernel = kernel
-            self.dot_panels = Bf16DotLinear.pack(self.weight.detach(),
-                                                 None if self.bias is None else self.bias.detach())
+        if kernel is None:
+            return False
+        self.dot_kernel = kernel
+        self.dot_panels = Bf16DotLinear.pack(self.weight.detach(), None if self.bias is None else self.bias.detach())
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dot_panels is not None and x.numel() <= DOT_MAX_ROWS * x.shape[-1]:
+        if self.dot_panels is not None:
             y = self.dot_kernel(x.reshape(-1, x.shape[-1]), self.dot_panels)
             return y.view(*x.shape[:-1], y.shape[-1])
         if self.bf16_panels is not None:
