@@ -1,15 +1,18 @@
-"""A KV load's file reads and checksums for one layer's objects per call, in C (kernels/csrc/kv_read.c).
+"""A KV load's file reads, redis receives and checksums, one layer's objects per call, in C (kernels/csrc/).
 
 Per object the Python path pays about as much in interpreter work (an open, a stat, a readv of
 some 30 block pieces, some 30 hash updates, under the GIL) as the kernel pays copying its half
 megabyte; the library does the syscalls and the xxh3 passes of a whole layer in three calls
 with the GIL released, so the store's I/O threads really run side by side. kvstore/filesystem.py
-uses it when the connector hands it one (`FileSystemStore.span_reader`), and redis loads hash
-with it (`RedisStore.span_reader`); without a C compiler the Python path does the same work.
+uses it when the connector hands it one (`FileSystemStore.span_reader`). Redis loads receive a
+layer's GET replies with it (`RedisStore.span_reader`: kv_recv.c, framing, receives into the spans
+and hashing in one call, through the load's write gate); without a C compiler the Python paths
+do the same work.
 """
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +21,21 @@ import xxhash
 from kernels.cpu_build import load_library
 
 SOURCE = Path(__file__).with_name("csrc") / "kv_read.c"
+RECV_SOURCE = SOURCE.with_name("kv_recv.c")
 _ptr, _int = ctypes.c_void_p, ctypes.c_int
+_ERROR_TEXT = 512  # bytes kept of a redis error reply
+
+
+@dataclass
+class Replies:
+    """What pd_resp_get read: status 0, 1 (the gate closed) or -errno; per object its value's size
+    (-1: no such key, -2: an error reply), and its digest when it was read into its spans."""
+
+    status: int
+    sizes: np.ndarray
+    digests: np.ndarray
+    error: str | None  # the first error reply's text
+    extra: int  # bytes read past the last reply (0: the stream is clean)
 
 
 class KVReadLibrary:
@@ -35,6 +52,15 @@ class KVReadLibrary:
                      ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset", update, "XXH3_64bits_digest")]
         lib.pd_kv_init.argtypes = [_ptr] * 5
         lib.pd_kv_init(*addresses)
+        recv = load_library(RECV_SOURCE, build_dir)
+        recv.pd_recv_init.argtypes = [_ptr] * 5
+        recv.pd_recv_init(*addresses)
+        self._resp_get = recv.pd_resp_get
+        self._resp_get.argtypes = [_int, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _int, _ptr]
+        self._resp_get.restype = _int
+        self._gate_close = recv.pd_gate_close
+        self._gate_close.argtypes = [_ptr]
+        self._gate_close.restype = ctypes.c_int64
         self._open = lib.pd_kv_open
         self._open.argtypes = [_int, _ptr, _ptr, _ptr]
         self._open.restype = None
@@ -75,6 +101,25 @@ class KVReadLibrary:
                       digests.ctypes.data):
             raise MemoryError("no xxh3 state could be allocated")
         return digests
+
+    def resp_get(self, fd: int, desc: np.ndarray, first: np.ndarray, bases: np.ndarray, headers: np.ndarray,
+                 gate: int, timeout_ms: int) -> Replies:
+        """The replies of len(first) - 1 pipelined GETs already sent on socket `fd`: object i's value, if
+        it is 64 bytes plus its spans, lands in headers[64 i:64 i + 64] and its spans (written only inside
+        the gate whose words are at address `gate`, 0: none) and is hashed. Each wait for redis lasts at
+        most timeout_ms (-1: no limit) with no byte arriving."""
+        n = len(first) - 1
+        sizes, digests, extra = np.empty(n, np.int64), np.zeros(n, np.uint64), np.zeros(1, np.int64)
+        error = ctypes.create_string_buffer(_ERROR_TEXT)
+        status = self._resp_get(fd, n, desc.ctypes.data, first.ctypes.data, bases.ctypes.data, headers.ctypes.data,
+                                sizes.ctypes.data, digests.ctypes.data, gate or None, timeout_ms, error, _ERROR_TEXT,
+                                extra.ctypes.data)
+        text = error.value.decode(errors="replace") if (sizes == -2).any() and not status else None
+        return Replies(status, sizes, digests, text, int(extra[0]))
+
+    def gate_close(self, gate: int) -> int:
+        """Shut the gate whose words are at `gate`; the compiled writers still inside (wait for 0)."""
+        return self._gate_close(gate)
 
     def close(self, fds: np.ndarray) -> None:
         self._close(len(fds), fds.ctypes.data)

@@ -13,14 +13,20 @@ belong to another request. So the bytes of a read reach such memory only *inside
   nobody enters: `enter()` raises LoadAbandoned. After close() returns, nothing this load
   started writes into its destination again, however late its reads return.
 
+A compiled writer (kernels/csrc/kv_recv.c, redis loads) enters and leaves without the GIL: it
+shares two words with the gate (`native()`: [closed, inside], updated with atomics), and close()
+shuts those too and waits until no compiled writer is inside either.
+
 `NO_GATE` is for destinations the reader owns (a staging buffer): entering always succeeds.
 docs/architecture.md, Invariants, states the rule the connector relies on.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
-from typing import Iterator
+import time
+from typing import Callable, Iterator
 
 from kvstore.errors import StoreError
 
@@ -36,6 +42,8 @@ class WriteGate:
         self._cond = threading.Condition(threading.Lock())
         self._inside = 0
         self._closed = False
+        self._words: ctypes.Array | None = None  # [closed, inside] of compiled writers (native())
+        self._close_words: Callable[[int], int] | None = None
 
     @property
     def closed(self) -> bool:
@@ -63,12 +71,29 @@ class WriteGate:
         finally:
             self.leave()
 
+    def native(self, close_words: Callable[[int], int]) -> int:
+        """The address of the gate's [closed, inside] words for a compiled writer, which enters with an
+        atomic inside += 1 followed by a check that closed is still 0, and leaves with inside -= 1.
+        `close_words(address)` sets closed atomically and returns inside (kernels/kv_read.py's
+        gate_close). LoadAbandoned once the gate is closed."""
+        with self._cond:
+            if self._closed:
+                raise LoadAbandoned("the load was abandoned; its destination is no longer written")
+            if self._words is None:
+                self._words = (ctypes.c_int64 * 2)()
+                self._close_words = close_words
+            return ctypes.addressof(self._words)
+
     def close(self) -> None:
         """No writer enters from now on; returns once the writers inside have left (bounded copies)."""
         with self._cond:
             self._closed = True
             while self._inside:
                 self._cond.wait()
+            words, close_words = self._words, self._close_words
+        if words is not None and close_words is not None:
+            while close_words(ctypes.addressof(words)):  # a compiled writer inside: one non-blocking recv
+                time.sleep(50e-6)
 
 
 class _NoGate(WriteGate):
@@ -79,6 +104,9 @@ class _NoGate(WriteGate):
 
     def leave(self) -> None:
         pass
+
+    def native(self, close_words: Callable[[int], int]) -> int:
+        return 0  # compiled writers treat no words as a gate that is always open
 
     def close(self) -> None:
         raise ValueError("NO_GATE guards memory its reader owns; it cannot be closed")

@@ -135,12 +135,35 @@ class RedisStore(KVStore):
 
     def _get_table(self, items: list[tuple[int, str]], table: SpanTable, shapes: list[tuple[int, ...]],
                    dtype: torch.dtype, gate: WriteGate) -> None:
-        """_get_spans, hashing each object with the compiled reader (one call per layer) when there is one."""
-        if self.span_reader is None:
+        """_get_spans through the compiled receiver when there is one (kvstore.resp.get_table: framing,
+        receives into the spans and xxh3 in C, through the gate), then the header checks; an object
+        that is not exactly right is worked out by codec's checks, which say why."""
+        reader = self.span_reader
+        if reader is None:
             return self._get_spans(items, table.views(), shapes, dtype, gate)
+        names = [self._key(key, layer) for layer, key in items]
         headers = np.empty(codec.HEADER_SIZE * len(items), np.uint8)
-        spans = table.views()
-        self._get_spans(items, spans, shapes, dtype, gate, headers, table)
+        try:
+            got = resp.get_table(self._redis, names, table, headers, gate, reader)
+        except redis.TimeoutError:
+            raise
+        except redis.ConnectionError:  # a dropped pooled connection (a redis restart): once more at once
+            got = resp.get_table(self._redis, names, table, headers, gate, reader)
+        if got is None:  # TLS
+            return self._get_spans(items, table.views(), shapes, dtype, gate, headers, table)
+        sizes, digests = got
+        all_headers = memoryview(headers)
+        views = None
+        for i, ((layer, key), name, size, shape) in enumerate(zip(items, names, sizes, shapes)):
+            header = all_headers[codec.HEADER_SIZE * i:codec.HEADER_SIZE * (i + 1)]
+            if size == codec.HEADER_SIZE + table.totals[i] and codec.header_and_digest_match(
+                    header, digests[i], self.fingerprint, dtype, shape, key=key, layer=layer):
+                continue
+            if size is None:
+                raise NotFound(f"{sum(s is None for s in sizes)} object(s) missing, e.g. {name}")
+            views = views or table.views()
+            codec.check_size(name, size, views[i], shape, dtype)
+            codec.check_payload(header, views[i], self.fingerprint, dtype, shape, name, key=key, layer=layer)
 
     def _get_spans(self, items: list[tuple[int, str]], spans: list[list[memoryview]], shapes: list[tuple[int, ...]],
                    dtype: torch.dtype, gate: WriteGate = NO_GATE, header_bytes: np.ndarray | None = None,

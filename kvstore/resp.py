@@ -10,15 +10,21 @@ is disconnected, never handed back to the pool.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
 import select
 import socket
 import ssl
-from typing import Any
+from typing import Any, Iterator
 
+import numpy as np
 import redis
 
-from kvstore.gate import NO_GATE, WriteGate
-from kvstore.spans import advance, copy_into
+from kvstore.gate import NO_GATE, LoadAbandoned, WriteGate
+from kvstore.spans import SpanReader, SpanTable, advance, copy_into
+
+ABANDONED = 1  # kernels/csrc/kv_recv.c's PD_ABANDONED: the gate closed while the replies were read
 
 _LINE_READ = 4096  # framing reads: one line and the start of the value that follows it
 
@@ -111,6 +117,26 @@ class _Replies:
 
 
 
+@contextlib.contextmanager
+def _pooled(client: redis.Redis) -> Iterator[Any]:
+    """One of the client's pooled connections, whose `clean` attribute the caller sets once it read the
+    reply stream to its end: any other connection is disconnected, never handed back half read.
+    Socket failures surface as redis.TimeoutError / redis.ConnectionError."""
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    conn.pd_clean = False
+    try:
+        yield conn
+    except socket.timeout as exc:
+        raise redis.TimeoutError(f"no reply within the socket timeout: {exc}") from exc
+    except OSError as exc:
+        raise redis.ConnectionError(f"reading replies: {exc}") from exc
+    finally:
+        if not conn.pd_clean:
+            conn.disconnect()
+        pool.release(conn)
+
+
 def get_into(client: redis.Redis, names: list[str], views: list[list[memoryview]], gate: WriteGate = NO_GATE
              ) -> list[int | None]:
     """GET every name in one pipelined round trip; a value of exactly the size of its views is read
@@ -119,48 +145,69 @@ def get_into(client: redis.Redis, names: list[str], views: list[list[memoryview]
     inside it (kvstore.gate); LoadAbandoned once it is closed.
     A redis error reply raises redis.ResponseError after the whole stream was read; socket failures
     raise redis.ConnectionError / redis.TimeoutError (the connection is dropped)."""
-    pool = client.connection_pool
-    conn = pool.get_connection()
-    clean = False
-    sock, timeout = None, None
-    try:
+    with _pooled(client) as conn:
         conn.send_packed_command(conn.pack_commands([("GET", name) for name in names]))
         sock = conn._sock  # noqa: SLF001 (redis-py keeps the connected socket there)
         timeout = sock.gettimeout()
         replies = _Replies(sock, gate, timeout)
-        if replies.polled:
-            sock.settimeout(0.0)  # every wait is replies' own poll, bounded by the socket timeout
-        sizes: list[int | None] = []
-        error = None
-        for spans in views:
-            head = replies.line()
-            kind = head[:1]
-            if kind == b"$" and head != b"$-1":
-                size = int(head[1:])
-                if size == sum(span.nbytes for span in spans):
-                    replies.fill(spans, gate, size)
+        try:
+            if replies.polled:
+                sock.settimeout(0.0)  # every wait is replies' own poll, bounded by the socket timeout
+            sizes: list[int | None] = []
+            error = None
+            for spans in views:
+                head = replies.line()
+                kind = head[:1]
+                if kind == b"$" and head != b"$-1":
+                    size = int(head[1:])
+                    if size == sum(span.nbytes for span in spans):
+                        replies.fill(spans, gate, size)
+                    else:
+                        replies.skip(size)
+                    replies.skip(2)  # the value's closing CRLF
+                    sizes.append(size)
+                elif kind == b"$" or kind == b"_":  # RESP2 / RESP3 null: no such key
+                    sizes.append(None)
+                elif kind == b"-":
+                    error = error or redis.ResponseError(head[1:].decode(errors="replace"))
+                    sizes.append(None)
                 else:
-                    replies.skip(size)
-                replies.skip(2)  # the value's closing CRLF
-                sizes.append(size)
-            elif kind == b"$" or kind == b"_":  # RESP2 / RESP3 null: no such key
-                sizes.append(None)
-            elif kind == b"-":
-                error = error or redis.ResponseError(head[1:].decode(errors="replace"))
-                sizes.append(None)
-            else:
-                raise redis.ConnectionError(f"unexpected reply to GET: {head[:40]!r}")
-        clean = not replies.buf
+                    raise redis.ConnectionError(f"unexpected reply to GET: {head[:40]!r}")
+            conn.pd_clean = not replies.buf
+        finally:
+            sock.settimeout(timeout)
         if error is not None:
             raise error
         return sizes
-    except socket.timeout as exc:
-        raise redis.TimeoutError(f"no reply within the socket timeout: {exc}") from exc
-    except OSError as exc:
-        raise redis.ConnectionError(f"reading replies: {exc}") from exc
-    finally:
-        if sock is not None and sock is conn._sock:  # noqa: SLF001
-            sock.settimeout(timeout)
-        if not clean:
-            conn.disconnect()
-        pool.release(conn)
+
+
+def get_table(client: redis.Redis, names: list[str], table: SpanTable, headers: np.ndarray, gate: WriteGate,
+              reader: SpanReader) -> tuple[list[int | None], list[int]] | None:
+    """get_into for a layer's objects through the compiled receiver (kernels/csrc/kv_recv.c): object
+    i's value lands in headers[64 i:64 i + 64] and its table spans, which are written only inside
+    `gate`, and is hashed as it lands. Returns (sizes, digests): digests[i] is the xxh3 of header
+    bytes [0, 56) and the spans of an object read whole (sizes[i] == 64 + its spans' bytes).
+    None on a TLS connection (its bytes are not the socket's): the caller reads with get_into."""
+    with _pooled(client) as conn:
+        sock = conn._sock  # noqa: SLF001
+        if isinstance(sock, ssl.SSLSocket):
+            conn.pd_clean = True  # nothing was sent
+            return None
+        timeout = sock.gettimeout()
+        conn.send_packed_command(conn.pack_commands([("GET", name) for name in names]))
+        got = reader.resp_get(sock.fileno(), table.desc, table.first, table.bases(), headers,
+                              gate.native(reader.gate_close), -1 if timeout is None else max(1, int(timeout * 1000)))
+        if got.status == ABANDONED:
+            raise LoadAbandoned("the load was abandoned; its destination is no longer written")
+        if got.status == -errno.ETIMEDOUT:
+            raise socket.timeout("timed out")
+        if got.status == -errno.ECONNRESET:
+            raise redis.ConnectionError("redis closed the connection in the middle of a reply")
+        if got.status == -errno.EPROTO:
+            raise redis.ConnectionError("unexpected reply to GET")
+        if got.status:
+            raise OSError(-got.status, os.strerror(-got.status))
+        conn.pd_clean = got.extra == 0
+        if got.error is not None:
+            raise redis.ResponseError(got.error)
+        return [size if size >= 0 else None for size in got.sizes.tolist()], got.digests.tolist()

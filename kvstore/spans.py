@@ -11,7 +11,7 @@ so no piece can point outside them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -41,7 +41,8 @@ def copy_into(src: memoryview, views: list[memoryview]) -> None:
 
 
 class SpanReader(Protocol):
-    """Reads of one layer's objects from files, one call per step (kernels/kv_read.KVReadLibrary)."""
+    """Reads of one layer's objects from files or redis replies, one call per step
+    (kernels/kv_read.KVReadLibrary)."""
 
     def open(self, paths: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(fds, sizes); fds[i] < 0 is -errno."""
@@ -55,6 +56,14 @@ class SpanReader(Protocol):
         """digests[i]: the xxh3 of header i's bytes [0, 56) and object i's spans, already filled."""
 
     def close(self, fds: np.ndarray) -> None: ...
+
+    def resp_get(self, fd: int, desc: np.ndarray, first: np.ndarray, bases: np.ndarray, headers: np.ndarray,
+                 gate: int, timeout_ms: int) -> Any:
+        """The replies of pipelined GETs sent on socket `fd`, received into headers and spans (the spans
+        only inside the gate whose words are at `gate`) and hashed: kernels/kv_read.Replies."""
+
+    def gate_close(self, gate: int) -> int:
+        """Shut a gate's compiled writers out (kvstore.gate.WriteGate.native); how many are still inside."""
 
 
 @dataclass
