@@ -17,7 +17,7 @@ KVStore.get_layer_spans, which writes them only inside the load's gate (kvstore.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ class DirectRows:
     desc: np.ndarray  # int64 [pieces, 3]
     first: np.ndarray  # int64 [chunks + 1]
     scratch_bytes: int
+    _table: SpanTable | None = field(default=None, repr=False, compare=False)  # the checked table (spans())
 
     @classmethod
     def plan(cls, slots: torch.Tensor, chunk_lens: list[int], lo: int, hi: int, row_bytes: int,
@@ -76,8 +77,13 @@ class DirectRows:
         return cls(desc, first, 2 * outside * row_bytes)
 
     def spans(self, cache_bytes: memoryview, scratch: memoryview) -> SpanTable:
-        """Each chunk's spans in one layer's cache (its flat bytes) and in `scratch` (>= scratch_bytes)."""
-        return SpanTable([cache_bytes, scratch], self.desc, self.first)
+        """Each chunk's spans in one layer's cache (its flat bytes) and in `scratch` (>= scratch_bytes).
+        The table is checked once per load; the other layers reuse it over their own regions."""
+        table = self._table
+        if table is None:
+            table = self._table = SpanTable([cache_bytes, scratch], self.desc, self.first)
+            return table
+        return table.with_regions([cache_bytes, scratch])
 
 
 def cache_bytes(kv_cache: torch.Tensor) -> memoryview:

@@ -24,6 +24,9 @@ SOURCE = Path(__file__).with_name("csrc") / "kv_read.c"
 RECV_SOURCE = SOURCE.with_name("kv_recv.c")
 _ptr, _int = ctypes.c_void_p, ctypes.c_int
 _ERROR_TEXT = 512  # bytes kept of a redis error reply
+# Reply bytes a redis load keeps requested ahead of its reader, per connection (kv_recv.c: more costs
+# redis-server fresh pages for its reply buffers on every load; less leaves it idle between replies).
+WINDOW_BYTES = 1 << 20
 
 
 @dataclass
@@ -56,7 +59,8 @@ class KVReadLibrary:
         recv.pd_recv_init.argtypes = [_ptr] * 5
         recv.pd_recv_init(*addresses)
         self._resp_get = recv.pd_resp_get
-        self._resp_get.argtypes = [_int, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _int, _ptr]
+        self._resp_get.argtypes = [_int, _int, ctypes.c_char_p, _ptr, ctypes.c_int64, _ptr, _ptr, _ptr, _ptr, _ptr,
+                                   _ptr, _ptr, _int, _ptr, _int, _ptr]
         self._resp_get.restype = _int
         self._gate_close = recv.pd_gate_close
         self._gate_close.argtypes = [_ptr]
@@ -102,18 +106,22 @@ class KVReadLibrary:
             raise MemoryError("no xxh3 state could be allocated")
         return digests
 
-    def resp_get(self, fd: int, desc: np.ndarray, first: np.ndarray, bases: np.ndarray, headers: np.ndarray,
-                 gate: int, timeout_ms: int) -> Replies:
-        """The replies of len(first) - 1 pipelined GETs already sent on socket `fd`: object i's value, if
-        it is 64 bytes plus its spans, lands in headers[64 i:64 i + 64] and its spans (written only inside
-        the gate whose words are at address `gate`, 0: none) and is hashed. Each wait for redis lasts at
-        most timeout_ms (-1: no limit) with no byte arriving."""
+    def resp_get(self, fd: int, commands: list[bytes], desc: np.ndarray, first: np.ndarray, bases: np.ndarray,
+                 headers: np.ndarray, gate: int, timeout_ms: int, window: int = WINDOW_BYTES) -> Replies:
+        """Send `commands` (packed GETs, one per object) on socket `fd` as their replies come in, at most
+        `window` expected reply bytes ahead, and read the replies: object i's value, if it is 64 bytes
+        plus its spans, lands in headers[64 i:64 i + 64] and its spans (written only inside the gate
+        whose words are at address `gate`, 0: none) and is hashed. Each wait for redis lasts at most
+        timeout_ms (-1: no limit) with no progress."""
         n = len(first) - 1
+        if len(commands) != n:
+            raise ValueError(f"{len(commands)} commands for {n} objects")
         sizes, digests, extra = np.empty(n, np.int64), np.zeros(n, np.uint64), np.zeros(1, np.int64)
+        ends = np.cumsum([len(c) for c in commands], dtype=np.int64)
         error = ctypes.create_string_buffer(_ERROR_TEXT)
-        status = self._resp_get(fd, n, desc.ctypes.data, first.ctypes.data, bases.ctypes.data, headers.ctypes.data,
-                                sizes.ctypes.data, digests.ctypes.data, gate or None, timeout_ms, error, _ERROR_TEXT,
-                                extra.ctypes.data)
+        status = self._resp_get(fd, n, b"".join(commands), ends.ctypes.data, window, desc.ctypes.data,
+                                first.ctypes.data, bases.ctypes.data, headers.ctypes.data, sizes.ctypes.data,
+                                digests.ctypes.data, gate or None, timeout_ms, error, _ERROR_TEXT, extra.ctypes.data)
         text = error.value.decode(errors="replace") if (sizes == -2).any() and not status else None
         return Replies(status, sizes, digests, text, int(extra[0]))
 

@@ -183,8 +183,8 @@ def get_into(client: redis.Redis, names: list[str], views: list[list[memoryview]
 
 def get_table(client: redis.Redis, names: list[str], table: SpanTable, headers: np.ndarray, gate: WriteGate,
               reader: SpanReader) -> tuple[list[int | None], list[int]] | None:
-    """get_into for a layer's objects through the compiled receiver (kernels/csrc/kv_recv.c): object
-    i's value lands in headers[64 i:64 i + 64] and its table spans, which are written only inside
+    """get_into for a layer's objects through the compiled receiver (kernels/csrc/kv_recv.c), which
+    sends the GETs as the replies come (a bounded window ahead, not all at once): object i's value lands in headers[64 i:64 i + 64] and its table spans, which are written only inside
     `gate`, and is hashed as it lands. Returns (sizes, digests): digests[i] is the xxh3 of header
     bytes [0, 56) and the spans of an object read whole (sizes[i] == 64 + its spans' bytes).
     None on a TLS connection (its bytes are not the socket's): the caller reads with get_into."""
@@ -194,8 +194,8 @@ def get_table(client: redis.Redis, names: list[str], table: SpanTable, headers: 
             conn.pd_clean = True  # nothing was sent
             return None
         timeout = sock.gettimeout()
-        conn.send_packed_command(conn.pack_commands([("GET", name) for name in names]))
-        got = reader.resp_get(sock.fileno(), table.desc, table.first, table.bases(), headers,
+        commands = [b"".join(conn.pack_command("GET", name)) for name in names]
+        got = reader.resp_get(sock.fileno(), commands, table.desc, table.first, table.bases(), headers,
                               gate.native(reader.gate_close), -1 if timeout is None else max(1, int(timeout * 1000)))
         if got.status == ABANDONED:
             raise LoadAbandoned("the load was abandoned; its destination is no longer written")

@@ -10,6 +10,7 @@ so no piece can point outside them.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -40,6 +41,11 @@ def copy_into(src: memoryview, views: list[memoryview]) -> None:
             return
 
 
+def _check_regions(regions: list[memoryview]) -> None:
+    if any(region.readonly or region.ndim != 1 or region.itemsize != 1 for region in regions):
+        raise ValueError("span table regions must be writable flat byte memoryviews")
+
+
 class SpanReader(Protocol):
     """Reads of one layer's objects from files or redis replies, one call per step
     (kernels/kv_read.KVReadLibrary)."""
@@ -57,10 +63,11 @@ class SpanReader(Protocol):
 
     def close(self, fds: np.ndarray) -> None: ...
 
-    def resp_get(self, fd: int, desc: np.ndarray, first: np.ndarray, bases: np.ndarray, headers: np.ndarray,
-                 gate: int, timeout_ms: int) -> Any:
-        """The replies of pipelined GETs sent on socket `fd`, received into headers and spans (the spans
-        only inside the gate whose words are at `gate`) and hashed: kernels/kv_read.Replies."""
+    def resp_get(self, fd: int, commands: list[bytes], desc: np.ndarray, first: np.ndarray, bases: np.ndarray,
+                 headers: np.ndarray, gate: int, timeout_ms: int) -> Any:
+        """Pipelined GETs (`commands`, packed) sent on socket `fd` and their replies received into headers
+        and spans (the spans only inside the gate whose words are at `gate`) and hashed:
+        kernels/kv_read.Replies."""
 
     def gate_close(self, gate: int) -> int:
         """Shut a gate's compiled writers out (kvstore.gate.WriteGate.native); how many are still inside."""
@@ -75,6 +82,7 @@ class SpanTable:
     desc: np.ndarray  # int64 [pieces, 3]
     first: np.ndarray  # int64 [objects + 1]
     totals: list[int] = field(init=False)  # payload bytes of each object
+    extents: list[int] = field(init=False)  # per region: where its furthest piece ends
 
     def __post_init__(self) -> None:
         desc, first = self.desc, self.first
@@ -82,16 +90,30 @@ class SpanTable:
                 first.dtype != np.int64 or first.ndim != 1 or not first.flags.c_contiguous or len(first) < 1 or \
                 first[0] != 0 or first[-1] != len(desc) or (np.diff(first) < 0).any():
             raise ValueError("a span table is int64 desc [pieces, 3] and first [objects + 1] from 0 to pieces")
-        if any(region.readonly or region.ndim != 1 or region.itemsize != 1 for region in self.regions):
-            raise ValueError("span table regions must be writable flat byte memoryviews")
+        _check_regions(self.regions)
+        self.extents = [0] * len(self.regions)
         if len(desc):
             where, offset, nbytes = desc[:, 0], desc[:, 1], desc[:, 2]
-            sizes = np.array([region.nbytes for region in self.regions], np.int64)
-            if (where < 0).any() or (where >= len(sizes)).any() or (offset < 0).any() or (nbytes < 0).any() or \
-                    (offset + nbytes > sizes[where]).any():
+            if (where < 0).any() or (where >= len(self.regions)).any() or (offset < 0).any() or (nbytes < 0).any():
                 raise ValueError("a span table piece lies outside its region")
+            ends = np.zeros(len(self.regions), np.int64)
+            np.maximum.at(ends, where, offset + nbytes)
+            self.extents = ends.tolist()
+        if any(extent > region.nbytes for extent, region in zip(self.extents, self.regions)):
+            raise ValueError("a span table piece lies outside its region")
         sums = np.concatenate(([0], np.cumsum(desc[:, 2]))) if len(desc) else np.zeros(1, np.int64)
         self.totals = (sums[first[1:]] - sums[first[:-1]]).tolist()
+
+    def with_regions(self, regions: list[memoryview]) -> SpanTable:
+        """The same pieces over other regions (each at least as large as the pieces need), without
+        walking the table again: a load's layers share one table (connectors/direct_rows.py)."""
+        _check_regions(regions)
+        if len(regions) != len(self.regions) or any(extent > region.nbytes
+                                                    for extent, region in zip(self.extents, regions)):
+            raise ValueError("a span table piece lies outside its region")
+        table = copy.copy(self)
+        table.regions = list(regions)
+        return table
 
     def __len__(self) -> int:
         return len(self.first) - 1

@@ -204,6 +204,13 @@ def test_span_tables_stay_inside_their_regions():
         SpanTable([memoryview(bytes(100))], np.zeros((0, 3), np.int64), np.array([0], np.int64))
     table = SpanTable([region], np.array([[0, 10, 5], [0, 0, 3], [0, 50, 50]], np.int64), np.array([0, 2, 3], np.int64))
     assert table.totals == [8, 50] and [[v.nbytes for v in row] for row in table.views()] == [[5, 3], [50]]
+    # a load's other layers reuse the checked table over their own regions: as large, or refused
+    other = memoryview(bytearray(range(100)))
+    assert bytes(table.with_regions([other]).views()[1][0]) == bytes(range(50, 100))
+    with pytest.raises(ValueError, match="outside"):
+        table.with_regions([memoryview(bytearray(99))])
+    with pytest.raises(ValueError, match="writable"):
+        table.with_regions([memoryview(bytes(100))])
 
 
 # ---- end to end: a read that returns after its load was abandoned ----

@@ -1,8 +1,7 @@
 /* The replies of a pipeline of redis GETs, received straight into a KV load's spans, with no GIL.
  *
  * Called through ctypes by kernels/kv_read.py for kvstore/redis_store.py's loads into paged KV
- * blocks (kvstore/resp.py sends the GETs on one of redis-py's connections, then hands the socket
- * here). Each value of the expected size lands in its object's 64-byte header (ours) and its
+ * blocks (kvstore/resp.py packs the GETs and hands one of redis-py's connected sockets here). Each value of the expected size lands in its object's 64-byte header (ours) and its
  * spans (the blocks), and is hashed (xxh3) right behind the receive, while it is in cache. The
  * framing lines pass through a small buffer of ours.
  *
@@ -29,6 +28,7 @@
 #define MAX_IOV 1024
 #define LINE_BUF 4096 /* framing: one line and whatever follows it in the same receive */
 #define SLICE_MS 20   /* a wait checks the gate this often */
+#define LOWAT_CAP (256 << 10) /* a wait for a value's bytes wakes once this much (or all it needs) is in */
 #define PD_ABANDONED 1
 
 typedef void *(*create_fn)(void);
@@ -79,26 +79,59 @@ typedef struct {
     int64_t *gate;
     int timeout_ms; /* the longest wait with no byte arriving; < 0: none */
     char buf[LINE_BUF];
-    int pos, end; /* unread framing bytes: buf[pos, end) */
+    int pos, end;    /* unread framing bytes: buf[pos, end) */
+    int want, lowat; /* bytes the next wait needs (at most what surely comes); the socket's SO_RCVLOWAT */
+    const char *cmds;      /* the GET commands, packed; command i ends at cmd_ends[i] */
+    const int64_t *cmd_ends;
+    int sent;              /* commands sent so far */
 } stream_t;
 
-/* Until fd has bytes: 0, -ETIMEDOUT, PD_ABANDONED (the gate closed meanwhile), -errno. */
-static int wait_readable(stream_t *s) {
+static int wait_for(stream_t *s, short events);
+
+/* Send commands [s->sent, upto) (small: never more than the socket takes without a wait, in practice). */
+static int send_commands(stream_t *s, int upto) {
+    if (upto <= s->sent) return 0;
+    int64_t at = s->sent ? s->cmd_ends[s->sent - 1] : 0, stop = s->cmd_ends[upto - 1];
+    while (at < stop) {
+        ssize_t r = send(s->fd, s->cmds + at, (size_t)(stop - at), MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (r > 0) {
+            at += r;
+            continue;
+        }
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK) return errno == EPIPE ? -ECONNRESET : -errno;
+        int w = wait_for(s, POLLOUT);
+        if (w) return w;
+    }
+    s->sent = upto;
+    return 0;
+}
+
+/* SO_RCVLOWAT = want, so a wait for a value's bytes is not woken per TCP segment (fewer polls,
+ * receives and context switches); `want` never exceeds what the current reply still has to send. */
+static void set_lowat(stream_t *s, int want) {
+    if (want != s->lowat && setsockopt(s->fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof want) == 0) s->lowat = want;
+}
+
+/* Until fd has bytes (events POLLIN) or room to send (POLLOUT): 0, -ETIMEDOUT, PD_ABANDONED (the gate
+ * closed meanwhile), -errno. */
+static int wait_for(stream_t *s, short events) {
     int waited = 0;
     for (;;) {
         if (s->gate && __atomic_load_n(&s->gate[0], __ATOMIC_SEQ_CST)) return PD_ABANDONED;
         int slice = SLICE_MS;
         if (s->timeout_ms >= 0 && s->timeout_ms - waited < slice) slice = s->timeout_ms - waited;
         if (slice <= 0) return -ETIMEDOUT;
-        struct pollfd p = {.fd = s->fd, .events = POLLIN};
+        set_lowat(s, s->want);
+        struct pollfd p = {.fd = s->fd, .events = events};
         int r = poll(&p, 1, slice);
-        if (r > 0) return 0; /* readable, or an error/hang-up the next recv reports */
+        if (r > 0) return 0; /* ready, or an error/hang-up the next recv or send reports */
         if (r < 0 && errno != EINTR) return -errno;
         if (r == 0) waited += slice;
     }
 }
 
-/* More framing bytes into buf (never waits inside anything): 0, or an error as wait_readable's. */
+/* More framing bytes into buf (never waits inside anything): 0, or an error as wait_for's. */
 static int fill_buf(stream_t *s) {
     if (s->pos) {
         memmove(s->buf, s->buf + s->pos, (size_t)(s->end - s->pos));
@@ -115,7 +148,8 @@ static int fill_buf(stream_t *s) {
         if (r == 0) return -ECONNRESET;
         if (errno == EINTR) continue;
         if (errno != EAGAIN && errno != EWOULDBLOCK) return -errno;
-        int w = wait_readable(s);
+        s->want = 1;
+        int w = wait_for(s, POLLIN);
         if (w) return w;
     }
 }
@@ -251,7 +285,8 @@ static int recv_value(stream_t *s, dest_t *d, int64_t size, void *state) {
         if (r < 0) {
             if (err == EINTR) continue;
             if (err != EAGAIN && err != EWOULDBLOCK) return -err;
-            int w = wait_readable(s);
+            s->want = left < LOWAT_CAP ? (int)left : LOWAT_CAP;
+            int w = wait_for(s, POLLIN);
             if (w) return w;
             continue;
         }
@@ -279,18 +314,28 @@ static int bulk_size(const char *line, int len, int64_t *size) {
     return 0;
 }
 
-/* Read the replies of n pipelined GETs (already sent) on fd. A value of exactly 64 + object i's
- * span bytes lands in headers + 64 i and its spans, the spans written only inside `gate` (NULL:
- * the reader's own memory), and digests[i] = xxh3_64 of its header bytes [0, 56) and spans; a
- * value of any other size is read past. sizes[i] = the value's size, -1 no such key, -2 an error
- * reply (the first one's text, NUL-terminated, in err). Each wait is at most timeout_ms (< 0: no
- * limit) with no byte arriving.
+/* The value object i should be: its header and its spans. */
+static int64_t expected(int i, const int64_t *desc, const int64_t *first) {
+    int64_t total = HEADER;
+    for (int64_t k = first[i]; k < first[i + 1]; k++) total += desc[3 * k + 2];
+    return total;
+}
+
+/* Send n GETs (cmds: packed, command i ends at cmd_ends[i]) on fd and read their replies. Commands
+ * go out as replies come in, keeping at most `window` expected reply bytes ahead of the reader
+ * (at least one command): redis builds a pipeline's replies in memory before writing them, and a
+ * few MiB of replies per connection cost it fresh pages for every load.
+ * A value of exactly 64 + object i's span bytes lands in headers + 64 i and its spans, the spans
+ * written only inside `gate` (NULL: the reader's own memory), and digests[i] = xxh3_64 of its
+ * header bytes [0, 56) and spans; a value of any other size is read past. sizes[i] = the value's
+ * size, -1 no such key, -2 an error reply (the first one's text, NUL-terminated, in err). Each
+ * wait is at most timeout_ms (< 0: no limit) with no progress.
  * Returns 0 (*extra: framing bytes read past the last reply, 0 on a clean stream), PD_ABANDONED
  * (the gate closed), -ETIMEDOUT, -ECONNRESET (redis closed the connection), -EPROTO (not a GET
  * reply), -ENOMEM or another -errno. */
-int pd_resp_get(int fd, int n, const int64_t *desc, const int64_t *first, const uint64_t *bases, uint8_t *headers,
-                int64_t *sizes, uint64_t *digests, int64_t *gate, int timeout_ms, char *err, int err_len,
-                int64_t *extra) {
+int pd_resp_get(int fd, int n, const char *cmds, const int64_t *cmd_ends, int64_t window, const int64_t *desc,
+                const int64_t *first, const uint64_t *bases, uint8_t *headers, int64_t *sizes, uint64_t *digests,
+                int64_t *gate, int timeout_ms, char *err, int err_len, int64_t *extra) {
     stream_t *s = malloc(sizeof(stream_t));
     void *state = xxh_create();
     int rc = 0;
@@ -302,11 +347,20 @@ int pd_resp_get(int fd, int n, const int64_t *desc, const int64_t *first, const 
     s->gate = gate;
     s->timeout_ms = timeout_ms;
     s->pos = s->end = 0;
+    s->want = s->lowat = 1; /* redis-py's sockets keep the default */
+    s->cmds = cmds;
+    s->cmd_ends = cmd_ends;
+    s->sent = 0;
     if (err_len > 0) err[0] = 0;
+    int64_t ahead = 0; /* expected bytes of the replies to commands [i, sent) */
     for (int i = 0; i < n && !rc; i++) {
         const char *line;
         int len;
         digests[i] = 0;
+        int upto = s->sent;
+        while (upto < n && (upto == i || ahead < window)) ahead += expected(upto++, desc, first);
+        if ((rc = send_commands(s, upto))) break;
+        ahead -= expected(i, desc, first);
         if ((rc = next_line(s, &line, &len))) break;
         if (len >= 1 && line[0] == '-') { /* an error reply */
             sizes[i] = -2;
@@ -325,9 +379,7 @@ int pd_resp_get(int fd, int n, const int64_t *desc, const int64_t *first, const 
         if ((rc = bulk_size(line, len, &size))) break;
         sizes[i] = size;
         if (size < 0) continue;
-        int64_t total = HEADER;
-        for (int64_t k = first[i]; k < first[i + 1]; k++) total += desc[3 * k + 2];
-        if (size == total) {
+        if (size == expected(i, desc, first)) {
             dest_t d = {.i = i, .piece = -1, .offset = 0, .desc = desc, .first = first, .bases = bases,
                         .header = headers + (size_t)HEADER * i};
             if ((rc = recv_value(s, &d, size, state))) break;
@@ -339,6 +391,7 @@ int pd_resp_get(int fd, int n, const int64_t *desc, const int64_t *first, const 
         if (len != 0) rc = -EPROTO;
     }
     if (!rc) *extra = s->end - s->pos;
+    set_lowat(s, 1); /* the connection goes back to redis-py, whose waits need every byte to wake them */
 out:
     if (state) xxh_free(state);
     free(s);
