@@ -60,7 +60,7 @@ class KVReadLibrary:
         recv.pd_recv_init(*addresses)
         self._resp_get = recv.pd_resp_get
         self._resp_get.argtypes = [_int, _int, ctypes.c_char_p, _ptr, ctypes.c_int64, _ptr, _ptr, _ptr, _ptr, _ptr,
-                                   _ptr, _ptr, _int, _ptr, _int, _ptr]
+                                   _ptr, _ptr, _int, _ptr, _int, _ptr, _int]
         self._resp_get.restype = _int
         self._gate_close = recv.pd_gate_close
         self._gate_close.argtypes = [_ptr]
@@ -107,12 +107,13 @@ class KVReadLibrary:
         return digests
 
     def resp_get(self, fd: int, commands: list[bytes], desc: np.ndarray, first: np.ndarray, bases: np.ndarray,
-                 headers: np.ndarray, gate: int, timeout_ms: int, window: int = WINDOW_BYTES) -> Replies:
+                 headers: np.ndarray, gate: int, timeout_ms: int, window: int = WINDOW_BYTES, hash: bool = True
+                 ) -> Replies:
         """Send `commands` (packed GETs, one per object) on socket `fd` as their replies come in, at most
         `window` expected reply bytes ahead, and read the replies: object i's value, if it is 64 bytes
         plus its spans, lands in headers[64 i:64 i + 64] and its spans (written only inside the gate
         whose words are at address `gate`, 0: none) and is hashed. Each wait for redis lasts at most
-        timeout_ms (-1: no limit) with no progress."""
+        timeout_ms (-1: no limit) with no progress. hash=False: no digests (a raw read, for benchmarks)."""
         n = len(first) - 1
         if len(commands) != n:
             raise ValueError(f"{len(commands)} commands for {n} objects")
@@ -121,7 +122,8 @@ class KVReadLibrary:
         error = ctypes.create_string_buffer(_ERROR_TEXT)
         status = self._resp_get(fd, n, b"".join(commands), ends.ctypes.data, window, desc.ctypes.data,
                                 first.ctypes.data, bases.ctypes.data, headers.ctypes.data, sizes.ctypes.data,
-                                digests.ctypes.data, gate or None, timeout_ms, error, _ERROR_TEXT, extra.ctypes.data)
+                                digests.ctypes.data, gate or None, timeout_ms, error, _ERROR_TEXT, extra.ctypes.data,
+                                int(hash))
         text = error.value.decode(errors="replace") if (sizes == -2).any() and not status else None
         return Replies(status, sizes, digests, text, int(extra[0]))
 
