@@ -13,8 +13,8 @@
  * partitions exactly (rescaling by exp(m_p - m)). The query heads that share a kv head (GQA)
  * share its K/V reads. Paths: bf16 caches on AVX-512F/BW/VL builds take
  * cpu_decode_attention_avx512.h (any head_dim and group; vdpbf16ps scores with avx512_bf16);
- * otherwise AVX2+FMA builds use the vector code of cpu_decode_attention_avx2.h for head_dim % 8 == 0 and groups 1, 2, 4, 8;
- * everything else takes the plain C loops (same arithmetic, fp32 accumulation). All three are
+ * otherwise AVX2+FMA builds use the vector code of cpu_decode_attention_avx2.h for head_dim % 8 == 0
+ * and groups 1, 2, 4, 8; everything else takes the plain C loops (same arithmetic, fp32 accumulation). All three are
  * tested on any machine that can run them (tests/test_cpu_attention.py builds lower ISA levels).
  *
  * Built at first use by kernels/cpu_build.py (plain C, no torch headers: it compiles in about a
