@@ -87,6 +87,19 @@ typedef struct {
     size_t elem;
 } Layout;
 
+/* exp(x) = 2^n exp(r), x = n ln2 + r with |r| <= ln2/2: ln2 split in two for an exact r, exp(r) by a
+ * degree-6 polynomial (relative error about 2e-7, like expf's). Shared by exp8 and exp16. */
+#define EXP_MIN_X -87.3f /* below: ~0 (softmax inputs are <= 0, so large ones never occur) */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HI 0.693359375f
+#define EXP_LN2_LO -2.12194440e-4f
+#define EXP_P6 1.9875691500e-4f
+#define EXP_P5 1.3981999507e-3f
+#define EXP_P4 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P2 1.6666665459e-1f
+#define EXP_P1 5.0000001201e-1f
+
 #ifdef PD_AVX2
 #include "cpu_decode_attention_avx2.h"
 #endif
