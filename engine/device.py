@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from engine.config import DEVICE_RE
+from kernels.host_memory import huge_empty
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -91,9 +92,12 @@ class Platform:
     def allocate_kv_caches(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                            head_dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer (docs/architecture.md, §7).
-        Zeroed, not empty: padded attention reads of unused slots must be finite."""
-        return [torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=self.device)
-                for _ in range(num_layers)]
+        Zeroed, not empty: padded attention reads of unused slots must be finite. On the CPU in huge
+        pages where the OS allows (kernels/host_memory.py): decode attention streams them."""
+        shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+        if self.is_cuda:
+            return [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        return [huge_empty(shape, dtype).zero_() for _ in range(num_layers)]
 
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of the device; only meaningful on CUDA."""

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from kernels.cpu_build import BuildError, load_library
+from kernels.host_memory import huge_empty
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_linear_bf16.c"
 DOT_SOURCE = Path(__file__).with_name("csrc") / "cpu_linear_avx512bf16.c"
@@ -121,8 +122,15 @@ class Bf16Linear(_Kernel):
         n, k = weight.shape
         padded, b = _padded(weight, bias)
         order = torch.tensor(_PANEL_ORDER)
-        packed = padded.view(-1, PANEL, k)[:, order, :].transpose(1, 2).contiguous()
+        packed = _streamed(padded.view(-1, PANEL, k)[:, order, :].transpose(1, 2))
         return PackedBf16(packed, b, n, k, Bf16Linear.layout)
+
+
+def _streamed(view: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of `view` in huge-page-backed memory: every decode step streams the weights."""
+    out = huge_empty(view.shape, view.dtype)
+    out.copy_(view)
+    return out
 
 
 class Bf16DotLinear(_Kernel):
@@ -143,7 +151,7 @@ class Bf16DotLinear(_Kernel):
         16 columns, same bytes as the weight plus the padding of the last panel."""
         n, k = weight.shape
         padded, b = _padded(weight, bias)
-        packed = padded.view(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        packed = _streamed(padded.view(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3))
         return PackedBf16(packed, b, n, k, Bf16DotLinear.layout)
 
     def __call__(self, x: torch.Tensor, weight: PackedBf16) -> torch.Tensor:
