@@ -1,8 +1,9 @@
 """One decode step of the engine at a given batch and context length, with its per-part breakdown.
 
 Default: the `bench` model, 16 requests whose prompts (576 tokens) are prefilled first
-(untimed), then --steps decode steps timed one by one (contexts ~577..600 tokens). The
-breakdown times each part's calls inside the steps: attention (the backend: cache write +
+(untimed), then --steps decode steps timed one by one (contexts ~577..600 tokens): the figure.
+Then --steps more with each part's calls timed (the wrappers cost Python time of their own, so
+these steps are not the figure): attention (the backend: cache write +
 paged attention, per layer), linear layers (qkv/o/gate-up/down projections), logits + sampling,
 and the rest (embedding, norms, RoPE, scheduling, input preparation, output processing).
 The bar: <= 25 ms per step at batch 16 with ~600-token contexts. On CPU it then prints this
@@ -50,7 +51,7 @@ def main() -> None:
     runner = engine.model_runner
     print(f"model {path}, batch {args.batch}, prompts {args.context} tokens, device {runner.device}, "
           f"attention backend {runner.attn_backend.name}", flush=True)
-    params = SamplingParams(max_tokens=args.steps + 4, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=2 * args.steps + 4, temperature=0.0, ignore_eos=True)
     for i, prompt in enumerate(prompts(args.batch, args.context, seed=3)):
         engine.add_request(f"decode-{i}", prompt, params)
     requests = list(engine.scheduler.requests.values())
@@ -62,22 +63,31 @@ def main() -> None:
     for _ in range(2):  # warm-up decode steps
         engine.step()
 
-    timer = engine_parts(runner)
-    step_ms = []
-    for _ in tqdm(range(args.steps), desc="decode steps", unit="step"):
-        start = time.perf_counter()
-        engine.step()
-        step_ms.append((time.perf_counter() - start) * 1000)
+    step_ms = _timed_steps(engine, args.steps, "decode steps")  # the figure: nothing else timed inside
+    timer = engine_parts(runner)  # from here on every part's calls are wrapped (Python time of their own)
+    parts_ms = _timed_steps(engine, args.steps, "decode steps, timed by part")
     ctx = args.context + 1 + 2
     print(f"\ndecode step, batch {args.batch}, contexts {ctx}..{ctx + args.steps - 1} tokens: "
           f"mean {statistics.mean(step_ms):.1f} ms, median {statistics.median(step_ms):.1f} ms, "
           f"min {min(step_ms):.1f} ms (bar: <= 25 ms)")
+    print(f"per part, over the next {args.steps} steps with each part's calls timed (median "
+          f"{statistics.median(parts_ms):.1f} ms: the wrappers' own time lands in the parts and 'rest'):")
     if runner.device.type == "cuda":
         print("(CUDA: the parts are host time spent launching them; the step time includes the device's work)")
-    print_parts(timer.totals, sum(step_ms) / 1000, per=args.steps)
+    print_parts(timer.totals, sum(parts_ms) / 1000, per=args.steps)
     engine.shutdown()
     if runner.device.type == "cpu":
         print(decode_floor(runner, args.batch, ctx + args.steps // 2).describe())
+
+
+def _timed_steps(engine: LLMEngine, steps: int, desc: str) -> list[float]:
+    """Wall ms of each of `steps` engine steps."""
+    step_ms = []
+    for _ in tqdm(range(steps), desc=desc, unit="step"):
+        start = time.perf_counter()
+        engine.step()
+        step_ms.append((time.perf_counter() - start) * 1000)
+    return step_ms
 
 
 if __name__ == "__main__":
