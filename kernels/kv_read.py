@@ -22,6 +22,7 @@ from kernels.cpu_build import load_library
 
 SOURCE = Path(__file__).with_name("csrc") / "kv_read.c"
 RECV_SOURCE = SOURCE.with_name("kv_recv.c")
+OBJECT_H = SOURCE.with_name("kv_object.h")  # included by both (part of their build cache key)
 _ptr, _int = ctypes.c_void_p, ctypes.c_int
 _ERROR_TEXT = 512  # bytes kept of a redis error reply
 # Reply bytes a redis load keeps requested ahead of its reader, per connection (kv_recv.c: more costs
@@ -45,7 +46,7 @@ class KVReadLibrary:
     """The compiled reader; construct once per process (it builds or loads the library)."""
 
     def __init__(self, build_dir: Path) -> None:
-        lib = load_library(SOURCE, build_dir)
+        lib = load_library(SOURCE, build_dir, depends=(OBJECT_H,))
         xxh = ctypes.CDLL(xxhash._xxhash.__file__)  # noqa: SLF001 (the module's own XXH3, already loaded)
         # XXH3_64bits_update_dispatch picks the widest vector unit this CPU has (AVX2 here: about twice
         # XXH3_64bits_update's speed, the same digest); a build without it has the plain one.
@@ -55,7 +56,7 @@ class KVReadLibrary:
                      ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset", update, "XXH3_64bits_digest")]
         lib.pd_kv_init.argtypes = [_ptr] * 5
         lib.pd_kv_init(*addresses)
-        recv = load_library(RECV_SOURCE, build_dir)
+        recv = load_library(RECV_SOURCE, build_dir, depends=(OBJECT_H,))
         recv.pd_recv_init.argtypes = [_ptr] * 5
         recv.pd_recv_init(*addresses)
         self._resp_get = recv.pd_resp_get

@@ -23,32 +23,15 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
-#define HEADER 64
-#define SUMMED 56 /* header bytes under the checksum */
-#define MAX_IOV 1024
+#include "kv_object.h"
+
 #define LINE_BUF 4096 /* framing: one line and whatever follows it in the same receive */
 #define SLICE_MS 20   /* a wait checks the gate this often */
 #define LOWAT_CAP (256 << 10) /* a wait for a value's bytes wakes once this much (or all it needs) is in */
 #define PD_ABANDONED 1
 
-typedef void *(*create_fn)(void);
-typedef int (*free_fn)(void *);
-typedef int (*reset_fn)(void *);
-typedef int (*update_fn)(void *, const void *, size_t);
-typedef uint64_t (*digest_fn)(const void *);
-
-static create_fn xxh_create;
-static free_fn xxh_free;
-static reset_fn xxh_reset;
-static update_fn xxh_update;
-static digest_fn xxh_digest;
-
 int pd_recv_init(void *create, void *free_state, void *reset, void *update, void *digest) {
-    xxh_create = (create_fn)create;
-    xxh_free = (free_fn)free_state;
-    xxh_reset = (reset_fn)reset;
-    xxh_update = (update_fn)update;
-    xxh_digest = (digest_fn)digest;
+    set_xxh3(create, free_state, reset, update, digest);
     return 0;
 }
 
