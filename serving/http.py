@@ -37,8 +37,9 @@ def api_middleware(on_outcome: Callable[[web.Request, str], None] | None = None,
     """The middleware of every OpenAI-speaking app.
 
     Handlers may set `request["outcome"]` (finish reason) and `request["summary"]` (text for the
-    log line); failures set them here. A handler that counts its outcome itself sets `request["counted"]`. `on_outcome(request, outcome)` then sees every finished
-    request (pd-serve counts them by outcome). With `api_key`, /v1/* needs `Authorization: Bearer KEY`.
+    log line); failures set them here. `on_outcome(request, outcome)` then sees every finished
+    request (pd-serve counts them by outcome) unless its handler counted it itself (it sets
+    `request["counted"]`). With `api_key`, /v1/* needs `Authorization: Bearer KEY`.
     """
     @web.middleware
     async def middleware(request: web.Request, handler) -> web.StreamResponse:

@@ -1,7 +1,8 @@
 /* The replies of a pipeline of redis GETs, received straight into a KV load's spans, with no GIL.
  *
  * Called through ctypes by kernels/kv_read.py for kvstore/redis_store.py's loads into paged KV
- * blocks (kvstore/resp.py packs the GETs and hands one of redis-py's connected sockets here). Each value of the expected size lands in its object's 64-byte header (ours) and its
+ * blocks (kvstore/resp.py packs the GETs and hands one of redis-py's connected sockets here).
+ * Each value of the expected size lands in its object's 64-byte header (ours) and its
  * spans (the blocks), and is hashed (xxh3) right behind the receive, while it is in cache. The
  * framing lines pass through a small buffer of ours.
  *
