@@ -129,6 +129,7 @@ class Node:
             logger.warning("%s node %s out of rotation: %s", self.role, self.address, reason)
         self.healthy = False
         self.last_error = reason
+        self.http_url = None  # the probe that brings it back checks its HTTP port again
 
     async def probe(self, timeout_s: float) -> None:
         """Health + Stats in one go; raises grpc.aio.AioRpcError / asyncio.TimeoutError on failure."""

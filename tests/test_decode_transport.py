@@ -198,3 +198,5 @@ def test_a_killed_node_streams_resume_elsewhere(nodes, tiny_llama, transport):
     victim.start()  # back for the next test
     nodes.wait_healthy(1, 2, timeout_s=120)
     wait_until(lambda: all(n["healthy"] for n in status(nodes.grpc_url)["decode"]), "the gRPC proxy to see both")
+    # Out of rotation dropped the HTTP route; the probe that brought the node back checked it again.
+    test_each_proxy_uses_its_transport(nodes)
