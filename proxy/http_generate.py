@@ -9,7 +9,6 @@ resumption are the same for both transports.
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import aiohttp
 import grpc
@@ -18,8 +17,6 @@ from protos import pdserve_pb2 as pb
 from serving import delta_frames as frames
 from serving.auth import bearer
 from serving.delta_frames import CallFailed
-
-logger = logging.getLogger(__name__)
 
 _DRAIN_S = 5.0  # how long a finished call may take to deliver its end before its connection is dropped
 
