@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -39,10 +40,39 @@ def console_script(name: str) -> list[str]:
     return [sys.executable, "-c", code]
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, for a child to bind a moment later.
+
+    Picked below the kernel's ephemeral range: a port asked of the kernel with bind(0) comes from
+    that range, where any outgoing connection can take it before the child binds it (CI saw a node
+    fail to start that way). Below it only explicit binds compete, and none in this process twice.
+    """
+    low, _ = _ephemeral_range()
+    top = low - 1 if low > 11000 else 65535  # an odd range: fall back to the ports above 10000
+    rng = random.Random()
+    for _ in range(2000):
+        port = rng.randint(10000, top)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port found on {HOST} between 10000 and {top}")
 
 
 def wait_for_port(port: int, timeout_s: float, host: str = HOST) -> bool:

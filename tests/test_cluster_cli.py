@@ -2,6 +2,7 @@
 stderr and a non-zero exit, before any weights are loaded."""
 from __future__ import annotations
 
+import socket
 import subprocess
 
 import pytest
@@ -37,3 +38,16 @@ def test_launcher_errors_are_one_line(tmp_path, argv, code, needle):
     assert proc.returncode == code, proc
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith(f"{argv[0]}: error: "), proc.stderr
+
+
+def test_free_ports_stay_out_of_the_kernels_ephemeral_range():
+    """Outgoing connections take ports from the ephemeral range, so a port picked there could be
+    gone before the child binds it (CI once saw a decode node fail to listen that way)."""
+    from deploy.processes import _ephemeral_range
+
+    low, high = _ephemeral_range()
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert all(10000 <= p < low for p in ports), [p for p in ports if not 10000 <= p < low]
+    with socket.socket() as s:  # each is bindable right now
+        s.bind(("127.0.0.1", ports[-1]))
