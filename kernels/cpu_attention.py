@@ -17,7 +17,8 @@ from kernels.cpu_build import load_library
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_decode_attention.c"
 # Included by SOURCE (part of the build cache key).
-HEADERS = (SOURCE.with_name("cpu_decode_attention_avx2.h"), SOURCE.with_name("cpu_decode_attention_avx512.h"))
+HEADERS = (SOURCE.with_name("cpu_decode_attention_avx2.h"), SOURCE.with_name("cpu_decode_attention_avx512.h"),
+           SOURCE.with_name("vec_exp.h"))
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_GROUP = 16  # query heads per kv head (MAX_GROUP in the C source)
 # The vector path a build takes for bf16 caches (pd_decode_attention_isa): fp32/fp16 caches take the
@@ -40,6 +41,9 @@ class CpuDecodeAttention:
         self._fn.restype = _c_int
         self._fn.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int, _c_int, _c_int, _c_int, _c_int,
                              _c_i64, _c_i64, _c_i64, _c_i64, ctypes.c_float, _c_int, _c_int]
+        self._write = lib.pd_write_kv_cache
+        self._write.restype = _c_int
+        self._write.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, _c_int]
 
     @staticmethod
     def supports(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -50,6 +54,25 @@ class CpuDecodeAttention:
                 and query.dtype == kv_cache.dtype and query.dtype in _DTYPE_CODES
                 and kv_cache.is_contiguous() and query.stride(2) == 1 and query.stride(1) == head_dim
                 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP)
+
+    def write_cache(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> bool:
+        """kernels/torch_ref.reshape_and_cache in one call; False (nothing written) when the tensors do not
+        fit it: CPU, the cache's dtype, heads dense within a row, int64 slots."""
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        row = num_kv_heads * head_dim
+        if not (key.device.type == "cpu" and key.dtype == value.dtype == kv_cache.dtype and kv_cache.is_contiguous()
+                and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+                and slot_mapping.device.type == "cpu"):
+            return False
+        for t in (key, value):
+            if t.shape[1:] != (num_kv_heads, head_dim) or t.stride(2) != 1 or t.stride(1) != head_dim:
+                return False
+        if self._write(kv_cache.data_ptr(), key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr(),
+                       slot_mapping.numel(), key.stride(0), value.stride(0), row, num_blocks * block_size,
+                       kv_cache.element_size()) != 0:
+            raise IndexError("KV cache write: a slot past the cache")
+        return True
 
     def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:

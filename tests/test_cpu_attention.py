@@ -148,3 +148,24 @@ def test_without_a_compiler_auto_falls_back_to_the_torch_reference(tmp_path, mon
     assert "CPU attention kernel could not be built" in caplog.text
     with pytest.raises(BuildError):  # named explicitly, it is an error
         select_attention_backend(torch.device("cpu"), "cpu")
+
+
+def test_cache_write_matches_the_reference_and_skips_negative_slots(kernel):
+    """The backend's one-call cache write: rows of strided K/V views (slices of a fused projection) land
+    in their slots, slots < 0 are skipped, a slot past the cache is an error and writes nothing."""
+    gen = torch.Generator().manual_seed(5)
+    kv_heads, dim = 2, 32
+    fused = torch.randn(6, 3 * kv_heads * dim, generator=gen).bfloat16()
+    key = fused[:, kv_heads * dim:2 * kv_heads * dim].view(6, kv_heads, dim)
+    value = fused[:, 2 * kv_heads * dim:].view(6, kv_heads, dim)
+    cache = torch.randn(2, 4, 8, kv_heads, dim, generator=gen).bfloat16()
+    slots = torch.tensor([3, -1, 31, 0, -1, 17])
+    want, got = cache.clone(), cache.clone()
+    torch_ref.reshape_and_cache(key, value, want, slots)
+    assert kernel.write_cache(key, value, got, slots) and torch.equal(got, want)
+    before = got.clone()
+    with pytest.raises(IndexError):
+        kernel.write_cache(key, value, got, torch.tensor([0, 1, 2, 3, 4, 32]))
+    assert torch.equal(got, before)
+    assert not kernel.write_cache(key.float(), value.float(), got, slots)  # not the cache's dtype
+    assert not kernel.write_cache(key, value, got, slots.int())

@@ -1,8 +1,10 @@
 """Llama-family decoder (Llama, Qwen2, Mistral) over paged KV.
 
 Pre-norm blocks: RMSNorm -> attention (fused qkv projection, RoPE, GQA) -> residual,
-RMSNorm -> SwiGLU MLP (fused gate/up projection) -> residual. The elementwise ops follow the
-order transformers uses, so fp32 logits agree with it to rounding.
+RMSNorm -> SwiGLU MLP (fused gate/up projection) -> residual. The elementwise steps (residual add
++ norm, RoPE, SiLU-and-multiply) live in engine/models/block_ops.py, in the order transformers uses,
+so fp32 logits agree with it to rounding. Layers pass the residual stream on beside the hidden
+states, so that each residual add happens inside the next norm.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import PagedAttention
+from engine.models import block_ops
 from engine.models.linear import Linear
 
 
@@ -24,10 +27,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); (norm(x), x) for the first layer's input."""
+        return block_ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any]]:
@@ -79,14 +81,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), -1).to(dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """x [n, heads, dim] rotated by each row's position (cos/sin from RotaryEmbedding)."""
-    cos, sin = rope
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((x2, x1), dim=-1) * sin
+        """cos, sin [n, head_dim] of each row's position."""
+        return self.cos[positions], self.sin[positions]
 
 
 class Attention(nn.Module):
@@ -105,8 +101,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         # q and k heads side by side: one rotation for both.
-        qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads,
-                                                                  self.head_dim), rope)
+        qk = block_ops.rope(qkv[:, :self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads,
+                                                                      self.head_dim), *rope)
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         out = self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], v)
         return self.o_proj(out)
@@ -122,8 +118,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.intermediate, cfg.hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(block_ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -134,9 +129,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the next norm adds the two."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, rope), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -164,11 +162,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [n, hidden] of a flattened batch (layout in the forward context)."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        x, residual = F.embedding(input_ids, self.embed_tokens), None
         rope = self.rotary(positions)
         for layer in self.layers:
-            x = layer(x, rope)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

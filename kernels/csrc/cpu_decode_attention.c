@@ -87,18 +87,7 @@ typedef struct {
     size_t elem;
 } Layout;
 
-/* exp(x) = 2^n exp(r), x = n ln2 + r with |r| <= ln2/2: ln2 split in two for an exact r, exp(r) by a
- * degree-6 polynomial (relative error about 2e-7, like expf's). Shared by exp8 and exp16. */
-#define EXP_MIN_X -87.3f /* below: ~0 (softmax inputs are <= 0, so large ones never occur) */
-#define EXP_LOG2E 1.44269504088896341f
-#define EXP_LN2_HI 0.693359375f
-#define EXP_LN2_LO -2.12194440e-4f
-#define EXP_P6 1.9875691500e-4f
-#define EXP_P5 1.3981999507e-3f
-#define EXP_P4 8.3334519073e-3f
-#define EXP_P3 4.1665795894e-2f
-#define EXP_P2 1.6666665459e-1f
-#define EXP_P1 5.0000001201e-1f
+#include "vec_exp.h" /* EXP_*: the exp scheme of exp8/exp16 */
 
 #ifdef PD_AVX2
 #include "cpu_decode_attention_avx2.h"
@@ -380,4 +369,26 @@ int pd_decode_attention_isa(void) {
 #else
     return 0;
 #endif
+}
+
+/* The cache write of a step's new tokens: key/value row t (kv_heads * head_dim elements of `elem`
+ * bytes, rows k_stride/v_stride elements apart) into slot slot_mapping[t] of the K and V halves;
+ * slots < 0 are skipped (tokens whose KV is not kept). One call per layer replaces the torch
+ * reference's mask test, two index conversions and two index_copy_ calls. -1: a slot past the cache. */
+int pd_write_kv_cache(void *kv_cache, const void *key, const void *value, const int64_t *slot_mapping,
+                      int64_t num_tokens, int64_t k_stride, int64_t v_stride, int64_t row_elems, int64_t num_slots,
+                      int elem) {
+    const size_t row = (size_t)row_elems * elem;
+    char *k_cache = kv_cache, *v_cache = (char *)kv_cache + (size_t)num_slots * row;
+    for (int64_t t = 0; t < num_tokens; t++)
+        if (slot_mapping[t] >= num_slots)
+            return -1;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t s = slot_mapping[t];
+        if (s < 0)
+            continue;
+        memcpy(k_cache + (size_t)s * row, (const char *)key + (size_t)(t * k_stride) * elem, row);
+        memcpy(v_cache + (size_t)s * row, (const char *)value + (size_t)(t * v_stride) * elem, row);
+    }
+    return 0;
 }

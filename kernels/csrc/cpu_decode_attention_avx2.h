@@ -26,7 +26,7 @@ static inline __m256 hsum8x8(const __m256 *a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
 }
 
-/* exp(x) for 8 floats (the EXP_* scheme of cpu_decode_attention.c), 2^n built in the exponent bits. */
+/* exp(x) for 8 floats (the EXP_* scheme of vec_exp.h), 2^n built in the exponent bits. */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN_X));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),

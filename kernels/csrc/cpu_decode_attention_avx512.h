@@ -213,7 +213,7 @@ static void block_pv512(const Layout *L, const float *p, const char *blk, int of
     }
 }
 
-/* exp(x) for 16 floats (the EXP_* scheme of cpu_decode_attention.c), 2^n applied by vscalefps. */
+/* exp(x) for 16 floats (the EXP_* scheme of vec_exp.h), 2^n applied by vscalefps. */
 static inline __m512 exp16(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN_X));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),

@@ -29,7 +29,8 @@ class CpuAttentionBackend(AttentionBackend):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        torch_ref.reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
+        if not self.kernel.write_cache(key, value, kv_cache, meta.slot_mapping):
+            torch_ref.reshape_and_cache(key, value, kv_cache, meta.slot_mapping)
         if not self.kernel.supports(query, kv_cache):
             return torch_ref.paged_attention(query, kv_cache, meta.block_tables, meta.query_start_loc_cpu,
                                              meta.seq_lens_cpu, scale)

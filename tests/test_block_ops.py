@@ -1,0 +1,118 @@
+"""The compiled elementwise block steps (kernels/cpu_block_ops.py) against the torch reference
+(engine/models/block_ops.py), on three builds of the same source: native, AVX2 and no AVX (the loops
+are plain C that each build vectorizes its own way).
+
+Exactness, as the C source's header states it: the residual sum and RoPE equal the reference bit for
+bit; RMSNorm and SiLU-and-multiply within a few fp32 ulps or one bf16 ulp, and mostly equal (the sum of
+squares is added in another order; SiLU has its own exp).
+"""
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from engine.models import block_ops
+from kernels.cpu_block_ops import CpuBlockOps
+from kernels.ops import use_backend
+
+BUILDS = {"native": (), "avx2": ("-mno-avx512f",), "c": ("-mno-avx",)}
+RUNNABLE = [name for name, flags in BUILDS.items() if not flags or platform.machine() in ("x86_64", "AMD64")]
+DTYPES = [torch.float32, torch.bfloat16]
+ULP = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7}
+
+
+@pytest.fixture(scope="module", params=RUNNABLE)
+def ops(request, tmp_path_factory) -> CpuBlockOps:
+    return CpuBlockOps(tmp_path_factory.mktemp("kernels"), BUILDS[request.param])
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+def _within_ulps(got: torch.Tensor, want: torch.Tensor, ulps: float) -> None:
+    bound = ulps * ULP[want.dtype] * want.float().abs() + 1e-37
+    assert ((got.float() - want.float()).abs() <= bound).all(), ((got.float() - want.float()).abs() / bound).max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (16, 1024), (7, 1000), (300, 2048)])  # 300 x 2048: threads
+def test_add_rms_norm(ops, dtype, rows, hidden):
+    x, res = _randn(rows, hidden, dtype=dtype, seed=1), _randn(rows, hidden, dtype=dtype, seed=2, scale=3)
+    weight = (torch.rand(hidden, generator=torch.Generator().manual_seed(3)) + 0.5).to(dtype)
+    want_sum = res + x
+    want = block_ops.rms_norm_ref(want_sum, weight, 1e-5)
+    stream = res.clone()
+    got, got_sum = ops.add_rms_norm(x, stream, weight, 1e-5)
+    assert got_sum.data_ptr() == stream.data_ptr() and torch.equal(got_sum, want_sum)
+    first, same = ops.add_rms_norm(x, None, weight, 1e-5)  # the first layer: no residual yet
+    assert same is x
+    for out, ref in ((got, want), (first, block_ops.rms_norm_ref(x, weight, 1e-5))):
+        # An ulp of the mean, through rsqrt and two products (fp32); in bf16 it rarely moves a rounding.
+        _within_ulps(out, ref, 4 if dtype == torch.float32 else 1)
+        assert (out == ref).float().mean() > (0.999 if dtype == torch.bfloat16 else 0.3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,head_dim", [(6, 64), (3, 128), (2, 32), (5, 6)])
+def test_rope_is_bit_exact_on_a_strided_qkv_slice(ops, dtype, heads, head_dim):
+    rows = 9
+    qkv = _randn(rows, heads * head_dim + 2 * head_dim, dtype=dtype, seed=4)
+    x = qkv[:, :heads * head_dim].view(rows, heads, head_dim)  # rows strided, heads dense
+    cos, sin = _randn(rows, head_dim, dtype=dtype, seed=5), _randn(rows, head_dim, dtype=dtype, seed=6)
+    assert torch.equal(ops.rope(x, cos, sin), block_ops.rope_ref(x, cos, sin))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 40), (16, 2816), (64, 4096)])  # 64 x 4096: threads
+def test_silu_mul(ops, dtype, rows, inter):
+    gate_up = _randn(rows, 2 * inter, dtype=dtype, seed=7, scale=4)
+    gate_up[0, :6] = torch.tensor([-100.0, -89.0, -20.0, 0.0, 20.0, 100.0])  # exp's clamps and both tails
+    got, want = ops.silu_mul(gate_up), block_ops.silu_mul_ref(gate_up)
+    _within_ulps(got, want, 4 if dtype == torch.float32 else 1)
+    assert (got == want).float().mean() > (0.99 if dtype == torch.bfloat16 else 0.8)
+    assert got[0, 0] == 0 and got[0, 3] == 0
+
+
+def test_refuses_what_it_cannot_take(ops):
+    half = torch.randn(4, 64).half()
+    assert ops.add_rms_norm(half, None, torch.ones(64).half(), 1e-5) is None
+    assert ops.silu_mul(half) is None
+    wide = torch.randn(4, 128)
+    assert ops.add_rms_norm(wide[:, ::2], None, torch.ones(64), 1e-5) is None  # columns strided
+    assert ops.add_rms_norm(wide[:, :64], None, torch.ones(64), 1e-5) is None  # rows not dense
+    assert ops.add_rms_norm(wide, torch.randn(4, 128).double(), torch.ones(128), 1e-5) is None
+    x = torch.randn(4, 2, 8)
+    assert ops.rope(x.transpose(0, 1).contiguous().transpose(0, 1), torch.randn(4, 8), torch.randn(4, 8)) is None
+    assert ops.rope(x, torch.randn(4, 8).bfloat16(), torch.randn(4, 8).bfloat16()) is None
+    assert ops.silu_mul(torch.randn(3, 5)) is None  # odd width: no gate/up halves
+
+
+def test_dispatch_uses_the_compiled_kernels_unless_torch_is_forced():
+    """The model's calls go through the kernels on CPU (the residual stream is updated in place) and
+    through the out-of-place torch reference under PDSERVE_KERNELS=torch."""
+    x, weight = torch.randn(3, 64), torch.rand(64) + 0.5
+    stream = torch.randn(3, 64)
+    _, summed = block_ops.add_rms_norm(x, stream, weight, 1e-6)
+    assert summed.data_ptr() == stream.data_ptr()
+    stream = torch.randn(3, 64)
+    before = stream.clone()
+    with use_backend("torch"):
+        _, summed = block_ops.add_rms_norm(x, stream, weight, 1e-6)
+    assert summed.data_ptr() != stream.data_ptr() and torch.equal(stream, before)
+    assert torch.equal(summed, before + x)
+
+
+def test_engine_with_torch_block_ops_matches_hf(tiny_llama, monkeypatch):
+    """The reference path the kernels are checked against is itself token-identical to HF (the default
+    path is checked in tests/test_models.py and throughout)."""
+    from serving import LLM, SamplingParams
+    from tests.connector_helpers import hf_greedy, prompt
+
+    monkeypatch.setenv("PDSERVE_KERNELS", "torch")
+    prompts = [prompt(n, seed=5) for n in (3, 33)]
+    llm = LLM(str(tiny_llama), block_size=16, kv_cache_memory="4MiB")
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == hf_greedy(tiny_llama, prompts, 4)
