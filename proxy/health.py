@@ -107,8 +107,9 @@ class Node:
         return self.stub.Generate(call)
 
     async def _check_http(self, port: int, timeout_s: float) -> None:
-        """Generate over the node's HTTP port once it answers there; a port that did not is tried again
-        after _HTTP_RETRY_S (it may still have been starting)."""
+        """Generate over the node's HTTP port once it answers there. A node in rotation whose port did not
+        answer is asked again after _HTTP_RETRY_S; one coming into rotation at the next probe (a node
+        starting up answers gRPC a moment before HTTP)."""
         base = http_base(self.address, port) if port else None
         if base == self.http_url:
             return
@@ -117,7 +118,8 @@ class Node:
                 and now - self._http_refused[1] < _HTTP_RETRY_S:
             return
         if base is not None and not await self.http.reachable(base, timeout_s):
-            self._http_refused = (base, now)
+            if self.healthy:  # a node coming into rotation may open its HTTP port just after gRPC: ask next probe
+                self._http_refused = (base, now)
             if self.http_url is None:
                 return
             base = None
