@@ -18,7 +18,7 @@ from kernels.cpu_build import load_library
 SOURCE = Path(__file__).with_name("csrc") / "cpu_decode_attention.c"
 # Included by SOURCE (part of the build cache key).
 HEADERS = (SOURCE.with_name("cpu_decode_attention_avx2.h"), SOURCE.with_name("cpu_decode_attention_avx512.h"),
-           SOURCE.with_name("vec_exp.h"))
+           SOURCE.with_name("vec_exp.h"), SOURCE.with_name("bf16.h"))
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_GROUP = 16  # query heads per kv head (MAX_GROUP in the C source)
 # The vector path a build takes for bf16 caches (pd_decode_attention_isa): fp32/fp16 caches take the

@@ -15,7 +15,7 @@ import torch
 from kernels.cpu_build import load_library
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_block_ops.c"
-HEADERS = (SOURCE.with_name("vec_exp.h"),)
+HEADERS = (SOURCE.with_name("vec_exp.h"), SOURCE.with_name("bf16.h"))
 # Round where torch rounds: no fused multiply-adds, no regrouping, signed zeros (after cpu_build.FLAGS).
 EXACT_FLAGS = ("-ffp-contract=off", "-fno-associative-math", "-fsigned-zeros")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}

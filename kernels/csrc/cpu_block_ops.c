@@ -20,24 +20,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "vec_exp.h"
 
 #define PAR_MIN_ELEMS (1 << 17) /* below: one thread (a fork/join costs more than the work) */
-
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Round to nearest even, NaN kept quiet: c10::BFloat16's conversion. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    const uint16_t rounded = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : rounded;
-}
 
 /* The value torch would store for fp32 result v in a tensor of dtype dt, as fp32. */
 static inline float round_dt(float v, int dt) { return dt ? bf16_to_f32(f32_to_bf16(v)) : v; }

@@ -40,20 +40,7 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 #define MAX_GROUP 16      /* query heads per kv head (kernels/cpu_attention.py checks) */
 #define SERIAL_WORK 16384 /* keys x query heads below which one thread does it all */
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "bf16.h"
 
 /* `n` elements of dtype `dt` at `src` as fp32 in `dst`. */
 static inline void load_row(float *restrict dst, const void *restrict src, int n, int dt) {

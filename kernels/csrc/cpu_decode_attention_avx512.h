@@ -213,23 +213,6 @@ static void block_pv512(const Layout *L, const float *p, const char *blk, int of
     }
 }
 
-/* exp(x) for 16 floats (the EXP_* scheme of vec_exp.h), 2^n applied by vscalefps. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN_X));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
-    __m512 p = _mm512_set1_ps(EXP_P6);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P1));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* scores[h][0, n) = exp(s - max), m[h] = max, l[h] = sum. */
 static void softmax512(float *scores, int H, int n, float *m, float *l) {
     for (int h = 0; h < H; h++) {
