@@ -1,0 +1,121 @@
+"""The compiled bf16 prompt attention (kernels/cpu_prefill_attention.py) against the torch reference.
+
+On a CPU with AVX512_BF16 the native build runs every case (elsewhere those cases are not generated);
+on every CPU a build without the instruction must say it cannot run and refuse calls, and the CPU
+backend must then keep torch's attention. Cases: GQA groups 1, 3, 4 and 8; head dims 64 and 128;
+prompt lengths 1, around the kernel's 16-position items and 64-key tiles, and several items long;
+query, key and value rows as views of one fused projection.
+"""
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from kernels import torch_ref
+from kernels.cpu_prefill_attention import CpuPrefillAttention
+from tests.kernels_helpers import count_calls
+
+X86 = platform.machine() in ("x86_64", "AMD64")
+NATIVE = ["native"] if torch.cpu._is_avx512_bf16_supported() else []
+SHAPES = [(4, 4, 64, 1), (8, 2, 64, 15), (8, 2, 64, 16), (8, 2, 64, 17), (12, 4, 64, 63), (12, 4, 64, 65),
+          (16, 2, 64, 100), (8, 1, 128, 257), (32, 8, 128, 64), (6, 2, 64, 600)]
+
+
+@pytest.fixture(scope="module")
+def build_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.fixture(scope="module", params=NATIVE)
+def kernel(request, build_dir) -> CpuPrefillAttention:
+    k = CpuPrefillAttention(build_dir)
+    assert k.available
+    return k
+
+
+def _fused(length: int, heads: int, kv_heads: int, head_dim: int, seed: int):
+    """q, k, v as strided views of one [length, (heads + 2 kv_heads) * head_dim] projection."""
+    qkv = torch.randn(length, (heads + 2 * kv_heads) * head_dim, generator=torch.Generator().manual_seed(seed))
+    qkv = qkv.bfloat16()
+    q = qkv[:, :heads * head_dim].view(length, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(length, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(length, kv_heads, head_dim)
+    return q, k, v
+
+
+def _reference(q, k, v, scale):
+    out = torch.empty(q.shape, dtype=q.dtype)
+    torch_ref.attend_request(q, None, None, 0, q.shape[0], q.shape[0], scale, out, (k, v))
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,length", SHAPES)
+def test_matches_the_reference(kernel, heads, kv_heads, head_dim, length):
+    q, k, v = _fused(length, heads, kv_heads, head_dim, seed=length)
+    assert kernel.supports(q, k, v)
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
+    kernel(q, k, v, head_dim ** -0.5, out)
+    want = _reference(q, k, v, head_dim ** -0.5)
+    # Same arithmetic in another order: at most a bf16 rounding apart, almost everywhere equal.
+    torch.testing.assert_close(out, want, atol=2e-2, rtol=0)
+    assert (out.float() - want.float()).abs().mean() < 1e-3
+
+
+def test_each_row_attends_only_to_its_past(kernel):
+    """Changing the keys and values of positions > i leaves rows <= i bit for bit the same."""
+    q, k, v = _fused(70, 8, 2, 64, seed=3)
+    first = torch.empty(q.shape, dtype=torch.bfloat16)
+    kernel(q, k, v, 0.125, first)
+    k2, v2 = k.clone(), v.clone()
+    k2[40:] = torch.randn(30, 2, 64).bfloat16()
+    v2[40:] = torch.randn(30, 2, 64).bfloat16()
+    second = torch.empty(q.shape, dtype=torch.bfloat16)
+    kernel(q, k2, v2, 0.125, second)
+    assert torch.equal(first[:40], second[:40]) and not torch.equal(first[40:], second[40:])
+
+
+def test_refuses_what_it_cannot_take(kernel):
+    q, k, v = _fused(8, 4, 2, 64, seed=1)
+    assert not kernel.supports(q.float(), k.float(), v.float())
+    q32, k32, v32 = _fused(8, 4, 2, 32, seed=1)  # head_dim not a multiple of 64
+    assert not kernel.supports(q32, k32, v32)
+    assert not kernel.supports(q.transpose(0, 1).contiguous().transpose(0, 1), k, v)  # heads not dense
+
+
+def test_built_without_avx512_bf16_says_so(build_dir):
+    """As on a Zen 3 (on other architectures, as it is): it compiles, reports it cannot run and refuses."""
+    k = CpuPrefillAttention(build_dir, ("-march=x86-64-v3",) if X86 else ())
+    if X86 or not torch.cpu._is_avx512_bf16_supported():
+        assert k.available is False
+        q, kk, v = _fused(4, 2, 1, 64, seed=2)
+        assert not k.supports(q, kk, v)
+        with pytest.raises(RuntimeError, match="AVX512_BF16"):
+            k(q, kk, v, 0.125, torch.empty(q.shape, dtype=torch.bfloat16))
+
+
+def test_backend_takes_it_for_fresh_bf16_prompts_only(monkeypatch):
+    """A bf16 batch of decodes, a chunk over cached history and a fresh prompt through the cpu backend:
+    the fresh prompt goes through this kernel where the CPU has AVX512_BF16 (and only it), and every
+    output row agrees with the torch reference backend."""
+    from engine.attention import build_attention_metadata, select_attention_backend
+
+    heads, kv_heads, dim, block = 8, 2, 64, 16
+    lens, q_lens = [40, 70, 33], [1, 30, 33]
+    tables = torch.tensor([[3, 9, 4, 0, 0], [10, 2, 8, 5, 11], [6, 12, 1, 0, 0]], dtype=torch.int32)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    positions = torch.cat([torch.arange(s - n, s) for s, n in zip(lens, q_lens)])
+    owner = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(q_lens))
+    meta = build_attention_metadata(starts, lens, tables, tables[owner, positions // block].long() * block
+                                    + positions % block)
+    q, k, v = _fused(starts[-1], heads, kv_heads, dim, seed=9)
+    cache = torch.randn(2, 13, block, kv_heads, dim, generator=torch.Generator().manual_seed(4)).bfloat16()
+    cpu = select_attention_backend(torch.device("cpu"), "cpu")
+    calls = count_calls([(CpuPrefillAttention, "__call__")], monkeypatch.setattr)
+    got = cpu.forward(q, k, v, cache.clone(), meta, dim ** -0.5)
+    assert calls.get("__call__", 0) == (1 if cpu.prefill_kernel.available else 0)
+    want = select_attention_backend(torch.device("cpu"), "torch").forward(q, k, v, cache.clone(), meta, dim ** -0.5)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
