@@ -1,19 +1,19 @@
 """The proxy's client for Generate over decode nodes' HTTP ports (wire format: serving/delta_frames.py).
 
-One keep-alive aiohttp session serves every node. A call reads like a grpc.aio stream to
-proxy/decode_stream.py: `read()` returns the next GenerateDelta or grpc.aio.EOF and raises
-CallFailed (which answers code() and details() like AioRpcError) where gRPC would fail the call.
-A node that dies or is cut off mid-stream is UNAVAILABLE, as over gRPC, so deadlines, retries and
-resumption are the same for both transports.
+Calls ride proxy/frame_client.py's keep-alive connections (one per stream in flight, idle ones
+reused). A call reads like a grpc.aio stream to proxy/decode_stream.py: `read()` returns the next
+GenerateDelta or grpc.aio.EOF and raises CallFailed (which answers code() and details() like
+AioRpcError) where gRPC would fail the call. A node that dies or is cut off mid-stream is
+UNAVAILABLE, as over gRPC, so deadlines, retries and resumption are the same for both transports.
 """
 from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import grpc
 
 from protos import pdserve_pb2 as pb
+from proxy.frame_client import ConnectionLost, Pool, _Conn
 from serving import delta_frames as frames
 from serving.auth import bearer
 from serving.delta_frames import CallFailed
@@ -33,100 +33,139 @@ def http_base(grpc_address: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
+def _address(base: str) -> tuple[str, int]:
+    """(host, port) of an http_base URL."""
+    host, _, port = base.removeprefix("http://").rpartition(":")
+    return host.strip("[]"), int(port)
+
+
 class HttpGenerate:
     """Opens Generate calls; `start()` inside the running loop, `close()` at shutdown."""
 
     def __init__(self, api_key: str | None, connect_s: float) -> None:
-        self._headers = {"Content-Type": frames.REQUEST_TYPE}
-        if api_key:
-            self._headers["Authorization"] = bearer(api_key)
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_s)
-        self._session: aiohttp.ClientSession | None = None
+        self._auth = f"Authorization: {bearer(api_key)}\r\n" if api_key else ""
+        self.pool = Pool(connect_s)
+        self._heads: dict[str, tuple[tuple[str, int], bytes]] = {}  # base -> (address, the head's fixed part)
 
     def start(self) -> None:
-        # No limit on connections: every stream in flight holds one (HTTP/1.1), idle ones are reused.
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=self._timeout,
-                                              auto_decompress=False)
+        """(Connections open on demand, inside the loop that uses them.)"""
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        self.pool.close()
+
+    def _node(self, base: str) -> tuple[tuple[str, int], bytes]:
+        node = self._heads.get(base)
+        if node is None:
+            address = _address(base)
+            host = base.removeprefix("http://")
+            head = (f"POST {frames.PATH} HTTP/1.1\r\nHost: {host}\r\nContent-Type: {frames.REQUEST_TYPE}\r\n"
+                    f"{self._auth}").encode()
+            node = self._heads[base] = (address, head)
+        return node
 
     async def reachable(self, base: str, timeout_s: float) -> bool:
         """Whether the node answers on its HTTP port (a firewall may let only gRPC through)."""
+        address, _ = self._node(base)
+        request = f"GET /health HTTP/1.1\r\nHost: {base.removeprefix('http://')}\r\n\r\n".encode()
+        conns: list[_Conn] = []
         try:
-            async with self._session.get(base + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-                return r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            async with asyncio.timeout(timeout_s):
+                conn = await self.pool.request(address, request, conns.append)
+                while not conn.ended:
+                    conn.check()
+                    await conn.wait()
+            self.pool.release(address, conn)
+            return conn.status == 200
+        except (ConnectionLost, OSError, TimeoutError):
+            for conn in conns:
+                conn.close()
             return False
 
     def call(self, base: str, request_id: str, request: pb.GenerateRequest) -> "FrameCall":
-        headers = {**self._headers, "X-Request-Id": request_id}
-        return FrameCall(self._session, base + frames.PATH, headers, request.SerializeToString())
+        address, head = self._node(base)
+        body = request.SerializeToString()
+        data = b"".join((head, f"X-Request-Id: {request_id}\r\nContent-Length: {len(body)}\r\n\r\n".encode(), body))
+        return FrameCall(self.pool, address, data)
 
 
 class FrameCall:
     """One Generate call; the request goes out with the first `read()`."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: bytes) -> None:
-        self._session, self._url, self._headers, self._body = session, url, headers, body
-        self._response: aiohttp.ClientResponse | None = None
+    __slots__ = ("_pool", "_address", "_data", "_conn", "_open_conn")
 
-    async def _open(self) -> aiohttp.ClientResponse:
+    def __init__(self, pool: Pool, address: tuple[str, int], data: bytes) -> None:
+        self._pool, self._address, self._data = pool, address, data
+        self._conn: _Conn | None = None  # once the answer's head is in with 200
+        self._open_conn: _Conn | None = None  # the connection the request went out on
+
+    def _taken(self, conn: _Conn) -> None:
+        if self._open_conn is not None and self._open_conn is not conn:
+            self._open_conn.close()  # (a stale one being replaced)
+        self._open_conn = conn
+
+    async def _open(self) -> _Conn:
         try:
-            response = await self._session.post(self._url, data=self._body, headers=self._headers)
-        except (aiohttp.ClientError, OSError) as e:
+            conn = await self._pool.request(self._address, self._data, self._taken)
+        except ConnectionLost as e:
+            raise CallFailed(grpc.StatusCode.UNAVAILABLE, f"connection lost before the answer ({e})"[:300]) from None
+        except OSError as e:
             raise CallFailed(grpc.StatusCode.UNAVAILABLE, f"cannot connect ({type(e).__name__}: {e})"[:300]) from None
-        if response.status != 200:
-            text = (await response.text(errors="replace"))[:2000]
-            response.release()
-            raise CallFailed(_STATUS_CODES.get(response.status, grpc.StatusCode.INTERNAL), text)
-        self._response = response
-        return response
+        except TimeoutError:  # connect_s, shorter than the read's own deadline
+            raise CallFailed(grpc.StatusCode.UNAVAILABLE,
+                             f"cannot connect within {self._pool.connect_s:g}s") from None
+        if conn.status != 200:
+            while not conn.ended and conn.lost is None:
+                await conn.wait()
+            text = bytes(conn.body[:2000]).decode(errors="replace") or f"{conn.status} {conn.reason}"
+            self._pool.release(self._address, conn)
+            self._open_conn = None
+            raise CallFailed(_STATUS_CODES.get(conn.status, grpc.StatusCode.INTERNAL), text)
+        self._conn = conn
+        return conn
 
     async def read(self) -> pb.GenerateDelta | object:
         """The next delta (an empty one is a heartbeat), grpc.aio.EOF at the end; CallFailed."""
-        response = self._response or await self._open()
-        try:
-            kind, length = frames.parse_header(await response.content.readexactly(frames.HEADER_BYTES))
-            payload = await response.content.readexactly(length) if length else b""
-        except asyncio.IncompleteReadError as e:
-            if not e.partial and response.content.at_eof():
+        conn = self._conn or await self._open()
+        body = conn.body
+        while True:
+            if len(body) >= frames.HEADER_BYTES:
+                try:
+                    kind, length = frames.parse_header(bytes(body[:frames.HEADER_BYTES]))
+                except ValueError as e:  # not our format
+                    raise CallFailed(grpc.StatusCode.INTERNAL, f"unreadable stream: {e}") from None
+                end = frames.HEADER_BYTES + length
+                if len(body) >= end:
+                    payload = bytes(body[frames.HEADER_BYTES:end])
+                    del body[:end]
+                    if kind == frames.ERROR:
+                        raise CallFailed.from_frame(payload)
+                    return pb.GenerateDelta.FromString(payload)
+            if conn.ended:
+                if body:
+                    raise CallFailed(grpc.StatusCode.UNAVAILABLE, "the stream broke off mid-frame")
                 return grpc.aio.EOF
-            raise CallFailed(grpc.StatusCode.UNAVAILABLE, "the stream broke off mid-frame") from None
-        except (aiohttp.ClientError, OSError) as e:  # the node died or the network dropped the connection
-            raise CallFailed(grpc.StatusCode.UNAVAILABLE, f"connection lost mid-stream ({type(e).__name__})") from None
-        except ValueError as e:  # not our format
-            raise CallFailed(grpc.StatusCode.INTERNAL, f"unreadable stream: {e}") from None
-        if kind == frames.ERROR:
-            raise CallFailed.from_frame(payload)
-        return pb.GenerateDelta.FromString(payload)
+            if conn.lost is not None:  # the node died or the network dropped the connection
+                raise CallFailed(grpc.StatusCode.UNAVAILABLE, f"connection lost mid-stream ({conn.lost})"[:300])
+            await conn.wait()
 
     def cancel(self) -> None:
         """Leave the call: the connection closes, and the node aborts the request."""
-        if self._response is not None:
-            self._response.close()
+        if self._open_conn is not None:
+            self._open_conn.close()
 
     def finish(self) -> None:
         """Every choice has finished: give the connection back for the next call once its end is read."""
-        response = self._response
-        if response is None:
+        conn = self._conn
+        if conn is None:
             return
-        if response.content.at_eof():  # the usual case: the last frame and the end came in one write
-            response.release()
-        else:
-            task = asyncio.get_running_loop().create_task(_drain(response))
-            _draining.add(task)  # held until done: the loop keeps only a weak reference
-            task.add_done_callback(_draining.discard)
+        if conn.ended:  # the usual case: the last frame and the end came in one write
+            self._pool.release(self._address, conn)
+            return
+        loop = asyncio.get_running_loop()
+        timer = loop.call_later(_DRAIN_S, conn.close)
 
+        def ended() -> None:
+            timer.cancel()
+            self._pool.release(self._address, conn)
 
-_draining: set[asyncio.Task] = set()
-
-
-async def _drain(response: aiohttp.ClientResponse) -> None:
-    try:
-        async with asyncio.timeout(_DRAIN_S):
-            await response.read()
-        response.release()
-    except (aiohttp.ClientError, OSError, TimeoutError):
-        response.close()
+        conn.on_end = ended

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import grpc
 import httpx
 import pytest
 
@@ -205,3 +206,45 @@ def test_a_killed_node_streams_resume_elsewhere(nodes, tiny_llama, transport):
     # Out of rotation dropped the HTTP route; the probes that bring the node back check it again (its gRPC
     # port may answer a probe before its HTTP port does: then the next probe moves it over).
     wait_until(lambda: _routes(nodes) == _routes_meant(nodes), "both proxies to route Generate as configured")
+
+
+async def _greedy_tokens(http: HttpGenerate, base: str, rid: str, max_tokens: int) -> list[int]:
+    """One Generate call over the frame client, read to its finish (the connection goes back to the pool)."""
+    params = wire.sampling_to_pb(oai.parse_request(oai.COMPLETION, json.dumps(
+        {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}).encode(), check_grammar=False))
+    call = http.call(base, rid, pb.GenerateRequest(request_id=rid, prompt=pb.Prompt(token_ids=pb.TokenIds(ids=PROMPT)),
+                                                   params=params))
+    tokens: list[int] = []
+    while (delta := await call.read()) is not grpc.aio.EOF:
+        tokens += delta.token_ids
+        if delta.finish_reason:
+            call.finish()
+            break
+    return tokens
+
+
+def test_a_keep_alive_connection_the_node_closed_is_retried_on_a_fresh_one(nodes, tiny_llama):
+    """The node restarts, closing the proxy's idle keep-alive connection, while the proxy's loop is busy: the
+    connection still looks open when the next call takes it, and that call must go out again on a new
+    connection, not fail as if the node had (UNAVAILABLE, taking it out of rotation)."""
+    node = nodes.decode[1]
+    base = f"http://127.0.0.1:{node.http_port}"
+
+    async def scenario() -> tuple[list[int], list[int], int]:
+        http = HttpGenerate(KEY, connect_s=5.0)
+        http.start()
+        try:
+            first = await _greedy_tokens(http, base, "stale-before", 3)
+            assert http.pool.num_idle(("127.0.0.1", node.http_port)) == 1  # kept for the next call
+            node.stop()  # (blocking this loop: the node's FIN waits unread on the idle connection)
+            node.start()
+            nodes.wait_healthy(1, 2, timeout_s=120)
+            second = await _greedy_tokens(http, base, "stale-after", 3)
+            return first, second, http.pool.stale_retries
+        finally:
+            await http.close()
+
+    first, second, retries = asyncio.run(scenario())
+    assert first == second == hf_greedy(tiny_llama, [PROMPT], 3)[0]
+    assert retries == 1
+    wait_until(lambda: all(n["healthy"] for n in status(nodes.grpc_url)["decode"]), "the gRPC proxy to see both")
