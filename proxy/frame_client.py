@@ -23,6 +23,8 @@ from typing import Callable
 _IDLE_S = 15.0  # an idle connection older than this is closed rather than reused (aiohttp's client default)
 _MAX_IDLE = 64  # idle connections kept per node; more are closed on release
 _MAX_HEAD = 64 * 1024  # status line + headers; a longer head is not a node's answer
+_PAUSE_BYTES = 256 * 1024  # undelivered body that stops reading from the node (a slow client) ...
+_RESUME_BYTES = 64 * 1024  # ... until the caller has taken it down to this
 
 # Body framing states of `_Conn` (ints: compared in the hot loop).
 _HEAD, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _LENGTH, _UNTIL_CLOSE, _DONE = range(8)
@@ -57,6 +59,7 @@ class _Conn(asyncio.Protocol):
         self.lost: str | None = None  # why the connection ended, once it has
         self.idle_since = 0.0
         self.on_end: Callable[[], None] | None = None  # run once the answer is complete (a drained call)
+        self.paused = False  # reading stopped until the caller catches up
         self._waiter: asyncio.Future | None = None
 
     # ------------------------------------------------------------ asyncio.Protocol
@@ -77,6 +80,9 @@ class _Conn(asyncio.Protocol):
         except (ProtocolError, ValueError) as e:
             self._fail(f"unreadable answer: {e}"[:300])
         self._wake()
+        if len(self.body) > _PAUSE_BYTES and not self.paused and self.lost is None:
+            self.paused = True
+            self.transport.pause_reading()
         if self.state == _DONE and self.on_end is not None:
             on_end, self.on_end = self.on_end, None
             on_end()
@@ -103,8 +109,20 @@ class _Conn(asyncio.Protocol):
         self.state, self.status, self.answered, self.keep_alive = _HEAD, 0, False, False
         self.transport.write(data)
 
+    def taken(self) -> None:
+        """The caller took bytes from `body`: read from the node again once little is left."""
+        if self.paused and len(self.body) <= _RESUME_BYTES:
+            self.resume()
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            if not self.transport.is_closing():
+                self.transport.resume_reading()
+
     def wait(self) -> asyncio.Future:
         """A future done at the next arrival (or loss); the caller checks state again after it."""
+        self.resume()  # (a frame larger than the pause mark needs more than is buffered)
         self._waiter = fut = self.loop.create_future()
         return fut
 
@@ -283,6 +301,7 @@ class Pool:
         if self._closed or not conn.reusable:
             conn.close()
             return
+        conn.resume()  # an idle connection must still see the node close it
         conns = self._idle.setdefault(address, [])
         if len(conns) >= _MAX_IDLE:
             conns.pop(0).close()

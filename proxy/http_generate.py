@@ -137,6 +137,8 @@ class FrameCall:
                 if len(body) >= end:
                     payload = bytes(body[frames.HEADER_BYTES:end])
                     del body[:end]
+                    if conn.paused:
+                        conn.taken()
                     if kind == frames.ERROR:
                         raise CallFailed.from_frame(payload)
                     return pb.GenerateDelta.FromString(payload)
@@ -161,6 +163,7 @@ class FrameCall:
         if conn.ended:  # the usual case: the last frame and the end came in one write
             self._pool.release(self._address, conn)
             return
+        conn.resume()  # its end may be behind frames nobody will read
         loop = asyncio.get_running_loop()
         timer = loop.call_later(_DRAIN_S, conn.close)
 

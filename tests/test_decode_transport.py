@@ -173,6 +173,10 @@ def test_a_port_that_does_not_answer_keeps_grpc(nodes):
     assert opened == f"http://127.0.0.1:{nodes.decode[0].http_port}"
 
 
+def _healthy(url: str, node) -> bool:
+    return any(n["healthy"] for n in status(url)["decode"] if n["address"] == node.grpc_address)
+
+
 @pytest.mark.parametrize("transport", ["grpc", "http"])
 def test_a_killed_node_streams_resume_elsewhere(nodes, tiny_llama, transport):
     """SIGKILL the node a stream is on after a few tokens: the client's stream goes on, exact."""
@@ -200,9 +204,12 @@ def test_a_killed_node_streams_resume_elsewhere(nodes, tiny_llama, transport):
     assert tokens == reference
     proxy = {"http": nodes.proxy, "grpc": nodes.grpc}[transport]
     assert any("resuming on" in line for line in log_lines(proxy.out_path, rid))
-    victim.start()  # back for the next test
-    nodes.wait_healthy(1, 2, timeout_s=120)
-    wait_until(lambda: all(n["healthy"] for n in status(nodes.grpc_url)["decode"]), "the gRPC proxy to see both")
+    # Both proxies see it gone before it comes back (a proxy's status from before its next probe would
+    # still say healthy), then both see it back: the next test finds two healthy nodes behind each.
+    wait_until(lambda: not any(_healthy(url, victim) for url in _proxies(nodes).values()), "both proxies to see it gone")
+    victim.start()
+    wait_until(lambda: all(_healthy(url, victim) for url in _proxies(nodes).values()), "both proxies to see it back",
+               timeout_s=120)
     # Out of rotation dropped the HTTP route; the probes that bring the node back check it again (its gRPC
     # port may answer a probe before its HTTP port does: then the next probe moves it over).
     wait_until(lambda: _routes(nodes) == _routes_meant(nodes), "both proxies to route Generate as configured")
@@ -237,8 +244,10 @@ def test_a_keep_alive_connection_the_node_closed_is_retried_on_a_fresh_one(nodes
             first = await _greedy_tokens(http, base, "stale-before", 3)
             assert http.pool.num_idle(("127.0.0.1", node.http_port)) == 1  # kept for the next call
             node.stop()  # (blocking this loop: the node's FIN waits unread on the idle connection)
+            wait_until(lambda: not any(_healthy(url, node) for url in _proxies(nodes).values()), "it to be gone")
             node.start()
-            nodes.wait_healthy(1, 2, timeout_s=120)
+            wait_until(lambda: all(_healthy(url, node) for url in _proxies(nodes).values()), "it to be back",
+                       timeout_s=120)
             second = await _greedy_tokens(http, base, "stale-after", 3)
             return first, second, http.pool.stale_retries
         finally:
@@ -247,4 +256,3 @@ def test_a_keep_alive_connection_the_node_closed_is_retried_on_a_fresh_one(nodes
     first, second, retries = asyncio.run(scenario())
     assert first == second == hf_greedy(tiny_llama, [PROMPT], 3)[0]
     assert retries == 1
-    wait_until(lambda: all(n["healthy"] for n in status(nodes.grpc_url)["decode"]), "the gRPC proxy to see both")

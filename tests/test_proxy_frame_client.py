@@ -43,6 +43,7 @@ class Scripted:
         self.answers = answers
         self.requests: list[tuple[int, bytes, bytes]] = []  # (connection number, head, body)
         self.connections = 0
+        self.answered = 0  # answers written out to the end
 
     async def start(self) -> str:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -63,6 +64,7 @@ class Scripted:
                     await writer.drain()
                     if step < len(answer):
                         await asyncio.sleep(0.002)  # separate segments: separate data_received calls
+                self.answered += 1
                 if close:
                     break
         except asyncio.IncompleteReadError:
@@ -104,7 +106,9 @@ def run(answers: list[tuple[bytes, int, bool]], calls: int, api_key: str | None 
                     results.append(await asyncio.wait_for(read_all(http, base, f"r{i}"), 10))
                 except frames.CallFailed as e:
                     results.append(e)
-                await asyncio.sleep(0.05)  # lets a close by the server reach the client
+                while server.answered <= i and server.answers:  # (a call may finish before its answer's end)
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.05)  # lets the answer's end, or a close by the server, reach the client
             return results, server, http.pool.stale_retries
         finally:
             await http.close()
@@ -124,6 +128,16 @@ def test_frames_are_decoded_across_any_segment_boundaries_and_the_connection_is_
     for line in (b"Authorization: Bearer k", b"X-Request-Id: r0", b"Content-Type: application/x-protobuf"):
         assert line in head.split(b"\r\n")
     assert pb.GenerateRequest.FromString(body_sent).request_id == "r0"
+
+
+def test_a_stream_larger_than_the_read_ahead_arrives_whole():
+    """Reading from the node pauses while much is undelivered (a slow client) and resumes as the caller
+    takes it, including for one frame larger than the pause mark."""
+    big = [pb.GenerateDelta(token_ids=[i], text=str(i) * 50_000) for i in range(1, 10)]
+    big.append(pb.GenerateDelta(token_ids=[10], text="x" * 700_000, finish_reason="length"))
+    results, _, _ = run([(OK_HEAD + chunked(b"".join(frames.delta_frame(d) for d in big), [70_000] * 20), 300_000,
+                          False)], 1)
+    assert results == [big]
 
 
 def test_an_error_status_is_the_call_s_failure_with_the_node_s_words():
