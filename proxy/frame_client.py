@@ -95,7 +95,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.lost is None:
-            self.lost = f"{type(exc).__name__}: {exc}" if exc else "closed by the node"
+            self.lost = type(exc).__name__ if exc else "closed by the node"  # (short: it ends up in client errors)
         self.keep_alive = False
         self._wake()
         if self.on_end is not None:
