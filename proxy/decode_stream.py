@@ -118,10 +118,11 @@ class DecodeStream:
                 self.num_resumes += 1
                 logger.warning("Reqid: %s, resuming on %s after %d tokens", self.request_id, node.address,
                                len(self.token_ids))
+            else:  # written once the call is on its way: off the path of its first token
+                asyncio.get_running_loop().call_soon(logger.info, "Reqid: %s, decoding on %s", self.request_id,
+                                                     node.address)
             try:
                 async for delta in self._deltas(node, call):
-                    if not self.token_ids and not self.num_resumes:
-                        logger.info("Reqid: %s, decoding on %s", self.request_id, node.address)
                     self.token_ids.extend(delta.token_ids)
                     self.num_chars += len(delta.text)
                     yield delta
