@@ -256,3 +256,4 @@ def test_a_keep_alive_connection_the_node_closed_is_retried_on_a_fresh_one(nodes
     first, second, retries = asyncio.run(scenario())
     assert first == second == hf_greedy(tiny_llama, [PROMPT], 3)[0]
     assert retries == 1
+    wait_until(lambda: _routes(nodes) == _routes_meant(nodes), "both proxies to route Generate as configured")
