@@ -2,9 +2,9 @@
 
 Per object the Python path pays about as much in interpreter work (an open, a stat, a readv of
 some 30 block pieces, some 30 hash updates, under the GIL) as the kernel pays copying its half
-megabyte; the library does the syscalls and the xxh3 passes of a whole layer in three calls
-with the GIL released, so the store's I/O threads really run side by side. kvstore/filesystem.py
-uses it when the connector hands it one (`FileSystemStore.span_reader`). Redis loads receive a
+megabyte; the library does the syscalls, the xxh3 passes and the header compares of a whole
+layer in one call with the GIL released, so the store's I/O threads really run side by side.
+kvstore/fs_read.py uses it when the connector hands it one (`FileSystemStore.span_reader`). Redis loads receive a
 layer's GET replies with it (`RedisStore.span_reader`: kv_recv.c, framing, receives into the spans
 and hashing in one call, through the load's write gate); without a C compiler the Python paths
 do the same work.
@@ -12,6 +12,8 @@ do the same work.
 from __future__ import annotations
 
 import ctypes
+import errno
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,10 +26,26 @@ SOURCE = Path(__file__).with_name("csrc") / "kv_read.c"
 RECV_SOURCE = SOURCE.with_name("kv_recv.c")
 OBJECT_H = SOURCE.with_name("kv_object.h")  # included by both (part of their build cache key)
 _ptr, _int = ctypes.c_void_p, ctypes.c_int
+SUMMED = 56  # header bytes under the checksum (kvstore/codec.py, kernels/csrc/kv_object.h)
 _ERROR_TEXT = 512  # bytes kept of a redis error reply
 # Reply bytes a redis load keeps requested ahead of its reader, per connection (kv_recv.c: more costs
 # redis-server fresh pages for its reply buffers on every load; less leaves it idle between replies).
 WINDOW_BYTES = 1 << 20
+
+
+@dataclass
+class Loaded:
+    """What pd_kv_load did with one layer's objects. status 0: read; fds[i] == -1 means object i
+    is in its spans, checked; fds[i] >= 0 is its descriptor, left open for the caller to finish it
+    (got[i] bytes of it were read, or -errno). -ENOENT: an object is missing (sizes[i] == -1, fds[i]
+    its -errno) or of another size (sizes[i]), nothing was read. PD_ABANDONED (1): the gate was
+    closed, nothing was read. Every descriptor not in fds is closed."""
+
+    status: int
+    fds: np.ndarray
+    sizes: np.ndarray
+    got: np.ndarray
+    digests: np.ndarray
 
 
 @dataclass
@@ -66,37 +84,32 @@ class KVReadLibrary:
         self._gate_close = recv.pd_gate_close
         self._gate_close.argtypes = [_ptr]
         self._gate_close.restype = ctypes.c_int64
-        self._open = lib.pd_kv_open
-        self._open.argtypes = [_int, _ptr, _ptr, _ptr]
-        self._open.restype = None
-        self._read_hash = lib.pd_kv_read_hash
-        self._read_hash.argtypes = [_int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
-        self._read_hash.restype = _int
+        self._load = lib.pd_kv_load
+        self._load.argtypes = [_int, ctypes.c_char_p, _ptr, _ptr, _ptr, _ptr, ctypes.c_char_p, _ptr, _ptr, _ptr, _ptr,
+                               _ptr]
+        self._load.restype = _int
         self._hash = lib.pd_kv_hash
         self._hash.argtypes = [_int, _ptr, _ptr, _ptr, _ptr, _ptr]
         self._hash.restype = _int
-        self._close = lib.pd_kv_close
-        self._close.argtypes = [_int, _ptr]
-        self._close.restype = None
 
-    def open(self, paths: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """(fds, sizes): each path opened read-only and its size; fds[i] < 0 is -errno."""
+    def load(self, paths: list[str], desc: np.ndarray, first: np.ndarray, bases: np.ndarray, headers: np.ndarray,
+             expect: bytes, gate: int) -> Loaded:
+        """One layer's objects (kernels/csrc/kv_read.c, pd_kv_load): each opened and its size checked, read
+        from the page cache only (never waiting for the medium) into its header (headers[64 i:64 i + 64])
+        and its spans, written only inside the gate whose words are at `gate` (0: none), hashed, and
+        its header bytes [0, 56) compared with expect[56 i:56 i + 56] and its digest with the one it
+        carries. An object that is not plainly right is left open for the caller (Loaded)."""
         n = len(paths)
-        names = (ctypes.c_char_p * n)(*[p.encode() for p in paths])
-        fds, sizes = np.empty(n, np.int32), np.zeros(n, np.int64)
-        self._open(n, ctypes.addressof(names), fds.ctypes.data, sizes.ctypes.data)
-        return fds, sizes
-
-    def read_hash(self, fds: np.ndarray, desc: np.ndarray, first: np.ndarray, bases: np.ndarray,
-                  headers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(got, digests): page-cache reads (never waiting for the medium) of every object into its
-        header (headers[64 i:64 i + 64]) and its spans, and the xxh3 of each object read whole."""
-        n = len(fds)
-        got, digests = np.empty(n, np.int64), np.empty(n, np.uint64)
-        if self._read_hash(n, fds.ctypes.data, desc.ctypes.data, first.ctypes.data, bases.ctypes.data,
-                           headers.ctypes.data, got.ctypes.data, digests.ctypes.data):
+        if len(expect) != SUMMED * n:
+            raise ValueError(f"{len(expect)} expected header bytes for {n} objects")
+        out = np.empty((3, n), np.int64)
+        digests = np.zeros(n, np.uint64)
+        status = self._load(n, os.fsencode("\0".join(paths)) + b"\0", desc.ctypes.data, first.ctypes.data,
+                            bases.ctypes.data, headers.ctypes.data, expect, gate or None, out[0].ctypes.data,
+                            out[1].ctypes.data, out[2].ctypes.data, digests.ctypes.data)
+        if status == -errno.ENOMEM:
             raise MemoryError("no xxh3 state could be allocated")
-        return got, digests
+        return Loaded(status, out[0], out[1], out[2], digests)
 
     def hash(self, desc: np.ndarray, first: np.ndarray, bases: np.ndarray, headers: np.ndarray) -> np.ndarray:
         """digests[i]: the xxh3 of header i's bytes [0, 56) and object i's spans (already filled)."""
@@ -131,6 +144,3 @@ class KVReadLibrary:
     def gate_close(self, gate: int) -> int:
         """Shut the gate whose words are at `gate`; the compiled writers still inside (wait for 0)."""
         return self._gate_close(gate)
-
-    def close(self, fds: np.ndarray) -> None:
-        self._close(len(fds), fds.ctypes.data)

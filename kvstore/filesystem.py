@@ -30,16 +30,12 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
-import torch
-
-from kvstore import codec
 from kvstore.base import Buffer, ChunkInfo, KVStore
-from kvstore.errors import CorruptObject, NotFound, StoreError, StoreTimeout, StoreUnavailable
+from kvstore.errors import NotFound, StoreError, StoreTimeout, StoreUnavailable
 from kvstore import fs_ledger
 from kvstore.fs_ledger import ChunkLedger
-from kvstore.gate import NO_GATE, WriteGate
-from kvstore.spans import SpanReader, SpanTable, advance, copy_into
+from kvstore.fs_read import FileReads, read_file
+from kvstore.spans import advance
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +47,7 @@ _FP = re.compile(r"[0-9a-f]{32}")
 ORPHAN_GRACE_S = 600.0  # an uncommitted chunk untouched this long was left by a dead writer
 
 
-class FileSystemStore(KVStore):
+class FileSystemStore(FileReads, KVStore):
     def __init__(self, root: str | os.PathLike, *, max_bytes: int | None = None, fsync: bool = False,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -60,8 +56,7 @@ class FileSystemStore(KVStore):
         self.max_bytes = max_bytes
         self.fsync = fsync
         self._nowait = hasattr(os, "RWF_NOWAIT")  # cleared the first time the filesystem refuses it
-        # Set by the connector when kernels/kv_read.py built: a layer's gated reads in three C calls.
-        self.span_reader: SpanReader | None = None
+        self.span_reader = None  # the connector's compiled reader (kvstore/fs_read.py: a layer in one call)
         self._ledger = ChunkLedger(self._root, self._walk_committed, self._marker_size) if max_bytes is not None \
             else None
         self._reconciling: threading.Thread | None = None
@@ -104,122 +99,13 @@ class FileSystemStore(KVStore):
     def _get(self, items: list[tuple[int, str]]) -> list[Buffer]:
         buffers = []
         for layer, key in items:
-            chunk = self._chunk_dir(key)
-            buffers.append(_read_file(f"{chunk}/{layer}.kv"))
+            buffers.append(read_file(f"{self._chunk_dir(key)}/{layer}.kv"))
             if layer == 0:
-                self._touch(f"{chunk}/{MARKER}")
+                self._refresh(key)
         return buffers
 
-    def _get_spans(self, items: list[tuple[int, str]], spans: list[list[memoryview]], shapes: list[tuple[int, ...]],
-                   dtype: torch.dtype, gate: WriteGate = NO_GATE) -> None:
-        header = memoryview(bytearray(codec.HEADER_SIZE))
-        for (layer, key), payload, shape in zip(items, spans, shapes):
-            chunk = self._chunk_dir(key)
-            path = f"{chunk}/{layer}.kv"
-            nbytes = sum(span.nbytes for span in payload)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                codec.check_size(path, os.fstat(fd).st_size, payload, shape, dtype, nbytes)
-                if gate is NO_GATE:
-                    _read_exact(fd, [header, *payload], path)
-                else:
-                    self._read_gated(fd, [header, *payload], codec.HEADER_SIZE + nbytes, path, gate)
-            finally:
-                os.close(fd)
-            codec.check_payload(header, payload, self.fingerprint, dtype, shape, path, key=key, layer=layer,
-                                nbytes=nbytes)
-            if layer == 0:
-                self._touch(f"{chunk}/{MARKER}")
-
-    def _get_table(self, items: list[tuple[int, str]], table: SpanTable, shapes: list[tuple[int, ...]],
-                   dtype: torch.dtype, gate: WriteGate) -> None:
-        """_get_spans through the compiled reader: open every object (outside the gate), read them from
-        the page cache and hash each while it is in cache (one call inside the gate: no I/O wait), then
-        check headers and digests. An object not wholly in the page cache (or any error) takes the
-        Python path for the rest of it, which says precisely what is wrong."""
-        reader = self.span_reader
-        if reader is None or not self._nowait or gate is NO_GATE:
-            return self._get_spans(items, table.views(), shapes, dtype, gate)
-        paths = [f"{self._chunk_dir(key)}/{layer}.kv" for layer, key in items]
-        fds, sizes = reader.open(paths)
-        try:
-            for path, fd, size, total, shape in zip(paths, fds.tolist(), sizes.tolist(), table.totals, shapes):
-                if fd < 0:
-                    raise OSError(-fd, os.strerror(-fd), path)  # FileNotFoundError for ENOENT
-                codec.check_size(path, size, [], shape, dtype, total)
-            headers = np.empty(codec.HEADER_SIZE * len(items), np.uint8)
-            with gate.writing():
-                got, digests = reader.read_hash(fds, table.desc, table.first, table.bases(), headers)
-            all_headers = memoryview(headers)
-            views = None
-            for i, ((layer, key), path, shape) in enumerate(zip(items, paths, shapes)):
-                header = all_headers[codec.HEADER_SIZE * i:codec.HEADER_SIZE * (i + 1)]
-                total = codec.HEADER_SIZE + table.totals[i]
-                done = int(got[i])
-                if done != total or not codec.header_and_digest_match(header, int(digests[i]), self.fingerprint,
-                                                                      dtype, shape, key=key, layer=layer):
-                    views = views or table.views()
-                    self._finish_object(int(fds[i]), done, [header, *views[i]], total, path, gate)
-                    codec.check_payload(header, views[i], self.fingerprint, dtype, shape, path, key=key, layer=layer,
-                                        nbytes=table.totals[i])
-                if layer == 0:
-                    self._touch(f"{self._chunk_dir(key)}/{MARKER}")
-        finally:
-            reader.close(fds)
-
-    def _finish_object(self, fd: int, done: int, views: list[memoryview], total: int, path: str,
-                       gate: WriteGate) -> None:
-        """After the compiled reader read `done` bytes of an object (-errno: an error), the rest the
-        Python way: gated RWF_NOWAIT reads, then cold reads into scratch."""
-        if done < 0:
-            if -done not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise OSError(-done, os.strerror(-done), path)
-            done = 0
-        if done < total:
-            self._read_gated(fd, advance(views, done), total - done, path, gate, done)
-
-    def _read_gated(self, fd: int, views: list[memoryview], total: int, path: str, gate: WriteGate,
-                    start: int = 0) -> None:
-        """Fill the views, writing them only inside `gate` (kvstore.gate): what the page cache holds is
-        read straight into them with RWF_NOWAIT (a copy that never waits for the medium); the rest,
-        or everything where the filesystem has no RWF_NOWAIT (NFS), is read into scratch memory
-        outside the gate, however long that takes, and then copied in inside it. `total`: the views' bytes;
-        `start`: the file offset they begin at."""
-        got = 0
-        if self._nowait:
-            gate.enter()
-            try:
-                while got < total:
-                    try:
-                        n = os.preadv(fd, views, start + got, os.RWF_NOWAIT)
-                    except BlockingIOError:  # not (all) in the page cache: read the rest outside the gate
-                        break
-                    except OSError as exc:
-                        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                            raise
-                        self._nowait = False
-                        logger.info("KV store %s: no RWF_NOWAIT reads here (%s); loads copy through scratch "
-                                    "memory", self.root, exc.strerror)
-                        break
-                    if n == 0:
-                        raise CorruptObject(f"{path}: file ended after {start + got} of {start + total} bytes")
-                    got += n
-                    if got < total:
-                        views = advance(views, n)
-            finally:
-                gate.leave()
-        if got < total:
-            views = [v for v in views if v.nbytes]
-            scratch = self._read_cold(fd, total - got, start + got, path)
-            with gate.writing():
-                copy_into(scratch, views)
-
-    def _read_cold(self, fd: int, nbytes: int, offset: int, path: str) -> memoryview:
-        """Bytes [offset, offset + nbytes) of an object in fresh scratch memory: the read that may wait
-        for the medium (a cold page cache, a hung NFS server), so it never writes a caller's spans."""
-        scratch = memoryview(bytearray(nbytes))
-        _read_exact(fd, [scratch], path, offset=offset)
-        return scratch
+    def _refresh(self, key: str) -> None:
+        self._touch(f"{self._chunk_dir(key)}/{MARKER}")
 
     def _commit(self, keys: list[str], num_layers: int) -> None:
         incomplete, committed = [], []
@@ -281,7 +167,7 @@ class FileSystemStore(KVStore):
                     path = os.path.join(chunk, name)
                     layer = int(name[:-3]) if name[:-3].isdigit() else -1  # -1: no layer binds to it
                     try:
-                        yield fp, key, layer, path, _read_file(path)
+                        yield fp, key, layer, path, read_file(path)
                     except FileNotFoundError:  # evicted while we walked
                         continue
 
@@ -416,34 +302,6 @@ class FileSystemStore(KVStore):
             return _marker_bytes(f"{self._chunk_dir(key, fp)}/{MARKER}")
         except FileNotFoundError:
             return None
-
-
-def _read_file(path: str) -> bytearray:
-    """Whole file into a fresh writable buffer (decoded copy-free by torch.frombuffer)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        buf = bytearray(os.fstat(fd).st_size)
-        got = _read_exact(fd, [memoryview(buf)], path, strict=False)
-        return buf if got == len(buf) else buf[:got]  # short: decode reports the length mismatch
-    finally:
-        os.close(fd)
-
-
-def _read_exact(fd: int, views: list[memoryview], path: str, strict: bool = True, offset: int | None = None) -> int:
-    """Fill the views from fd (readv, or preadv from `offset`, resuming after short reads); CorruptObject
-    if the file ends early and `strict`, else the number of bytes read."""
-    views = [v for v in views if v.nbytes]
-    total = sum(v.nbytes for v in views)
-    got = 0
-    while views:
-        n = os.readv(fd, views) if offset is None else os.preadv(fd, views, offset + got)
-        if n == 0:
-            if strict:
-                raise CorruptObject(f"{path}: file ended after {got} of {total} bytes")
-            return got
-        got += n
-        views = advance(views, n)
-    return got
 
 
 def _write_all(fd: int, parts: tuple[Buffer, ...]) -> None:

@@ -50,18 +50,14 @@ class SpanReader(Protocol):
     """Reads of one layer's objects from files or redis replies, one call per step
     (kernels/kv_read.KVReadLibrary)."""
 
-    def open(self, paths: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """(fds, sizes); fds[i] < 0 is -errno."""
-
-    def read_hash(self, fds: np.ndarray, desc: np.ndarray, first: np.ndarray, bases: np.ndarray,
-                  headers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(got, digests): page-cache reads only (never waiting for the medium) into headers and spans;
-        got[i] bytes read or -errno, digests[i] the xxh3 of header [0, 56) and spans of a whole object."""
+    def load(self, paths: list[str], desc: np.ndarray, first: np.ndarray, bases: np.ndarray, headers: np.ndarray,
+             expect: bytes, gate: int) -> Any:
+        """One layer's objects from files: opened, size-checked, read from the page cache only into headers
+        and spans (inside the gate whose words are at `gate`), hashed, and headers and digests compared
+        with `expect`: kernels/kv_read.Loaded (what is not plainly right comes back open)."""
 
     def hash(self, desc: np.ndarray, first: np.ndarray, bases: np.ndarray, headers: np.ndarray) -> np.ndarray:
         """digests[i]: the xxh3 of header i's bytes [0, 56) and object i's spans, already filled."""
-
-    def close(self, fds: np.ndarray) -> None: ...
 
     def resp_get(self, fd: int, commands: list[bytes], desc: np.ndarray, first: np.ndarray, bases: np.ndarray,
                  headers: np.ndarray, gate: int, timeout_ms: int) -> Any:

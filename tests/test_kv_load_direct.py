@@ -119,6 +119,14 @@ def _table_of(staging: torch.Tensor, lens: list[int]) -> SpanTable:
     return SpanTable([flat], np.array(rows, np.int64).reshape(-1, 3), np.array(first, np.int64))
 
 
+def _drop_cache(path, offset: int = 0) -> None:
+    """The page cache of a file from `offset` on (whole pages) dropped: reads of it wait for the medium."""
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, offset, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+
+
 @pytest.fixture(scope="module")
 def compiled_reader(tmp_path_factory):
     return KVReadLibrary(tmp_path_factory.mktemp("kernels"))
@@ -137,10 +145,7 @@ def loaded_store(request, tmp_path):
         store._nowait = False  # noqa: SLF001 (as on NFS: every read goes through scratch memory)
     if request.param.endswith("cold"):  # the page cache dropped: RWF_NOWAIT finds nothing, the rest is read cold
         for path in tmp_path.rglob("*.kv"):
-            fd = os.open(path, os.O_RDONLY)
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+            _drop_cache(path)
     yield store, keys, layers
     store.close()
 
@@ -169,12 +174,16 @@ def test_a_closed_gate_writes_nothing(loaded_store, form):
     assert store.get_layer_spans(0, keys, form(staging, lens), lens, WriteGate()) == staging.nbytes
 
 
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
 @pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("damage", ["payload", "header", "short", "missing"])
+@pytest.mark.parametrize("damage", ["payload", "header", "short", "long", "missing", "misplaced"])
 def test_a_bad_object_fails_its_gated_read(tmp_path, compiled_reader, compiled, damage):
-    store = open_test_store(f"file://{tmp_path}", 1)
+    store = open_test_store(f"file://{tmp_path}", 2)
     store.span_reader = compiled_reader if compiled else None
-    keys, layers = make_chunks(2 * CHUNK, 1)
+    keys, layers = make_chunks(2 * CHUNK, 2)
     write_all(store, keys, layers)
     path = next(p for p in tmp_path.rglob("0.kv") if keys[1] in str(p))
     raw = bytearray(path.read_bytes())
@@ -183,14 +192,73 @@ def test_a_bad_object_fails_its_gated_read(tmp_path, compiled_reader, compiled, 
     else:
         if damage == "short":
             raw = raw[:-4]
+        elif damage == "long":
+            raw += b"\0" * 64
+        elif damage == "misplaced":  # a valid object, of another layer: its checksum holds, its binding does not
+            raw = bytearray(path.with_name("1.kv").read_bytes())
         else:
             raw[-3 if damage == "payload" else 50] ^= 1  # 50: the binding, under the checksum
         path.write_bytes(bytes(raw))
     staging = torch.zeros(2, 2 * CHUNK, *KV_SHAPE)
     error, match = {"payload": (CorruptObject, "checksum"), "header": (CorruptObject, "checksum"),
-                    "short": (CorruptObject, "bytes"), "missing": (NotFound, "no such object")}[damage]
+                    "short": (CorruptObject, "bytes"), "long": (CorruptObject, "bytes"),
+                    "missing": (NotFound, "no such object"), "misplaced": (CorruptObject, "another chunk or layer")}[damage]
+    fds = _open_fds()
     with pytest.raises(error, match=match):
         store.get_layer_spans(0, keys, _table_of(staging, [CHUNK, CHUNK]), [CHUNK, CHUNK], WriteGate())
+    assert _open_fds() == fds  # every object's descriptor closed, the bad one's too
+    if compiled and damage in ("short", "long", "missing"):  # found before the layer is read: no byte landed
+        assert not staging.any()
+    store.close()
+
+
+def test_an_object_partly_in_the_page_cache_is_finished_in_python(tmp_path, compiled_reader):
+    """The compiled reader stops where the page cache ends (it never waits for the medium inside the gate);
+    the rest of that object is read cold into scratch and copied in, and the layer lands whole."""
+    kv_shape = (4, 64)  # 32 KiB objects: several pages each
+    store = open_store(f"file://{tmp_path}", fingerprint="cd" * 16, num_layers=1, dtype=torch.float32,
+                       kv_shape=kv_shape)
+    keys = [f"{i:02d}" + "k" * 30 for i in range(3)]
+    chunks = {key: torch.randn(2, CHUNK, *kv_shape) for key in keys}
+    write_all(store, keys, [chunks])
+    for key in keys[1:]:
+        _drop_cache(store.object_name(key, 0), 8192)
+    seen = []
+
+    class Watching:  # the compiled reader, noting what it read of each object
+        def __getattr__(self, name):
+            return getattr(compiled_reader, name)
+
+        def load(self, *args):
+            loaded = compiled_reader.load(*args)
+            seen.append(loaded.got.tolist())
+            return loaded
+
+    store.span_reader = Watching()
+    staging = torch.zeros(2, 3 * CHUNK, *kv_shape)
+    assert store.get_layer_spans(0, keys, _table_of(staging, [CHUNK] * 3), [CHUNK] * 3, WriteGate()) == staging.nbytes
+    assert torch.equal(staging, torch.cat([chunks[key] for key in keys], dim=1))
+    whole = 64 + chunks[keys[0]].nbytes  # the dropped objects stop short (where depends on the page cache's folios)
+    assert len(seen) == 1 and seen[0][0] == whole and all(got < whole for got in seen[0][1:])
+    store.close()
+
+
+def test_the_compiled_reader_writes_nothing_once_the_gate_closed_under_it(tmp_path, compiled_reader):
+    """The gate closed after the load took its words (the compiled reader checks them itself): no byte
+    lands, every descriptor is closed."""
+    store = open_test_store(f"file://{tmp_path}", 1)
+    keys, layers = make_chunks(3 * CHUNK, 1)
+    write_all(store, keys, layers)
+    staging = torch.zeros(2, 3 * CHUNK, *KV_SHAPE)
+    table = _table_of(staging, [CHUNK] * 3)
+    gate = WriteGate()
+    words = gate.native(compiled_reader.gate_close)
+    assert compiled_reader.gate_close(words) == 0  # closed, as WriteGate.close() does it
+    fds = _open_fds()
+    loaded = compiled_reader.load([store.object_name(key, 0) for key in keys], table.desc, table.first, table.bases(),
+                                  np.zeros(64 * len(keys), np.uint8), b"\0" * 56 * len(keys), words)
+    assert loaded.status == 1 and _open_fds() == fds
+    assert not staging.any()
     store.close()
 
 

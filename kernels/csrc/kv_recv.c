@@ -29,26 +29,10 @@
 #define LINE_BUF 4096 /* framing: one line and whatever follows it in the same receive */
 #define SLICE_MS 20   /* a wait checks the gate this often */
 #define LOWAT_CAP (256 << 10) /* a wait for a value's bytes wakes once this much (or all it needs) is in */
-#define PD_ABANDONED 1
 
 int pd_recv_init(void *create, void *free_state, void *reset, void *update, void *digest) {
     set_xxh3(create, free_state, reset, update, digest);
     return 0;
-}
-
-/* ---- the gate: words[0] closed, words[1] writers inside; NULL: memory the reader owns ---- */
-static int gate_enter(int64_t *words) {
-    if (!words) return 0;
-    __atomic_fetch_add(&words[1], 1, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&words[0], __ATOMIC_SEQ_CST)) {
-        __atomic_fetch_sub(&words[1], 1, __ATOMIC_SEQ_CST);
-        return -1;
-    }
-    return 0;
-}
-
-static void gate_leave(int64_t *words) {
-    if (words) __atomic_fetch_sub(&words[1], 1, __ATOMIC_SEQ_CST);
 }
 
 /* Shut the gate; returns the writers still inside (the caller waits until 0). */

@@ -1,0 +1,197 @@
+"""The file store's reads into caller memory: a load's objects straight into paged KV blocks.
+
+`FileReads` is the read half of kvstore.filesystem.FileSystemStore (split from it: that module keeps
+the layout, writes, commits and eviction). A load's bytes reach its spans only inside its write
+gate (kvstore.gate), and nothing inside the gate waits for the medium: what the page cache holds is
+read straight into the spans with RWF_NOWAIT; the rest, or everything on a filesystem without
+RWF_NOWAIT (NFS), is read into scratch memory outside the gate and copied in inside it.
+
+With the compiled reader (kernels/kv_read.py, `span_reader`) a whole layer is one call with the GIL
+released: opens and size checks, the page-cache reads of every object into its header and spans
+inside the gate, each hashed while in cache, and the header and digest compares. An object that
+is not plainly right there (not all in the page cache, damaged, of another chunk) comes back open
+and goes through the Python path below, which finishes it or says precisely what is wrong.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvstore import codec
+from kvstore.errors import CorruptObject
+from kvstore.gate import NO_GATE, LoadAbandoned, WriteGate
+from kvstore.spans import SpanReader, SpanTable, advance, copy_into
+
+logger = logging.getLogger(__name__)
+
+_ABANDONED = 1  # pd_kv_load: the gate was closed (kernels/csrc/kv_object.h, PD_ABANDONED)
+
+
+class FileReads:
+    """Reads of a FileSystemStore's objects into caller spans (mixed into it: its root, fingerprint,
+    _chunk_dir and _refresh)."""
+
+    root: Path
+    fingerprint: str | None
+    span_reader: SpanReader | None  # set by the connector when kernels/kv_read.py built: a layer in one C call
+    _nowait: bool  # whether the filesystem takes RWF_NOWAIT reads (cleared the first time it refuses one)
+
+    def _chunk_dir(self, key: str, fingerprint: str | None = None) -> str:
+        raise NotImplementedError
+
+    def _refresh(self, key: str) -> None:
+        """Advance chunk `key`'s LRU clock (a reader loaded its layer 0)."""
+        raise NotImplementedError
+
+    def _get_spans(self, items: list[tuple[int, str]], spans: list[list[memoryview]], shapes: list[tuple[int, ...]],
+                   dtype: torch.dtype, gate: WriteGate = NO_GATE) -> None:
+        header = memoryview(bytearray(codec.HEADER_SIZE))
+        for (layer, key), payload, shape in zip(items, spans, shapes):
+            chunk = self._chunk_dir(key)
+            path = f"{chunk}/{layer}.kv"
+            nbytes = sum(span.nbytes for span in payload)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                codec.check_size(path, os.fstat(fd).st_size, payload, shape, dtype, nbytes)
+                if gate is NO_GATE:
+                    read_exact(fd, [header, *payload], path)
+                else:
+                    self._read_gated(fd, [header, *payload], codec.HEADER_SIZE + nbytes, path, gate)
+            finally:
+                os.close(fd)
+            codec.check_payload(header, payload, self.fingerprint, dtype, shape, path, key=key, layer=layer,
+                                nbytes=nbytes)
+            if layer == 0:
+                self._refresh(key)
+
+    def _get_table(self, items: list[tuple[int, str]], table: SpanTable, shapes: list[tuple[int, ...]],
+                   dtype: torch.dtype, gate: WriteGate) -> None:
+        """_get_spans through the compiled reader: one call opens every object and checks its size (outside
+        the gate), reads them from the page cache into their headers and spans and hashes each while it
+        is in cache (inside the gate: no I/O wait), and compares headers and digests. An object not
+        wholly in the page cache (or not right) takes the Python path for the rest of it, which says
+        precisely what is wrong."""
+        reader = self.span_reader
+        if reader is None or not self._nowait or gate is NO_GATE:
+            return self._get_spans(items, table.views(), shapes, dtype, gate)
+        fingerprint = self.fingerprint
+        paths = [f"{self._chunk_dir(key)}/{layer}.kv" for layer, key in items]
+        expect = b"".join([codec.expected_header(fingerprint, dtype, shape, key=key, layer=layer)
+                           for (layer, key), shape in zip(items, shapes)])
+        headers = np.empty(codec.HEADER_SIZE * len(items), np.uint8)
+        loaded = reader.load(paths, table.desc, table.first, table.bases(), headers, expect,
+                             gate.native(reader.gate_close))
+        if loaded.status == _ABANDONED:
+            raise LoadAbandoned("the load was abandoned; its destination is no longer written")
+        if loaded.status == -errno.ENOENT:  # one is missing or of another size: nothing was read
+            for path, fd, size, total, shape in zip(paths, loaded.fds.tolist(), loaded.sizes.tolist(), table.totals,
+                                                    shapes):
+                if size < 0:
+                    raise OSError(-fd, os.strerror(-fd), path)  # FileNotFoundError for ENOENT
+                codec.check_size(path, size, [], shape, dtype, total)
+        if loaded.status:
+            raise OSError(-loaded.status, os.strerror(-loaded.status), paths[0])
+        left = np.flatnonzero(loaded.fds >= 0).tolist()  # open: not plainly right yet
+        try:
+            if left:
+                views, all_headers = table.views(), memoryview(headers)
+                for i in left:
+                    (layer, key), path, total = items[i], paths[i], table.totals[i]
+                    header = all_headers[codec.HEADER_SIZE * i:codec.HEADER_SIZE * (i + 1)]
+                    self._finish_object(int(loaded.fds[i]), int(loaded.got[i]), [header, *views[i]],
+                                        codec.HEADER_SIZE + total, path, gate)
+                    codec.check_payload(header, views[i], fingerprint, dtype, shapes[i], path, key=key, layer=layer,
+                                        nbytes=total)
+        finally:
+            for i in left:
+                os.close(int(loaded.fds[i]))
+        for layer, key in items:
+            if layer == 0:
+                self._refresh(key)
+
+    def _finish_object(self, fd: int, done: int, views: list[memoryview], total: int, path: str,
+                       gate: WriteGate) -> None:
+        """After the compiled reader read `done` bytes of an object (-errno: an error), the rest the
+        Python way: gated RWF_NOWAIT reads, then cold reads into scratch."""
+        if done < 0:
+            if -done not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise OSError(-done, os.strerror(-done), path)
+            done = 0
+        if done < total:
+            self._read_gated(fd, advance(views, done), total - done, path, gate, done)
+
+    def _read_gated(self, fd: int, views: list[memoryview], total: int, path: str, gate: WriteGate,
+                    start: int = 0) -> None:
+        """Fill the views, writing them only inside `gate` (kvstore.gate): what the page cache holds is
+        read straight into them with RWF_NOWAIT (a copy that never waits for the medium); the rest,
+        or everything where the filesystem has no RWF_NOWAIT (NFS), is read into scratch memory
+        outside the gate, however long that takes, and then copied in inside it. `total`: the views' bytes;
+        `start`: the file offset they begin at."""
+        got = 0
+        if self._nowait:
+            gate.enter()
+            try:
+                while got < total:
+                    try:
+                        n = os.preadv(fd, views, start + got, os.RWF_NOWAIT)
+                    except BlockingIOError:  # not (all) in the page cache: read the rest outside the gate
+                        break
+                    except OSError as exc:
+                        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                            raise
+                        self._nowait = False
+                        logger.info("KV store %s: no RWF_NOWAIT reads here (%s); loads copy through scratch "
+                                    "memory", self.root, exc.strerror)
+                        break
+                    if n == 0:
+                        raise CorruptObject(f"{path}: file ended after {start + got} of {start + total} bytes")
+                    got += n
+                    if got < total:
+                        views = advance(views, n)
+            finally:
+                gate.leave()
+        if got < total:
+            views = [v for v in views if v.nbytes]
+            scratch = self._read_cold(fd, total - got, start + got, path)
+            with gate.writing():
+                copy_into(scratch, views)
+
+    def _read_cold(self, fd: int, nbytes: int, offset: int, path: str) -> memoryview:
+        """Bytes [offset, offset + nbytes) of an object in fresh scratch memory: the read that may wait
+        for the medium (a cold page cache, a hung NFS server), so it never writes a caller's spans."""
+        scratch = memoryview(bytearray(nbytes))
+        read_exact(fd, [scratch], path, offset=offset)
+        return scratch
+
+
+def read_file(path: str) -> bytearray:
+    """Whole file into a fresh writable buffer (decoded copy-free by torch.frombuffer)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = bytearray(os.fstat(fd).st_size)
+        got = read_exact(fd, [memoryview(buf)], path, strict=False)
+        return buf if got == len(buf) else buf[:got]  # short: decode reports the length mismatch
+    finally:
+        os.close(fd)
+
+
+def read_exact(fd: int, views: list[memoryview], path: str, strict: bool = True, offset: int | None = None) -> int:
+    """Fill the views from fd (readv, or preadv from `offset`, resuming after short reads); CorruptObject
+    if the file ends early and `strict`, else the number of bytes read."""
+    views = [v for v in views if v.nbytes]
+    total = sum(v.nbytes for v in views)
+    got = 0
+    while views:
+        n = os.readv(fd, views) if offset is None else os.preadv(fd, views, offset + got)
+        if n == 0:
+            if strict:
+                raise CorruptObject(f"{path}: file ended after {got} of {total} bytes")
+            return got
+        got += n
+        views = advance(views, n)
+    return got
