@@ -15,6 +15,9 @@ loads layer 0, so reads stay ledger-free and it works across processes and machi
 every process of one directory the same max_bytes: a store opened without it does not keep
 the ledger (its chunks are counted at the next reconciling walk, every 10 minutes in the
 background, which also removes chunks that dead writers left half-written).
+
+Reads into caller memory (a load straight into paged KV blocks, through its write gate) are
+kvstore/fs_read.py's.
 """
 from __future__ import annotations
 
@@ -105,6 +108,7 @@ class FileSystemStore(FileReads, KVStore):
         return buffers
 
     def _refresh(self, key: str) -> None:
+        """A reader loaded chunk `key`'s layer 0: advance its LRU clock."""
         self._touch(f"{self._chunk_dir(key)}/{MARKER}")
 
     def _commit(self, keys: list[str], num_layers: int) -> None:
