@@ -108,8 +108,12 @@ class FileSystemStore(FileReads, KVStore):
         return buffers
 
     def _refresh(self, key: str) -> None:
-        """A reader loaded chunk `key`'s layer 0: advance its LRU clock."""
-        self._touch(f"{self._chunk_dir(key)}/{MARKER}")
+        """A reader loaded chunk `key`'s layer 0: advance its LRU clock (as _touch, without reading it back)."""
+        now = time.time_ns()
+        try:
+            os.utime(f"{self._chunk_dir(key)}/{MARKER}", ns=(now, now))
+        except OSError:  # not committed yet, or evicted: nothing to refresh
+            pass
 
     def _commit(self, keys: list[str], num_layers: int) -> None:
         incomplete, committed = [], []
