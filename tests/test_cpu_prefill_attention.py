@@ -4,7 +4,8 @@ On a CPU with AVX512_BF16 the native build runs every case (elsewhere those case
 on every CPU a build without the instruction must say it cannot run and refuse calls, and the CPU
 backend must then keep torch's attention. Cases: GQA groups 1, 3, 4 and 8; head dims 64 and 128;
 prompt lengths 1, around the kernel's 16-position items and 64-key tiles, and several items long;
-query, key and value rows as views of one fused projection.
+query, key and value rows as views of one fused projection; chunks over cached history (1 to 70
+query rows after 0 to 300 cached tokens) read from a paged cache through scattered block tables.
 """
 from __future__ import annotations
 
@@ -63,6 +64,35 @@ def test_matches_the_reference(kernel, heads, kv_heads, head_dim, length):
     assert (out.float() - want.float()).abs().mean() < 1e-3
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 4, 128)])
+@pytest.mark.parametrize("cached,chunk", [(0, 20), (15, 1), (16, 17), (100, 70), (300, 33)])
+def test_chunk_over_paged_history_matches_the_reference(kernel, heads, kv_heads, head_dim, cached, chunk):
+    block = 16
+    seq_len = cached + chunk
+    gen = torch.Generator().manual_seed(seq_len)
+    num_blocks = -(-seq_len // block)
+    cache = torch.randn(2, num_blocks + 7, block, kv_heads, head_dim, generator=gen).bfloat16()
+    table = torch.randperm(num_blocks + 7, generator=gen)[:num_blocks + 2].to(torch.int32)  # scattered, spare
+    q = _fused(chunk, heads, kv_heads, head_dim, seed=cached)[0]
+    assert kernel.supports_paged(q, cache)
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
+    kernel.paged(q, cache, table, seq_len, head_dim ** -0.5, out)
+    want = torch.empty(q.shape, dtype=torch.bfloat16)
+    torch_ref.attend_request(q, cache, table, 0, chunk, seq_len, head_dim ** -0.5, want)
+    torch.testing.assert_close(out, want, atol=2e-2, rtol=0)
+    assert (out.float() - want.float()).abs().mean() < 1e-3
+
+
+def test_paged_refuses_a_table_that_does_not_fit(kernel):
+    cache = torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)
+    q = torch.zeros(3, 4, 64, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    with pytest.raises(ValueError):
+        kernel.paged(q, cache, torch.tensor([0, 1], dtype=torch.int32), 40, 0.125, out)  # 40 tokens need 3 blocks
+    with pytest.raises(IndexError):
+        kernel.paged(q, cache, torch.tensor([0, 4], dtype=torch.int32), 20, 0.125, out)  # no block 4
+
+
 def test_each_row_attends_only_to_its_past(kernel):
     """Changing the keys and values of positions > i leaves rows <= i bit for bit the same."""
     q, k, v = _fused(70, 8, 2, 64, seed=3)
@@ -95,10 +125,10 @@ def test_built_without_avx512_bf16_says_so(build_dir):
             k(q, kk, v, 0.125, torch.empty(q.shape, dtype=torch.bfloat16))
 
 
-def test_backend_takes_it_for_fresh_bf16_prompts_only(monkeypatch):
+def test_backend_takes_it_for_bf16_prefill_chunks(monkeypatch):
     """A bf16 batch of decodes, a chunk over cached history and a fresh prompt through the cpu backend:
-    the fresh prompt goes through this kernel where the CPU has AVX512_BF16 (and only it), and every
-    output row agrees with the torch reference backend."""
+    where the CPU has AVX512_BF16 the chunk goes through `paged` and the fresh prompt through the new-rows
+    entry (once each; decodes never), and every output row agrees with the torch reference backend."""
     from engine.attention import build_attention_metadata, select_attention_backend
 
     heads, kv_heads, dim, block = 8, 2, 64, 16
@@ -114,8 +144,9 @@ def test_backend_takes_it_for_fresh_bf16_prompts_only(monkeypatch):
     q, k, v = _fused(starts[-1], heads, kv_heads, dim, seed=9)
     cache = torch.randn(2, 13, block, kv_heads, dim, generator=torch.Generator().manual_seed(4)).bfloat16()
     cpu = select_attention_backend(torch.device("cpu"), "cpu")
-    calls = count_calls([(CpuPrefillAttention, "__call__")], monkeypatch.setattr)
+    calls = count_calls([(CpuPrefillAttention, "__call__"), (CpuPrefillAttention, "paged")], monkeypatch.setattr)
     got = cpu.forward(q, k, v, cache.clone(), meta, dim ** -0.5)
-    assert calls.get("__call__", 0) == (1 if cpu.prefill_kernel.available else 0)
+    taken = 1 if cpu.prefill_kernel.available else 0
+    assert calls.get("__call__", 0) == taken and calls.get("paged", 0) == taken
     want = select_attention_backend(torch.device("cpu"), "torch").forward(q, k, v, cache.clone(), meta, dim ** -0.5)
     torch.testing.assert_close(got, want, atol=2e-2, rtol=0)

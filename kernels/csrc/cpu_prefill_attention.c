@@ -1,5 +1,6 @@
-/* Causal attention of a prompt over its own keys and values (a prefill with no cached history), bf16,
- * on CPUs with the AVX512_BF16 dot instruction.
+/* Causal attention of a prefill chunk's queries over their keys and values, bf16, on CPUs with the
+ * AVX512_BF16 dot instruction: a prompt with no cached history over its own new K/V rows, or a chunk
+ * over the paged KV cache (its history and, already written there, its own rows).
  *
  * torch's CPU scaled_dot_product_attention runs this at ~30 GFLOP/s on a 2-core Zen 4 (its bf16
  * matmuls have no dot-instruction path there), so prompt attention took a fifth of a prefill-bound
@@ -51,28 +52,43 @@ static inline uint32_t pair_at(const uint16_t *p) {
     return v;
 }
 
+/* Where key j's row is: row j of dense K/V, or its slot in the paged cache (block_table given). */
+typedef struct {
+    const uint16_t *k, *v;
+    int64_t k_stride, v_stride; /* elements between rows (dense) or slots (paged) */
+    const int32_t *block_table;
+    int block_size;
+} KvRows;
+
+static inline int64_t kv_row(const KvRows *kv, int j) {
+    return kv->block_table ? (int64_t)kv->block_table[j / kv->block_size] * kv->block_size + j % kv->block_size : j;
+}
+
 /* kp[kb][t][16][2] for kv head g: key block kb, dim pair t; keys past L are zero. */
-static void pack_k(uint16_t *kp, const uint16_t *k, int64_t k_stride, int g, int L, int nkb, int D) {
+static void pack_k(uint16_t *kp, const KvRows *kv, int g, int L, int nkb, int D) {
     const int T = D / 2;
     for (int kb = 0; kb < nkb; kb++)
         for (int j = 0; j < 16; j++) {
             const int key = kb * 16 + j;
             uint32_t *dst = (uint32_t *)kp + (size_t)kb * T * 16 + j;
-            const uint16_t *src = k + (int64_t)key * k_stride + (int64_t)g * D;
-            for (int t = 0; t < T; t++)
-                dst[t * 16] = key < L ? pair_at(src + 2 * t) : 0;
+            if (key >= L) {
+                for (int t = 0; t < T; t++) dst[t * 16] = 0;
+                continue;
+            }
+            const uint16_t *src = kv->k + kv_row(kv, key) * kv->k_stride + (int64_t)g * D;
+            for (int t = 0; t < T; t++) dst[t * 16] = pair_at(src + 2 * t);
         }
 }
 
 /* vp[jp][D][2] for kv head g: values of keys 2jp and 2jp+1 side by side; a missing last key is zero. */
-static void pack_v(uint16_t *vp, const uint16_t *v, int64_t v_stride, int g, int L, int njp, int D) {
+static void pack_v(uint16_t *vp, const KvRows *kv, int g, int L, int njp, int D) {
     for (int jp = 0; jp < njp; jp++) {
-        const uint16_t *a = v + (int64_t)(2 * jp) * v_stride + (int64_t)g * D;
-        const uint16_t *b = v + (int64_t)(2 * jp + 1) * v_stride + (int64_t)g * D;
+        const uint16_t *a = kv->v + kv_row(kv, 2 * jp) * kv->v_stride + (int64_t)g * D;
+        const uint16_t *b = 2 * jp + 1 < L ? kv->v + kv_row(kv, 2 * jp + 1) * kv->v_stride + (int64_t)g * D : NULL;
         uint16_t *dst = vp + (size_t)jp * D * 2;
         for (int d = 0; d < D; d++) {
             dst[2 * d] = a[d];
-            dst[2 * d + 1] = 2 * jp + 1 < L ? b[d] : 0;
+            dst[2 * d + 1] = b ? b[d] : 0;
         }
     }
 }
@@ -81,21 +97,21 @@ typedef struct {
     const uint16_t *q, *kp, *vp;
     uint16_t *out;
     int64_t q_stride, out_stride;
-    int L, G, D, nkb_all;
+    int L, ctx, G, D, nkb_all; /* L query rows at positions ctx..ctx+L-1, over ctx + L keys */
     float scale;
 } Job;
 
-/* Row r of item (g, qb): position qb*QB + r/G, query head g*G + r%G. */
+/* Row r of item (g, qb): query row qb*QB + r/G (position ctx + that), query head g*G + r%G. */
 static inline int64_t row_pos(int qb, int r, int G) { return (int64_t)qb * QB + r / G; }
 static inline int row_head(int g, int r, int G) { return g * G + r % G; }
 
 static void item(const Job *j, int g, int qb, float *S, uint16_t *P, float *sums) {
     const int G = j->G, D = j->D, T = D / 2;
     const int last = (qb + 1) * QB < j->L ? (qb + 1) * QB : j->L; /* one past the item's last position */
-    const int rows = (last - qb * QB) * G, nk = last;
+    const int rows = (last - qb * QB) * G, nk = j->ctx + last;
     const int nkb = (((nk + 15) / 16 + KT - 1) / KT) * KT, kpad = nkb * 16, njp = (nk + 1) / 2;
     const uint16_t *kp = j->kp + (size_t)g * j->nkb_all * T * 32;
-    const uint16_t *vp = j->vp + (size_t)g * ((j->L + 1) / 2) * D * 2;
+    const uint16_t *vp = j->vp + (size_t)g * ((j->ctx + j->L + 1) / 2) * D * 2;
     const __m512 scale = _mm512_set1_ps(j->scale);
 
     /* Scores: S[r][0, kpad) = scale * q_r . k_j. */
@@ -126,7 +142,7 @@ static void item(const Job *j, int g, int qb, float *S, uint16_t *P, float *sums
     }
     /* Softmax over each row's causal span [0, pos]; P = bf16(exp(s - max)), zero past the span. */
     for (int r = 0; r < rows; r++) {
-        const int n = (int)row_pos(qb, r, G) + 1;
+        const int n = j->ctx + (int)row_pos(qb, r, G) + 1;
         float *s = S + (size_t)r * kpad;
         uint16_t *p = P + (size_t)r * kpad;
         __m512 mx = _mm512_set1_ps(-INFINITY);
@@ -175,20 +191,25 @@ static void item(const Job *j, int g, int qb, float *S, uint16_t *P, float *sums
 }
 #endif
 
-/* out[i, h, :] = causal attention of query row (i, h) over keys/values [0, i] of kv head h / (H / KVH).
- * Rows are q_stride / k_stride / v_stride / out_stride elements apart, heads dense within a row.
+/* out[i, h, :] = causal attention of query row (i, h), at position ctx + i, over keys/values
+ * [0, ctx + i] of kv head h / (H / KVH). Rows are q_stride / out_stride elements apart, heads dense within
+ * a row. Keys/values: without a block table, rows k_stride / v_stride elements apart; with one, k and v
+ * are the cache's K and V halves ([slot][KVH][D], k_stride = v_stride = KVH * D) and key j sits in slot
+ * block_table[j / block_size] * block_size + j % block_size.
  * Returns 0; -1 when scratch could not be allocated; -2 when this build has no AVX512_BF16. */
-int pd_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *k, const uint16_t *v, int L, int H,
-                         int KVH, int D, int64_t q_stride, int64_t k_stride, int64_t v_stride, int64_t out_stride,
-                         float scale, int nthreads) {
+int pd_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *k, const uint16_t *v, int L, int ctx,
+                         int H, int KVH, int D, int64_t q_stride, int64_t k_stride, int64_t v_stride,
+                         int64_t out_stride, const int32_t *block_table, int block_size, float scale, int nthreads) {
 #ifndef PD_PREFILL
-    (void)out; (void)q; (void)k; (void)v; (void)L; (void)H; (void)KVH; (void)D; (void)q_stride; (void)k_stride;
-    (void)v_stride; (void)out_stride; (void)scale; (void)nthreads;
+    (void)out; (void)q; (void)k; (void)v; (void)L; (void)ctx; (void)H; (void)KVH; (void)D; (void)q_stride;
+    (void)k_stride; (void)v_stride; (void)out_stride; (void)block_table; (void)block_size; (void)scale;
+    (void)nthreads;
     return -2;
 #else
     if (L <= 0) return 0;
-    const int G = H / KVH, T = D / 2;
-    const int nkb_all = (((L + 15) / 16 + KT - 1) / KT) * KT, njp_all = (L + 1) / 2;
+    const int G = H / KVH, T = D / 2, nkv = ctx + L;
+    const int nkb_all = (((nkv + 15) / 16 + KT - 1) / KT) * KT, njp_all = (nkv + 1) / 2;
+    const KvRows kv = {k, v, k_stride, v_stride, block_table, block_size};
     uint16_t *kp = aligned_alloc(64, (size_t)KVH * nkb_all * T * 32 * 2 + 64);
     uint16_t *vp = aligned_alloc(64, (size_t)KVH * njp_all * D * 2 * 2 + 64);
     if (!kp || !vp) {
@@ -198,10 +219,10 @@ int pd_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *k, co
     }
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int g = 0; g < KVH; g++) {
-        pack_k(kp + (size_t)g * nkb_all * T * 32, k, k_stride, g, L, nkb_all, D);
-        pack_v(vp + (size_t)g * njp_all * D * 2, v, v_stride, g, L, njp_all, D);
+        pack_k(kp + (size_t)g * nkb_all * T * 32, &kv, g, nkv, nkb_all, D);
+        pack_v(vp + (size_t)g * njp_all * D * 2, &kv, g, nkv, njp_all, D);
     }
-    const Job job = {q, kp, vp, out, q_stride, out_stride, L, G, D, nkb_all, scale};
+    const Job job = {q, kp, vp, out, q_stride, out_stride, L, ctx, G, D, nkb_all, scale};
     const int nqb = (L + QB - 1) / QB, items = nqb * KVH, rows = QB * G, kpad = nkb_all * 16;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)

@@ -4,10 +4,11 @@ The torch reference copies every decode request's KV blocks out of paged memory 
 before attending (as many bytes copied as attention reads); this backend hands the decode rows
 (one query token each, first in the batch) to kernels/cpu_attention.py, a C kernel built at
 first use and cached under the pdserve cache dir, which walks the block tables instead.
-A prefill chunk with no cached history attends over the step's own key/value rows (not copied back
-out of paged memory): bf16 ones through kernels/cpu_prefill_attention.py where the CPU has
-AVX512_BF16 (torch's SDPA runs at a fifth of the dot instruction's speed there), otherwise and for
-chunks over cached history through the torch reference (SDPA). The torch reference stays selectable
+Prefill chunks in bf16 go through kernels/cpu_prefill_attention.py where the CPU has AVX512_BF16
+(torch's SDPA runs at a fifth of the dot instruction's speed there): a chunk with no cached history
+over the step's own key/value rows (not copied back out of paged memory), a chunk over cached
+history over the paged cache in place. Otherwise they take the torch reference (SDPA), which also
+reads a fresh prompt's own rows. The torch reference stays selectable
 (`--attention-backend torch`) and is the oracle the tests compare this backend against.
 """
 from __future__ import annotations
@@ -45,11 +46,14 @@ class CpuAttentionBackend(AttentionBackend):
         new_kv = (key, value) if key.dtype == kv_cache.dtype else None
         for b in range(nd, meta.num_reqs):
             start, q_len = starts[b], starts[b + 1] - starts[b]
+            rows = slice(start, start + q_len)
             if new_kv is not None and q_len == lens[b]:
-                rows = slice(start, start + q_len)
                 q, k, v = query[rows], key[rows], value[rows]
                 if self.prefill_kernel.supports(q, k, v):
                     self.prefill_kernel(q, k, v, scale, out[rows])
                     continue
+            elif self.prefill_kernel.supports_paged(query, kv_cache):
+                self.prefill_kernel.paged(query[rows], kv_cache, meta.block_tables[b], lens[b], scale, out[rows])
+                continue
             torch_ref.attend_request(query, kv_cache, meta.block_tables[b], start, q_len, lens[b], scale, out, new_kv)
         return out
