@@ -26,6 +26,7 @@ from kernels.host_memory import huge_empty
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_linear_bf16.c"
 DOT_SOURCE = Path(__file__).with_name("csrc") / "cpu_linear_avx512bf16.c"
+INCLUDES = {SOURCE: (SOURCE.with_name("bf16.h"),)}  # headers each source includes (part of its build's key)
 PANEL = 16  # PANEL in both C sources: output columns per weight panel
 # Bf16Linear's stored position -> column within one k of a panel: 2j holds column j, 2j+1 column j+8.
 _PANEL_ORDER = [c for j in range(PANEL // 2) for c in (j, j + PANEL // 2)]
@@ -36,7 +37,7 @@ _ARGTYPES = [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int, _c_int, _c_int, _c_i64, _c_
 
 @functools.lru_cache(maxsize=None)
 def _library(source: Path, build_dir: Path, extra_flags: tuple[str, ...]) -> ctypes.CDLL:
-    return load_library(source, build_dir, extra_flags)
+    return load_library(source, build_dir, extra_flags, INCLUDES.get(source, ()))
 
 
 def _entry(lib: ctypes.CDLL, name: str):

@@ -36,20 +36,7 @@
 #endif
 #define SERIAL_WORK 4096  /* M x N x K / 64 below which one thread does it all */
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "bf16.h"
 
 /* Stored position of column c (0..15) within one k of a panel. */
 static inline int panel_pos(int c) { return c < 8 ? 2 * c : 2 * (c - 8) + 1; }
