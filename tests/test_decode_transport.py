@@ -181,12 +181,14 @@ def _healthy(url: str, node) -> bool:
 def test_a_killed_node_streams_resume_elsewhere(nodes, tiny_llama, transport):
     """SIGKILL the node a stream is on after a few tokens: the client's stream goes on, exact."""
     rid = f"killed-{transport}"
-    body = {"prompt": PROMPT, "max_tokens": 60, "ignore_eos": True, "temperature": 0, "stream": True,
+    # Long enough that the node is still decoding when the client has read 5 tokens (a tiny model
+    # streams 60 tokens faster than a loaded test process reads them).
+    body = {"prompt": PROMPT, "max_tokens": 600, "ignore_eos": True, "temperature": 0, "stream": True,
             "return_token_ids": True}
     code, whole = _post(nodes.url, {**body, "stream": False}, f"{rid}-reference")
     assert code == 200
     reference = whole["choices"][0]["token_ids"]
-    assert len(reference) == 60
+    assert len(reference) == 600
     tokens: list[int] = []
     killed = False
     with httpx.stream("POST", _proxies(nodes)[transport] + "/v1/completions", json=body,
