@@ -78,8 +78,9 @@ def kv_bytes_per_token(model: Path) -> int:
 def bench_pdserve(model: Path, w: Workload, repeats: int, max_num_batched_tokens: int) -> tuple[float, list]:
     # KV for the whole batch (no preemption) with room to spare.
     kv_bytes = kv_bytes_per_token(model) * w.num_requests * (w.prompt_len + w.output_len + 64)
+    # No prefix caching, as for vLLM (vllm_worker.py): a repeat of the same prompts would skip their prefill.
     llm = LLM(str(model), kv_cache_memory=max(kv_bytes, 256 << 20), max_num_seqs=w.num_requests,
-              max_num_batched_tokens=max_num_batched_tokens)
+              max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False)
     run_ours(llm, prompts(2, 32, seed=1), 4)
     best = min((run_ours(llm, w.batch(), w.output_len) for _ in range(repeats)), key=lambda r: r[0])
     llm.engine.shutdown()
