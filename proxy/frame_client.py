@@ -30,6 +30,18 @@ _RESUME_BYTES = 64 * 1024  # ... until the caller has taken it down to this
 _HEAD, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _LENGTH, _UNTIL_CLOSE, _DONE = range(8)
 
 
+
+def _take_through(raw: bytearray, end_mark: bytes, what: str) -> bytes | None:
+    """The bytes before `end_mark`, removed from `raw` with it; None until it has arrived."""
+    end = raw.find(end_mark)
+    if end < 0:
+        if len(raw) > _MAX_HEAD:
+            raise ProtocolError(f"{what} too long")
+        return None
+    taken = bytes(raw[:end])
+    del raw[:end + len(end_mark)]
+    return taken
+
 class ProtocolError(Exception):
     """The node's bytes are not an HTTP/1.1 answer this client understands."""
 
@@ -169,18 +181,17 @@ class _Conn(asyncio.Protocol):
                     return
                 self.state = _CHUNK_END if state == _CHUNK_DATA else _DONE
             elif state == _CHUNK_SIZE or state == _TRAILER:
-                end = raw.find(b"\r\n")
-                if end < 0:
-                    if len(raw) > _MAX_HEAD:
-                        raise ProtocolError("chunk header too long")
+                line = _take_through(raw, b"\r\n", "chunk header")
+                if line is None:
                     return
-                line = bytes(raw[:end])
-                del raw[:end + 2]
                 if state == _TRAILER:
                     if not line:
                         self.state = _DONE
                     continue
-                self.remaining = int(line.split(b";", 1)[0], 16)
+                try:
+                    self.remaining = int(line.split(b";", 1)[0], 16)
+                except ValueError:
+                    raise ProtocolError(f"bad chunk size {line[:40]!r}") from None
                 self.state = _CHUNK_DATA if self.remaining else _TRAILER
             elif state == _CHUNK_END:
                 if len(raw) < 2:
@@ -190,13 +201,9 @@ class _Conn(asyncio.Protocol):
                 del raw[:2]
                 self.state = _CHUNK_SIZE
             elif state == _HEAD:
-                end = raw.find(b"\r\n\r\n")
-                if end < 0:
-                    if len(raw) > _MAX_HEAD:
-                        raise ProtocolError("head too long")
+                head = _take_through(raw, b"\r\n\r\n", "head")
+                if head is None:
                     return
-                head = bytes(raw[:end])
-                del raw[:end + 4]
                 self._head(head)
             elif state == _UNTIL_CLOSE:
                 self.body += raw
