@@ -159,12 +159,12 @@ class ModelRunner:
 
     # ---- one step ----
     def _forward(self, inputs: StepInputs, kv_caches: list[torch.Tensor], connector: KVConnectorBase | None = None,
-                 connector_metadata: Any = None) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] of the whole batch."""
+                 connector_metadata: Any = None, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] of the whole batch, or of `keep_rows` only."""
         ctx = ForwardContext(attn_metadata=inputs.attn_metadata, kv_caches=kv_caches, attn_backend=self.attn_backend,
                              connector=connector, connector_metadata=connector_metadata)
         with set_forward_context(ctx):
-            return self.model(inputs.input_ids, inputs.positions)
+            return self.model(inputs.input_ids, inputs.positions, keep_rows)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -180,7 +180,13 @@ class ModelRunner:
         inputs = self.inputs.prepare(so)
         if connector is not None:
             connector.start_load_kv(so.kv_connector_metadata)
-        hidden = self._forward(inputs, self.kv_caches, connector, so.kv_connector_metadata)
+        # Only the sampled rows go past the last layer's attention (docs/architecture.md, "Last-layer
+        # rows"), unless prompt logprobs need every row or every row is sampled anyway.
+        prompt_logprobs = any(r.needs_prompt_logprobs for r in inputs.requests)
+        all_rows = prompt_logprobs or len(inputs.sample_rows) == so.total_num_scheduled_tokens
+        hidden = self._forward(inputs, self.kv_caches, connector, so.kv_connector_metadata,
+                               None if all_rows else inputs.logits_indices)
+        sampled = hidden[inputs.logits_indices] if all_rows else hidden  # one row per sample_rows entry
         output = ModelRunnerOutput()
         if connector is not None:
             self._finish_connector_step(so, output)
@@ -188,11 +194,10 @@ class ModelRunner:
         # Rows whose KV load failed are recomputed by the scheduler: their token would be wrong.
         reqs = [inputs.requests[b] for b in inputs.sample_rows]
         keep = [i for i, r in enumerate(reqs) if r.request_id not in failed]
-        if any(r.needs_prompt_logprobs for r in inputs.requests):
+        if prompt_logprobs:
             self._prompt_logprobs(so, inputs, hidden, output)
         if keep:
-            rows = inputs.logits_indices if len(keep) == len(reqs) else inputs.logits_indices[keep]
-            logits = self.model.compute_logits(hidden[rows])
+            logits = self.model.compute_logits(sampled if len(keep) == len(reqs) else sampled[keep])
             kept = [reqs[i] for i in keep]
             # Choice 0 of an n > 1 request finishing its prompt: its forks sample from the same logits.
             forked = [(row, f) for row, r in enumerate(kept) for f in r.forks]

@@ -205,6 +205,50 @@ def test_failed_load_drops_sampled_token(tiny_llama):
     assert set(out.sampled_token_ids) == {"y"}
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_last_layer_runs_only_the_kept_rows_past_attention(tmp_path, dtype):
+    """keep_rows (engine/model_runner.py passes the sampled rows): the kept rows' hidden states are the
+    full forward's rows, and every row's K/V still reaches every layer's cache, even with no row kept."""
+    path = make_model(tmp_path / "m", dtype=dtype)
+    a, b = Request("a", prompt(21, 1), SamplingParams()), Request("b", prompt(9, 2), SamplingParams())
+    so = SchedulerOutput([a, b], {"a": 21, "b": 9}, {"a": [3, 5], "b": [1]}, 30)
+
+    def forward(keep: list[int] | None):
+        runner = make_runner(path)
+        inputs = runner.inputs.prepare(so)
+        with torch.inference_mode(), set_forward_context(ForwardContext(inputs.attn_metadata, runner.kv_caches,
+                                                                        runner.attn_backend)):
+            rows = None if keep is None else torch.tensor(keep, dtype=torch.long)
+            return runner.model(inputs.input_ids, inputs.positions, rows), runner.kv_caches
+
+    full, full_caches = forward(None)
+    tol = {"atol": ATOL, "rtol": 0} if dtype == "float32" else {"atol": 2e-2, "rtol": 2e-2}
+    for keep in ([20, 29], [29, 4, 0], []):
+        hidden, caches = forward(keep)
+        assert hidden.shape == (len(keep), full.shape[1])
+        torch.testing.assert_close(hidden, full[keep], **tol)
+        assert all(torch.equal(c, f) for c, f in zip(caches, full_caches))
+        assert all(c[:, 1].abs().sum() > 0 for c in caches)  # b's block was written in every layer
+
+
+def test_prefill_steps_sample_hf_tokens_with_the_last_layer_pruned(tiny_llama):
+    """A mixed step (a decode, a prompt's middle chunk, a whole prompt) through execute_model: only the
+    sampled rows pass the last layer, and the sampled tokens are HF's greedy ones."""
+    runner = make_runner(tiny_llama)
+    a = Request("a", prompt(33, 3), SamplingParams(temperature=0))
+    b = Request("b", prompt(18, 4), SamplingParams(temperature=0))
+    c = Request("c", prompt(40, 5), SamplingParams(temperature=0))
+    tables = {"a": [0, 1, 2], "b": [3, 4], "c": [5, 6, 7]}
+    out = runner.execute_model(SchedulerOutput([a, c], {"a": 33, "c": 16}, tables, 49))
+    assert set(out.sampled_token_ids) == {"a"}  # c's first chunk samples nothing
+    a.num_computed_tokens, c.num_computed_tokens = 33, 16
+    a.append_output_token(out.sampled_token_ids["a"])
+    out2 = runner.execute_model(SchedulerOutput([a, b, c], {"a": 1, "b": 18, "c": 24}, tables, 43))
+    expected = {r.request_id: int(hf_logits(tiny_llama, r.all_token_ids)[-1].argmax()) for r in (a, b, c)}
+    assert out.sampled_token_ids["a"] == int(hf_logits(tiny_llama, a.prompt_token_ids)[-1].argmax())
+    assert out2.sampled_token_ids == expected
+
+
 def test_unsupported_architecture_is_one_line_error(tmp_path, tiny_llama):
     shutil.copytree(tiny_llama, tmp_path / "m")
     config = json.loads((tmp_path / "m" / "config.json").read_text())

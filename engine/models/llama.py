@@ -129,11 +129,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's MLP output, the residual stream before it): the next norm adds the two."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                keep_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the next norm adds the two.
+
+        With `keep_rows`, every row still goes through attention (its K/V is written to the cache),
+        but only those rows go on through o_proj's residual, the norm and the MLP, in that order."""
         h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, rope), residual)
+        h = self.self_attn(h, rope)
+        if keep_rows is not None:
+            h, residual = h[keep_rows], residual[keep_rows]
+        h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
 
@@ -160,12 +166,19 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Hidden states [n, hidden] of a flattened batch (layout in the forward context)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [n, hidden] of a flattened batch (layout in the forward context); with
+        `keep_rows`, only those rows' [len(keep_rows), hidden], in that order.
+
+        Rows are independent after the last layer's attention: a prompt's rows whose logits nobody
+        reads need their K/V from every layer, but not the last layer's MLP (docs/architecture.md,
+        "Last-layer rows")."""
         x, residual = F.embedding(input_ids, self.embed_tokens), None
         rope = self.rotary(positions)
-        for layer in self.layers:
-            x, residual = layer(x, residual, rope)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, rope, keep_rows if i == last else None)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
