@@ -22,7 +22,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +35,19 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
 
 class BuildError(RuntimeError):
     """No compiler, or the compiler failed: the caller falls back to the torch reference."""
+
+
+T = TypeVar("T")
+
+
+def build_or_none(make: Callable[[], T], what: str, fallback: str) -> T | None:
+    """`make()` (a kernel wrapper that builds its library), or None with one warning saying what is
+    used instead. Callers cache the answer, so a process tries one build and warns at most once."""
+    try:
+        return make()
+    except BuildError as exc:
+        logger.warning("%s unavailable (%s); %s", what, str(exc).splitlines()[0], fallback)
+        return None
 
 
 def _cpu_identity() -> str:

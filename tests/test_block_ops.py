@@ -116,3 +116,18 @@ def test_engine_with_torch_block_ops_matches_hf(tiny_llama, monkeypatch):
     llm = LLM(str(tiny_llama), block_size=16, kv_cache_memory="4MiB")
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == hf_greedy(tiny_llama, prompts, 4)
+
+
+def test_a_machine_without_a_working_compiler_gets_none_and_one_warning(tmp_path, monkeypatch, caplog):
+    """kernels/cpu_build.py's build_or_none, as every kernel's first use calls it: the caller falls back."""
+    from kernels.cpu_build import build_or_none
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with caplog.at_level("WARNING", logger="kernels.cpu_build"):
+        got = build_or_none(lambda: CpuBlockOps(tmp_path / "kernels"), "compiled block ops", "torch ops instead")
+    assert got is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and warnings[0].startswith("compiled block ops unavailable (compiler ")
+    assert warnings[0].endswith("; torch ops instead")
+    monkeypatch.delenv("CC")
+    assert build_or_none(lambda: CpuBlockOps(tmp_path / "kernels"), "compiled block ops", "-") is not None

@@ -11,13 +11,10 @@ PDSERVE_KERNELS=torch (kernels/ops.py) use the reference.
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 
 from kernels.ops import requested_backend
-
-logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=1)
@@ -25,14 +22,10 @@ def _compiled():
     """The compiled CPU kernels, or None (one build attempt and at most one warning per process)."""
     from engine.builtin_model import cache_dir
     from kernels.cpu_block_ops import CpuBlockOps
-    from kernels.cpu_build import BuildError
+    from kernels.cpu_build import build_or_none
 
-    try:
-        return CpuBlockOps(cache_dir() / "kernels")
-    except BuildError as exc:
-        logger.warning("compiled block ops unavailable (%s); norms, RoPE and SiLU use torch ops",
-                       str(exc).splitlines()[0])
-        return None
+    return build_or_none(lambda: CpuBlockOps(cache_dir() / "kernels"), "compiled block ops",
+                         "norms, RoPE and SiLU use torch ops")
 
 
 def _kernels(x: torch.Tensor):

@@ -26,13 +26,10 @@ plain `F.linear`. The choice for bfloat16 weights, per CPU:
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 _PACKABLE = (torch.float32, torch.bfloat16)
 
@@ -44,16 +41,12 @@ def _dot_kernel():
     if not (torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()):
         return None
     from engine.builtin_model import cache_dir
-    from kernels.cpu_build import BuildError
+    from kernels.cpu_build import build_or_none
     from kernels.cpu_linear import Bf16DotLinear
 
-    try:
-        kernel = Bf16DotLinear(cache_dir() / "kernels")
-    except BuildError as exc:
-        logger.warning("bf16 dot kernel unavailable (%s); bf16 layers use oneDNN's packed bf16",
-                       str(exc).splitlines()[0])
-        return None
-    return kernel if kernel.available else None
+    kernel = build_or_none(lambda: Bf16DotLinear(cache_dir() / "kernels"), "bf16 dot kernel",
+                           "bf16 layers use oneDNN's packed bf16")
+    return kernel if kernel is not None and kernel.available else None
 
 
 @functools.lru_cache(maxsize=1)
@@ -61,15 +54,11 @@ def _bf16_kernel():
     """The bf16 linear kernel, or None when it cannot be built here (no C compiler): one build
     attempt and at most one warning per process."""
     from engine.builtin_model import cache_dir
-    from kernels.cpu_build import BuildError
+    from kernels.cpu_build import build_or_none
     from kernels.cpu_linear import Bf16Linear
 
-    try:
-        return Bf16Linear(cache_dir() / "kernels")
-    except BuildError as exc:
-        logger.warning("bf16 linear kernel unavailable (%s); bf16 layers use an fp32 packed copy",
-                       str(exc).splitlines()[0])
-        return None
+    return build_or_none(lambda: Bf16Linear(cache_dir() / "kernels"), "bf16 linear kernel",
+                         "bf16 layers use an fp32 packed copy")
 
 
 class Linear(nn.Module):
