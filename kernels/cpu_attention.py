@@ -50,8 +50,7 @@ class CpuDecodeAttention:
         """CPU tensors of one supported dtype, heads dense within a query row, a contiguous cache."""
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = kv_cache.shape[3]
-        return (query.device.type == "cpu" and kv_cache.device.type == "cpu"
-                and query.dtype == kv_cache.dtype and query.dtype in _DTYPE_CODES
+        return (query.is_cpu and kv_cache.is_cpu and query.dtype == kv_cache.dtype and query.dtype in _DTYPE_CODES
                 and kv_cache.is_contiguous() and query.stride(2) == 1 and query.stride(1) == head_dim
                 and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP)
 
@@ -61,9 +60,8 @@ class CpuDecodeAttention:
         fit it: CPU, the cache's dtype, heads dense within a row, int64 slots."""
         _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
         row = num_kv_heads * head_dim
-        if not (key.device.type == "cpu" and key.dtype == value.dtype == kv_cache.dtype and kv_cache.is_contiguous()
-                and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
-                and slot_mapping.device.type == "cpu"):
+        if not (key.is_cpu and key.dtype == value.dtype == kv_cache.dtype and kv_cache.is_contiguous()
+                and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() and slot_mapping.is_cpu):
             return False
         for t in (key, value):
             if t.shape[1:] != (num_kv_heads, head_dim) or t.stride(2) != 1 or t.stride(1) != head_dim:

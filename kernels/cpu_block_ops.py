@@ -44,10 +44,16 @@ class CpuBlockOps:
 
     @staticmethod
     def _code(*tensors: torch.Tensor) -> int | None:
+        """The C code's dtype code when every tensor is a CPU tensor of one supported dtype, else None
+        (a plain loop: a decode step makes ~50 of these calls)."""
         dtype = tensors[0].dtype
-        if dtype not in _DTYPE_CODES or any(t.device.type != "cpu" or t.dtype != dtype for t in tensors):
+        code = _DTYPE_CODES.get(dtype)
+        if code is None:
             return None
-        return _DTYPE_CODES[dtype]
+        for t in tensors:
+            if t.dtype != dtype or not t.is_cpu:
+                return None
+        return code
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:

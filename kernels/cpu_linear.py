@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -56,6 +56,13 @@ class PackedBf16:
     out_features: int
     in_features: int
     layout: str
+    # The addresses every call passes (the tensors never move): read once, not per call.
+    panels_ptr: int = field(init=False)
+    bias_ptr: int | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.panels_ptr = self.panels.data_ptr()
+        self.bias_ptr = None if self.bias is None else self.bias.data_ptr()
 
 
 def _padded(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -74,6 +81,7 @@ def _padded(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tens
 class _Kernel:
     layout = ""
     k_multiple = 1
+    available = True  # whether this build can run on this CPU (see Bf16DotLinear)
 
     def __init__(self, fn) -> None:
         self._fn = fn
@@ -84,13 +92,16 @@ class _Kernel:
                 and weight.shape[1] % cls.k_multiple == 0 and weight.shape[1] > 0 and weight.shape[0] > 0)
 
     def __call__(self, x: torch.Tensor, weight: PackedBf16) -> torch.Tensor:
-        """x [M, K] bf16 (any M; rows may be strided) -> [M, N] bf16."""
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.dim() != 2:
+        """x [M, K] bf16 (any M; rows may be strided) -> [M, N] bf16. A decode step makes ~50 of these
+        calls: the checks below are the cheap ones that keep the C code's assumptions."""
+        if not self.available:
+            raise BuildError("this build of the bf16 dot kernel has no AVX512_BF16 (check `available`)")
+        if x.dtype != torch.bfloat16 or not x.is_cpu or x.dim() != 2:
             raise TypeError(f"bf16 linear kernel takes 2-d bf16 CPU activations, not {x.dtype} {tuple(x.shape)} "
                             f"on {x.device}")
         if weight.layout != self.layout:
             raise ValueError(f"weight packed as {weight.layout!r}, this kernel reads {self.layout!r}")
-        if x.stride(-1) != 1:
+        if x.stride(1) != 1:
             x = x.contiguous()
         m, k = x.shape
         if k != weight.in_features:
@@ -99,8 +110,7 @@ class _Kernel:
         y = torch.empty(m, n, dtype=torch.bfloat16)
         if m == 0:
             return y
-        bias = None if weight.bias is None else weight.bias.data_ptr()
-        rc = self._fn(y.data_ptr(), x.data_ptr(), weight.panels.data_ptr(), bias, m, n, k, x.stride(0), y.stride(0),
+        rc = self._fn(y.data_ptr(), x.data_ptr(), weight.panels_ptr, weight.bias_ptr, m, n, k, x.stride(0), n,
                       torch.get_num_threads())
         if rc != 0:
             raise MemoryError(f"bf16 linear kernel could not allocate scratch for {m} x {k} activations")
@@ -155,7 +165,3 @@ class Bf16DotLinear(_Kernel):
         packed = _streamed(padded.view(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3))
         return PackedBf16(packed, b, n, k, Bf16DotLinear.layout)
 
-    def __call__(self, x: torch.Tensor, weight: PackedBf16) -> torch.Tensor:
-        if not self.available:
-            raise BuildError("this build of the bf16 dot kernel has no AVX512_BF16 (check `available`)")
-        return super().__call__(x, weight)

@@ -29,7 +29,7 @@ def _compiled():
 
 
 def _kernels(x: torch.Tensor):
-    if x.device.type != "cpu" or requested_backend() != "auto":
+    if not x.is_cpu or requested_backend() != "auto":
         return None
     return _compiled()
 

@@ -113,6 +113,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dot_panels is not None:
+            if x.dim() == 2:  # the model's flattened batch: no reshaping
+                return self.dot_kernel(x, self.dot_panels)
             y = self.dot_kernel(x.reshape(-1, x.shape[-1]), self.dot_panels)
             return y.view(*x.shape[:-1], y.shape[-1])
         if self.bf16_panels is not None:
