@@ -25,6 +25,10 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The same blocks' ids, kept beside them: every step hands each scheduled request's whole
+        # block table to the model runner, and copying a list of ints is several times cheaper than
+        # reading .block_id off each block (invariant: req_to_block_ids[r] == ids of req_to_blocks[r]).
+        self.req_to_block_ids: dict[str, list[int]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already indexed
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found in the local prefix cache
@@ -84,13 +88,17 @@ class KVCacheManager:
         if num_needed > self.pool.num_free_blocks - revived:
             return None
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        ids = self.req_to_block_ids.setdefault(request.request_id, [])
         if computed:
             self.pool.touch(computed)
             blocks.extend(computed)
+            ids.extend(b.block_id for b in computed)
             self.num_cached_blocks[request.request_id] = len(blocks)
         new = self.pool.take_new(max(num_needed, 0))
         blocks.extend(new)
-        return [b.block_id for b in new]
+        new_ids = [b.block_id for b in new]
+        ids.extend(new_ids)
+        return new_ids
 
     def cache_blocks(self, request: Request, num_valid_tokens: int) -> None:
         """Index the request's full blocks among its first `num_valid_tokens` (their KV is written)."""
@@ -128,6 +136,7 @@ class KVCacheManager:
             owned.append(new)
             copy = (blocks[num_full].block_id, new.block_id)
         self.req_to_blocks[child.request_id] = owned
+        self.req_to_block_ids[child.request_id] = [b.block_id for b in owned]
         self.num_cached_blocks[child.request_id] = min(self.num_cached_blocks.get(parent.request_id, 0), num_full)
         child.block_hashes = list(self.block_hashes(parent)[:num_full])
         return copy
@@ -135,8 +144,11 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its prefix outlives its tail in the LRU."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.release(list(reversed(blocks)))
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+        """A copy: callers (the step's block tables, the connector) may keep it while the request grows."""
+        ids = self.req_to_block_ids.get(request_id)
+        return list(ids) if ids else []

@@ -162,3 +162,37 @@ def test_incremental_hashes_equal_hashing_at_once():
         kv.block_hashes(grown)
     assert grown.block_hashes == kv.block_hashes(req("w", grown.all_token_ids))
     assert len(grown.block_hashes) == 60 // BS
+
+
+def test_block_id_lists_follow_the_blocks_through_hits_growth_forks_and_frees():
+    """req_to_block_ids (what each step's block tables copy) always names req_to_blocks' blocks, and
+    get_block_ids hands out copies that later growth does not change."""
+    kv = KVCacheManager(num_blocks=12, block_size=BS, fingerprint=FP)
+
+    def check() -> None:
+        assert kv.req_to_block_ids.keys() == kv.req_to_blocks.keys()
+        for rid, blocks in kv.req_to_blocks.items():
+            assert kv.req_to_block_ids[rid] == [b.block_id for b in blocks] == kv.get_block_ids(rid)
+
+    a = req("a", range(40))
+    admit(kv, a)
+    kv.cache_blocks(a, 40)
+    check()
+    b = req("b", list(range(32)) + [7] * 9)  # two cached blocks, then its own
+    admit(kv, b)
+    check()
+    before = kv.get_block_ids("b")
+    b.num_computed_tokens = b.num_tokens
+    assert kv.allocate_slots(b, 20) is not None  # decode growth past its last block
+    check()
+    assert kv.get_block_ids("b")[:len(before)] == before and len(kv.get_block_ids("b")) > len(before)
+    c = req("c", range(40))
+    c.num_computed_tokens = 0
+    assert kv.fork(a, c) is not None  # a's partial last block is copied into c's own
+    check()
+    kv.free(a)
+    check()
+    kv.free(b)
+    kv.free(c)
+    check()
+    assert kv.get_block_ids("a") == [] and kv.num_free_blocks == 12
