@@ -150,6 +150,7 @@ class KVStore(ABC):
         self.timeout = float(timeout)
         self._stats = StoreStats()
         self._lock = threading.Lock()
+        self.io_threads = io_threads  # the I/O pool's threads: how many reads may run at once
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvstore-io")
 
     # ---- data path (needs a fingerprint) ----

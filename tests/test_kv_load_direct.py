@@ -54,6 +54,13 @@ def test_direct_rows_put_exactly_the_write_range_in_its_slots(seed):
     cache = torch.zeros(2, num_blocks, block, heads, dim)
     row = heads * dim * cache.element_size()
     rows = DirectRows.plan(slots, [b - a for a, b in bounds], lo - first, hi - first, row, cache[0].numel() * 4)
+    assert rows.scratch_bytes == 2 * row * (bounds[-1][1] - first - (hi - lo))  # exactly the rows not written
+    for j in range(len(bounds)):  # each half's pieces are maximal: a piece ends where the next is elsewhere
+        pieces = rows.desc[rows.first[j]:rows.first[j + 1]].tolist()
+        k, v = pieces[:len(pieces) // 2], pieces[len(pieces) // 2:]
+        assert len(k) == len(v) and [p[2] for p in k] == [p[2] for p in v]
+        for half in (k, v):
+            assert all((a[0], a[1] + a[2]) != (b[0], b[1]) for a, b in zip(half, half[1:]))
     scratch = memoryview(bytearray(rows.scratch_bytes + 1))
     spans = rows.spans(cache_bytes(cache), scratch).views()
     kv = torch.randn(2, bounds[-1][1] - first, heads, dim)
@@ -343,6 +350,41 @@ def test_a_late_read_never_writes_into_blocks_it_gave_up(tiny_llama, tmp_path, k
             assert bool((cache.view(torch.uint8) == SENTINEL).all())
     finally:
         store.release.set()
+        producer.engine.shutdown()
+        consumer.engine.shutdown()
+
+
+@pytest.mark.parametrize("kv_load_mode", ["async", "layerwise"])
+def test_layers_still_queued_when_their_load_is_given_up_are_never_read(tiny_llama, tmp_path, kv_load_mode,
+                                                                         caplog):
+    """A load's layers wait for the store's only I/O thread, held by other work past the load deadline:
+    the request recomputes (exact output), and once the thread is free the load's reader finds every
+    layer cancelled and reads none of them (store_connector._read_layers skips them)."""
+    capture(caplog)
+    producer, consumer = engine_pair(tiny_llama, f"file://{tmp_path}?io_threads=1", load_timeout_s=0.5,
+                                     kv_load_mode=kv_load_mode)
+    connector = consumer.engine.connector
+    store, start_loads, release, loads = connector.store, connector._start_loads, threading.Event(), []
+
+    def start_behind_busy_thread(specs):
+        store.submit(release.wait, 60)
+        loads.extend(start_loads(specs))
+        return loads[-len(specs):]
+
+    connector._start_loads = start_behind_busy_thread
+    try:
+        full = prompt(600, seed=92)
+        producer.generate([full], PREFILL)
+        out = consumer.generate([full], GREEDY)
+        assert out[0].token_ids == mono_engine(tiny_llama).generate([full], GREEDY)[0].token_ids
+        assert [(reason, n) for _, reason, n in lines(caplog, FALLBACK_RE)] == [("timeout", 599)]
+        release.set()
+        store.submit(int).result(30)  # one thread, first in first out: the load's reader has run
+        assert len(loads) == 1 and len(loads[0].futures) == connector.num_layers
+        assert all(future.cancelled() for future in loads[0].futures.values())
+        assert store.stats().objects_read == 0
+    finally:
+        release.set()
         producer.engine.shutdown()
         consumer.engine.shutdown()
 
