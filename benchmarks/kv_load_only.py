@@ -21,7 +21,7 @@ hits both. Also printed (info, not the ceiling): a raw read into one reused buff
 nothing and so bounds any reader from above.
 
 Used by benchmarks/kv_handoff.py; standalone:
-    .venv/bin/python benchmarks/kv_load_only.py [--tokens 2048] [--stores file redis] [--repeats 5]
+    .venv/bin/python benchmarks/kv_load_only.py [--tokens 2048] [--stores file redis] [--repeats 5] [--io-threads N]
 """
 from __future__ import annotations
 
@@ -229,6 +229,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--stores", nargs="+", default=["file", "redis"], choices=["file", "redis"])
+    parser.add_argument("--io-threads", type=int, default=None,
+                        help="the store's I/O threads (its io_threads option; default: the store's own)")
     args = parser.parse_args()
     model = bench_model_path()
     tmp = Path(tempfile.mkdtemp(prefix="kv-load-only-"))
@@ -236,6 +238,8 @@ def main() -> int:
     try:
         for i, name in enumerate(args.stores):
             with backend(name, tmp) as url:
+                if args.io_threads:
+                    url = f"{url}{'&' if '?' in url else '?'}io_threads={args.io_threads}"
                 llm = LLM(str(model), kv_store=url, kv_role="kv_producer", kv_cache_memory="1GiB")
                 results[name] = measure(llm, url, args.tokens, args.repeats, seed=11 + i)
                 llm.engine.shutdown()
