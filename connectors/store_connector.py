@@ -1,9 +1,9 @@
 """KV hand-off through a pdserve kvstore (file:// or redis://), layer by layer in the background.
 
-Worker half: `_start_loads` queues one read per (request, layer) on the store's I/O pool, in
-layer order, and each read's chunk rows go into paged memory through the engine device's
-`KVTransfer` (connectors/staging.py: directly on CPU; pinned buffers, a copy stream and one
-event per layer on CUDA). A layer-wise load (ChunkedConnector decides which) is waited for
+Worker half: `_start_loads` gives every (request, layer) read its own future and lets up to
+io_threads readers on the store's I/O pool take them in layer order, and each read's chunk rows
+go into paged memory through the engine device's `KVTransfer` (connectors/staging.py: directly on
+CPU; pinned buffers, a copy stream and one event per layer on CUDA). A layer-wise load (ChunkedConnector decides which) is waited for
 right before each layer's attention, so reads overlap compute; a background load is polled
 between steps while its request waits, and the compute stream waits for its copies' events
 once it is done. Saves gather a layer's complete chunks right after the layer wrote its KV
@@ -81,6 +81,8 @@ class StoreConnector(ChunkedConnector):
         self._saves: dict[str, _Save] = {}
         self._keys: dict[str, list[str]] = {}  # request id -> its prompt's chunk keys
         self._cache_bytes: list[memoryview] = []  # per layer, when loads read straight into the blocks
+        self._row_bytes = self._half_bytes = 0  # the blocks' layout, when loads read straight into them
+        self._planner: Any = None  # kernels.kv_read.KVReadLibrary: DirectRows' plan in C
         self._local = threading.local()  # per I/O thread: scratch memory of direct reads
 
     def keys_for(self, token_ids: list[int], cache_salt: str | None) -> list[str]:
@@ -121,6 +123,11 @@ class StoreConnector(ChunkedConnector):
         direct = self.transfer.reads_in_place and all(direct_rows.applies_to(c, self.dtype, self.block_size)
                                                       for c in self.kv_caches)
         self._cache_bytes = [direct_rows.cache_bytes(c) for c in self.kv_caches] if direct else []
+        if direct:
+            cache = self.kv_caches[0]
+            self._row_bytes = cache[0, 0, 0].numel() * cache.element_size()  # one token's K (or V) row
+            self._half_bytes = cache[0].numel() * cache.element_size()  # one layer's K half
+            self._planner = _span_reader()  # DirectRows' plan in C (None: in numpy)
         if direct and hasattr(self.store, "span_reader") and self.store.span_reader is None:
             self.store.span_reader = _span_reader()  # a layer's file reads and checksums in C (None: in Python)
 
@@ -133,11 +140,9 @@ class StoreConnector(ChunkedConnector):
             load = _Load(spec, keys=keys[plan.chunk_range.start:plan.chunk_range.stop],
                          chunk_lens=[end - start for start, end in bounds])
             if self._cache_bytes:
-                cache = self.kv_caches[0]
                 lo, hi = (at - plan.aligned_start for at in plan.write_range)
-                load.direct = DirectRows.plan(spec.slots, load.chunk_lens, lo, hi,
-                                              cache[0, 0, 0].numel() * cache.element_size(),
-                                              cache[0].numel() * cache.element_size())
+                load.direct = DirectRows.plan(spec.slots, load.chunk_lens, lo, hi, self._row_bytes, self._half_bytes,
+                                              self._planner)
             else:
                 load.slots = self.transfer.device_slots(spec.slots)
                 load.scatter = self.transfer.scatter_plan(spec.slots, self.block_size)

@@ -88,6 +88,10 @@ class KVReadLibrary:
         self._load.argtypes = [_int, ctypes.c_char_p, _ptr, _ptr, _ptr, _ptr, ctypes.c_char_p, _ptr, _ptr, _ptr, _ptr,
                                _ptr]
         self._load.restype = _int
+        self._rows_plan = lib.pd_rows_plan
+        self._rows_plan.argtypes = [ctypes.c_int64, _ptr, ctypes.c_int64, ctypes.c_int64, _ptr, ctypes.c_int64,
+                                    ctypes.c_int64, _ptr, ctypes.c_int64, _ptr]
+        self._rows_plan.restype = ctypes.c_int64
         self._hash = lib.pd_kv_hash
         self._hash.argtypes = [_int, _ptr, _ptr, _ptr, _ptr, _ptr]
         self._hash.restype = _int
@@ -110,6 +114,22 @@ class KVReadLibrary:
         if status == -errno.ENOMEM:
             raise MemoryError("no xxh3 state could be allocated")
         return Loaded(status, out[0], out[1], out[2], digests)
+
+    def rows_plan(self, slots: np.ndarray, chunk_lens: list[int], lo: int, hi: int, row_bytes: int,
+                  half_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+        """(desc, first) of connectors/direct_rows.DirectRows.plan, computed in C (kv_read.c, pd_rows_plan).
+        slots: int64, the slot of each row in [lo, hi)."""
+        lens = np.asarray(chunk_lens, np.int64)
+        if lo < 0 or hi < lo or hi > int(lens.sum()) or len(slots) != hi - lo or slots.dtype != np.int64 or \
+                not slots.flags.c_contiguous:
+            raise ValueError(f"rows [{lo}, {hi}) of {int(lens.sum())} with {len(slots)} int64 slots")
+        cap = 2 * (hi - lo + 2 * len(lens))  # per chunk at most 2 scratch pieces and a piece per cache row, twice
+        desc, first = np.empty((cap, 3), np.int64), np.empty(len(lens) + 1, np.int64)
+        n = self._rows_plan(len(lens), lens.ctypes.data, lo, hi, slots.ctypes.data, row_bytes, half_bytes,
+                            desc.ctypes.data, cap, first.ctypes.data)
+        if n < 0:
+            raise AssertionError("pd_rows_plan: more pieces than rows")
+        return desc[:n], first
 
     def hash(self, desc: np.ndarray, first: np.ndarray, bases: np.ndarray, headers: np.ndarray) -> np.ndarray:
         """digests[i]: the xxh3 of header i's bytes [0, 56) and object i's spans (already filled)."""

@@ -32,10 +32,12 @@ SENTINEL = 0x5A
 
 
 # ---- where each byte goes ----
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("seed", range(40))
-def test_direct_rows_put_exactly_the_write_range_in_its_slots(seed):
+def test_direct_rows_put_exactly_the_write_range_in_its_slots(seed, compiled, compiled_reader):
     """Every chunk's payload through DirectRows' spans == the write range's rows scattered into their slots
-    (rows before N and after the last loaded token land in scratch, never in the cache)."""
+    (rows before N and after the last loaded token land in scratch, never in the cache), planned in numpy
+    or in C (kv_read.c, pd_rows_plan)."""
     rng = random.Random(seed)
     block, heads, dim, num_blocks = 4, 2, 4, 48
     chunk = block * rng.choice([1, 2, 4])
@@ -53,7 +55,8 @@ def test_direct_rows_put_exactly_the_write_range_in_its_slots(seed):
     first = plan.aligned_start
     cache = torch.zeros(2, num_blocks, block, heads, dim)
     row = heads * dim * cache.element_size()
-    rows = DirectRows.plan(slots, [b - a for a, b in bounds], lo - first, hi - first, row, cache[0].numel() * 4)
+    rows = DirectRows.plan(slots, [b - a for a, b in bounds], lo - first, hi - first, row, cache[0].numel() * 4,
+                           compiled_reader if compiled else None)
     assert rows.scratch_bytes == 2 * row * (bounds[-1][1] - first - (hi - lo))  # exactly the rows not written
     for j in range(len(bounds)):  # each half's pieces are maximal: a piece ends where the next is elsewhere
         pieces = rows.desc[rows.first[j]:rows.first[j + 1]].tolist()
@@ -74,6 +77,26 @@ def test_direct_rows_put_exactly_the_write_range_in_its_slots(seed):
     want = torch.zeros_like(cache)
     want.view(2, -1, heads, dim)[:, slots] = kv[:, lo - first:hi - first]
     assert torch.equal(cache, want)
+
+
+def test_the_compiled_plan_makes_the_pieces_of_the_numpy_plan(compiled_reader):
+    """pd_rows_plan and DirectRows' numpy plan agree piece for piece on any rows [lo, hi) of any chunks
+    (scattered slots, runs of consecutive ones, nothing to write), and bad arguments are refused."""
+    rng = random.Random(5)
+    for _ in range(500):
+        lens = [rng.randrange(1, 40) for _ in range(rng.randrange(1, 6))]
+        total = sum(lens)
+        lo = rng.randrange(0, total)
+        hi = rng.randrange(lo, total + 1)
+        kind = rng.randrange(3)
+        picked = rng.sample(range(10 * total), hi - lo) if kind == 0 else sorted(rng.sample(range(3 * total), hi - lo))
+        slots = torch.tensor(picked if kind < 2 else range(7, 7 + hi - lo), dtype=torch.int64)
+        args = (slots, lens, lo, hi, 8, 10 ** 6)
+        fast, slow = DirectRows.plan(*args, compiled=compiled_reader), DirectRows.plan(*args)
+        assert fast.desc.tolist() == slow.desc.tolist() and fast.first.tolist() == slow.first.tolist()
+        assert fast.scratch_bytes == slow.scratch_bytes
+    with pytest.raises(ValueError, match="int64 slots"):
+        compiled_reader.rows_plan(np.arange(3, dtype=np.int64), [4], 0, 4, 8, 100)
 
 
 # ---- the gate ----

@@ -183,3 +183,56 @@ int pd_kv_hash(int n, const int64_t *desc, const int64_t *first, const uint64_t 
     xxh_free(state);
     return 0;
 }
+
+/* connectors/direct_rows.py's plan of a load (the same pieces as its numpy version, which a test
+ * compares): chunk j of n_chunks holds rows [start_j, start_j + lens[j]) counted from the first chunk's
+ * first token; rows [lo, hi) go to their slots (slots[r - lo]: byte slot * row_bytes of the K half,
+ * half_bytes further in the V half), cut where the slots stop being consecutive; every other row goes
+ * to scratch (K rows first, then V rows). Chunk j's pieces are desc rows [first[j], first[j + 1]): its
+ * K pieces, then as many V pieces. Writes at most cap rows; returns the number of rows, or -1 if cap is
+ * too small. Runs on the engine thread before any read starts: in C it takes microseconds. */
+int64_t pd_rows_plan(int64_t n_chunks, const int64_t *lens, int64_t lo, int64_t hi, const int64_t *slots,
+                     int64_t row_bytes, int64_t half_bytes, int64_t *desc, int64_t cap, int64_t *first) {
+    int64_t total = 0;
+    for (int64_t j = 0; j < n_chunks; j++) total += lens[j];
+    const int64_t outside = total - (hi - lo); /* rows read into scratch */
+    int64_t used = 0, start = 0, p = 0;
+    first[0] = 0;
+    for (int64_t j = 0; j < n_chunks; j++) {
+        const int64_t end = start + lens[j], k0 = p;
+        int64_t seg[3][2] = {{start, end < lo ? end : lo}, {start > lo ? start : lo, end < hi ? end : hi},
+                             {start > hi ? start : hi, end}};
+        for (int s = 0; s < 3; s++) {
+            int64_t a = seg[s][0], b = seg[s][1];
+            while (a < b) {
+                int64_t stop = b, region = 1, offset = used * row_bytes;
+                if (s == 1) { /* cache rows: up to the end of this slot run */
+                    stop = a + 1;
+                    while (stop < b && slots[stop - lo] == slots[stop - lo - 1] + 1) stop++;
+                    region = 0;
+                    offset = slots[a - lo] * row_bytes;
+                } else {
+                    used += b - a;
+                }
+                if (p >= cap) return -1;
+                desc[3 * p] = region;
+                desc[3 * p + 1] = offset;
+                desc[3 * p + 2] = (stop - a) * row_bytes;
+                p++;
+                a = stop;
+            }
+        }
+        const int64_t k = p - k0; /* the V pieces: the same rows in the V half, or after K's scratch */
+        if (p + k > cap) return -1;
+        for (int64_t i = 0; i < k; i++) {
+            const int64_t *src = desc + 3 * (k0 + i);
+            desc[3 * p] = src[0];
+            desc[3 * p + 1] = src[1] + (src[0] == 0 ? half_bytes : outside * row_bytes);
+            desc[3 * p + 2] = src[2];
+            p++;
+        }
+        first[j + 1] = p;
+        start = end;
+    }
+    return p;
+}
