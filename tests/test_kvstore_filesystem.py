@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore import CorruptObject, NotFound, StoreUnavailable, open_store
+from kvstore import CorruptObject, NotFound, StoreUnavailable, codec, open_store
+from kvstore.filesystem import FileSystemStore
 from tests.kvstore_helpers import FP, OTHER_FP, make_chunks, open_test_store, spawn_writer, start, write_all
 
 
@@ -216,3 +217,20 @@ def test_reconcile_counts_chunks_of_unbounded_stores_and_removes_dead_writers_le
     assert not orphan.exists()
     assert _committed_bytes(tmp_path) == bounded._ledger.total == 4 * chunk_bytes  # evicted down to the bound
     assert [bool(bounded.lookup([k])) for k in keys] == [False, False, True, True, True, True]
+
+
+def test_layer_objects_name_and_expect_what_the_codec_says(tmp_path):
+    """The compiled reader's paths and expected headers, kept per chunk across a load's layers, are
+    object_name's and codec.expected_header's for every layer, chunk size and fingerprint."""
+    store = FileSystemStore(tmp_path, fingerprint="ab" * 16, num_layers=3)
+    keys = ["k" * 8 + str(i) for i in range(3)]
+    for fingerprint in ("ab" * 16, "cd" * 16):
+        store.fingerprint = fingerprint
+        for layer in range(3):
+            for dtype, n in ((torch.bfloat16, 16), (torch.float32, 5)):
+                items, shapes = [(layer, key) for key in keys], [(2, n, 2, 4)] * len(keys)
+                paths, expect = store._layer_objects(items, shapes, dtype)
+                assert paths == [store.object_name(key, layer) for key in keys]
+                assert expect == b"".join(codec.expected_header(fingerprint, dtype, shape, key=key, layer=layer)
+                                          for (_, key), shape in zip(items, shapes))
+    store.close()
