@@ -273,6 +273,43 @@ def test_an_object_partly_in_the_page_cache_is_finished_in_python(tmp_path, comp
     store.close()
 
 
+def test_objects_of_too_many_pieces_are_left_to_python_and_their_neighbours_read_in_c(tmp_path, compiled_reader):
+    """An object cut into more pieces than one preadv takes (kv_read.c, MAX_IOV) is left open for the
+    Python path; the objects around it, first and last included, are still read, warmed and checked in
+    C, and the layer lands whole."""
+    store = open_test_store(f"file://{tmp_path}", 1)
+    keys, layers = make_chunks(5 * CHUNK, 1)
+    write_all(store, keys, layers)
+    staging = torch.zeros(2, 5 * CHUNK, *KV_SHAPE)
+    plain = _table_of(staging, [CHUNK] * 5)
+    split = [0, 2]  # the first object too: nothing was warmed ahead for the ones after them
+    rows, first = [], [0]
+    for j in range(5):
+        for region, offset, nbytes in plain.desc[plain.first[j]:plain.first[j + 1]].tolist():
+            step = 2 if j in split else nbytes  # 2-byte pieces: over a thousand per object
+            rows += [(region, at, step) for at in range(offset, offset + nbytes, step)]
+        first.append(len(rows))
+    table = SpanTable(plain.regions, np.array(rows, np.int64), np.array(first, np.int64))
+    assert all(table.first[j + 1] - table.first[j] + 1 > 1024 for j in split)  # pieces and the header
+    seen = []
+
+    class Watching:  # the compiled reader, noting what it read of each object
+        def __getattr__(self, name):
+            return getattr(compiled_reader, name)
+
+        def load(self, *args):
+            loaded = compiled_reader.load(*args)
+            seen.append((loaded.got.tolist(), (loaded.fds >= 0).tolist()))
+            return loaded
+
+    store.span_reader = Watching()
+    assert store.get_layer_spans(0, keys, table, [CHUNK] * 5, WriteGate()) == staging.nbytes
+    assert torch.equal(staging, torch.cat([layers[0][key] for key in keys], dim=1))
+    whole = 64 + staging.nbytes // 5
+    assert seen == [([0 if j in split else whole for j in range(5)], [j in split for j in range(5)])]
+    store.close()
+
+
 def test_the_compiled_reader_writes_nothing_once_the_gate_closed_under_it(tmp_path, compiled_reader):
     """The gate closed after the load took its words (the compiled reader checks them itself): no byte
     lands, every descriptor is closed."""
