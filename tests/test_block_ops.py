@@ -131,3 +131,35 @@ def test_a_machine_without_a_working_compiler_gets_none_and_one_warning(tmp_path
     assert warnings[0].endswith("; torch ops instead")
     monkeypatch.delenv("CC")
     assert build_or_none(lambda: CpuBlockOps(tmp_path / "kernels"), "compiled block ops", "-") is not None
+
+
+def test_native_bf16_conversions_equal_the_integer_rounding_bit_for_bit(tmp_path):
+    """Where the build has AVX512_BF16, bf16 rows take the 16-lane paths of kernels/csrc/bf16.h
+    (vcvtneps2bf16, which flushes fp32 denormals: those vectors take the integer path); a build without
+    the instruction runs the plain loops. Both must store the same bits, denormals, NaN, infinities,
+    signed zeros, exp's clamps and row tails included."""
+    native, plain = CpuBlockOps(tmp_path / "native"), CpuBlockOps(tmp_path / "plain", ("-mno-avx512bf16",))
+    specials = torch.tensor([1e-39, -2e-40, float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3e-38])
+
+    def data(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+        t = _randn(*shape, dtype=torch.float32, seed=seed, scale=scale)
+        t.view(-1)[:8] = specials
+        return t.bfloat16()
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+    for rows, hidden in [(16, 1024), (3, 1037)]:
+        x, res, w = data(rows, hidden, seed=1), data(rows, hidden, seed=2, scale=3), data(hidden, seed=3) + 1
+        ra, rb = res.clone(), res.clone()
+        assert same(native.add_rms_norm(x, ra, w, 1e-5)[0], plain.add_rms_norm(x, rb, w, 1e-5)[0]) and same(ra, rb)
+        assert same(native.add_rms_norm(x, None, w, 1e-5)[0], plain.add_rms_norm(x, None, w, 1e-5)[0])
+    for heads, head_dim in [(6, 64), (4, 96), (5, 6)]:
+        qkv = data(9, heads * head_dim + 2 * head_dim, seed=4)
+        x = qkv[:, :heads * head_dim].view(9, heads, head_dim)
+        cos, sin = data(9, head_dim, seed=5), data(9, head_dim, seed=6)
+        assert same(native.rope(x, cos, sin), plain.rope(x, cos, sin))
+    for rows, inter in [(16, 2816), (5, 1001)]:
+        gate_up = data(rows, 2 * inter, seed=7, scale=4)
+        gate_up[0, 8:14] = torch.tensor([-100.0, -89.0, -88.0, -87.9, 88.5, 100.0])
+        assert same(native.silu_mul(gate_up), plain.silu_mul(gate_up))
