@@ -242,6 +242,21 @@ def test_a_bad_object_fails_its_gated_read(tmp_path, compiled_reader, compiled, 
     store.close()
 
 
+class _Watching:
+    """The compiled reader, handing each load's result to `note` (what it read of each object)."""
+
+    def __init__(self, reader, note) -> None:
+        self._reader, self._note = reader, note
+
+    def __getattr__(self, name):
+        return getattr(self._reader, name)
+
+    def load(self, *args):
+        loaded = self._reader.load(*args)
+        self._note(loaded)
+        return loaded
+
+
 def test_an_object_partly_in_the_page_cache_is_finished_in_python(tmp_path, compiled_reader):
     """The compiled reader stops where the page cache ends (it never waits for the medium inside the gate);
     the rest of that object is read cold into scratch and copied in, and the layer lands whole."""
@@ -254,17 +269,7 @@ def test_an_object_partly_in_the_page_cache_is_finished_in_python(tmp_path, comp
     for key in keys[1:]:
         _drop_cache(store.object_name(key, 0), 8192)
     seen = []
-
-    class Watching:  # the compiled reader, noting what it read of each object
-        def __getattr__(self, name):
-            return getattr(compiled_reader, name)
-
-        def load(self, *args):
-            loaded = compiled_reader.load(*args)
-            seen.append(loaded.got.tolist())
-            return loaded
-
-    store.span_reader = Watching()
+    store.span_reader = _Watching(compiled_reader, lambda loaded: seen.append(loaded.got.tolist()))
     staging = torch.zeros(2, 3 * CHUNK, *kv_shape)
     assert store.get_layer_spans(0, keys, _table_of(staging, [CHUNK] * 3), [CHUNK] * 3, WriteGate()) == staging.nbytes
     assert torch.equal(staging, torch.cat([chunks[key] for key in keys], dim=1))
@@ -292,17 +297,8 @@ def test_objects_of_too_many_pieces_are_left_to_python_and_their_neighbours_read
     table = SpanTable(plain.regions, np.array(rows, np.int64), np.array(first, np.int64))
     assert all(table.first[j + 1] - table.first[j] + 1 > 1024 for j in split)  # pieces and the header
     seen = []
-
-    class Watching:  # the compiled reader, noting what it read of each object
-        def __getattr__(self, name):
-            return getattr(compiled_reader, name)
-
-        def load(self, *args):
-            loaded = compiled_reader.load(*args)
-            seen.append((loaded.got.tolist(), (loaded.fds >= 0).tolist()))
-            return loaded
-
-    store.span_reader = Watching()
+    store.span_reader = _Watching(compiled_reader,
+                                  lambda loaded: seen.append((loaded.got.tolist(), (loaded.fds >= 0).tolist())))
     assert store.get_layer_spans(0, keys, table, [CHUNK] * 5, WriteGate()) == staging.nbytes
     assert torch.equal(staging, torch.cat([layers[0][key] for key in keys], dim=1))
     whole = 64 + staging.nbytes // 5
