@@ -4,7 +4,7 @@ Why not aiohttp's ClientSession: the proxy's added latency is its own Python per
 (benchmarks/pd_vs_monolithic.py --latency-only), and a ClientSession request runs tracing hooks,
 a cookie jar, header multidicts, a StreamReader and a connector's bookkeeping for every call. The
 frame stream needs none of that: one POST, a status line, three headers that matter, and a chunked
-body whose bytes are the frames. `_Conn` is an asyncio Protocol that decodes the chunked transfer
+body whose bytes are the frames. `Conn` is an asyncio Protocol that decodes the chunked transfer
 straight from `data_received` into a body buffer the caller cuts frames from; `Pool` keeps each
 node's idle connections for the next call.
 
@@ -26,7 +26,7 @@ _MAX_HEAD = 64 * 1024  # status line + headers; a longer head is not a node's an
 _PAUSE_BYTES = 256 * 1024  # undelivered body that stops reading from the node (a slow client) ...
 _RESUME_BYTES = 64 * 1024  # ... until the caller has taken it down to this
 
-# Body framing states of `_Conn` (ints: compared in the hot loop).
+# Body framing states of `Conn` (ints: compared in the hot loop).
 _HEAD, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _LENGTH, _UNTIL_CLOSE, _DONE = range(8)
 
 
@@ -54,7 +54,7 @@ class ConnectionLost(Exception):
         self.answered = answered
 
 
-class _Conn(asyncio.Protocol):
+class Conn(asyncio.Protocol):
     """One HTTP/1.1 connection: one request at a time, its answer decoded as it arrives."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -252,17 +252,17 @@ class Pool:
     def __init__(self, connect_s: float) -> None:
         self.connect_s = connect_s
         self.stale_retries = 0  # calls retried because their idle connection had been closed by the node
-        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        self._idle: dict[tuple[str, int], list[Conn]] = {}
         self._closed = False
 
-    async def connect(self, address: tuple[str, int]) -> _Conn:
+    async def connect(self, address: tuple[str, int]) -> Conn:
         """A new connection; OSError / TimeoutError when the node does not take it within connect_s."""
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(self.connect_s):
-            _, conn = await loop.create_connection(lambda: _Conn(loop), *address)
+            _, conn = await loop.create_connection(lambda: Conn(loop), *address)
         return conn
 
-    def idle(self, address: tuple[str, int]) -> _Conn | None:
+    def idle(self, address: tuple[str, int]) -> Conn | None:
         """The most recently used idle connection still open and young enough, else None."""
         conns = self._idle.get(address)
         if not conns:
@@ -275,7 +275,7 @@ class Pool:
             conn.close()
         return None
 
-    async def request(self, address: tuple[str, int], data: bytes, taken: Callable[[_Conn], None]) -> _Conn:
+    async def request(self, address: tuple[str, int], data: bytes, taken: Callable[[Conn], None]) -> Conn:
         """Send `data` on an idle connection or a new one and return once the answer's head is in.
 
         `taken` learns the connection first, so a caller cancelled meanwhile can close it. A reused
@@ -303,7 +303,7 @@ class Pool:
     def num_idle(self, address: tuple[str, int]) -> int:
         return len(self._idle.get(address, ()))
 
-    def release(self, address: tuple[str, int], conn: _Conn) -> None:
+    def release(self, address: tuple[str, int], conn: Conn) -> None:
         """Give back a connection whose answer is complete: kept for the next call if it can be."""
         if self._closed or not conn.reusable:
             conn.close()

@@ -13,7 +13,7 @@ import asyncio
 import grpc
 
 from protos import pdserve_pb2 as pb
-from proxy.frame_client import ConnectionLost, Pool, _Conn
+from proxy.frame_client import Conn, ConnectionLost, Pool
 from serving import delta_frames as frames
 from serving.auth import bearer
 from serving.delta_frames import CallFailed
@@ -67,7 +67,7 @@ class HttpGenerate:
         """Whether the node answers on its HTTP port (a firewall may let only gRPC through)."""
         address, _ = self._node(base)
         request = f"GET /health HTTP/1.1\r\nHost: {base.removeprefix('http://')}\r\n\r\n".encode()
-        conns: list[_Conn] = []
+        conns: list[Conn] = []
         try:
             async with asyncio.timeout(timeout_s):
                 conn = await self.pool.request(address, request, conns.append)
@@ -95,15 +95,15 @@ class FrameCall:
 
     def __init__(self, pool: Pool, address: tuple[str, int], data: bytes) -> None:
         self._pool, self._address, self._data = pool, address, data
-        self._conn: _Conn | None = None  # once the answer's head is in with 200
-        self._open_conn: _Conn | None = None  # the connection the request went out on
+        self._conn: Conn | None = None  # once the answer's head is in with 200
+        self._open_conn: Conn | None = None  # the connection the request went out on
 
-    def _taken(self, conn: _Conn) -> None:
+    def _taken(self, conn: Conn) -> None:
         if self._open_conn is not None and self._open_conn is not conn:
             self._open_conn.close()  # (a stale one being replaced)
         self._open_conn = conn
 
-    async def _open(self) -> _Conn:
+    async def _open(self) -> Conn:
         try:
             conn = await self._pool.request(self._address, self._data, self._taken)
         except ConnectionLost as e:
