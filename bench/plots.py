@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 
-from bench import report, stats  # noqa: E402
+from pdserve.bench import report, stats  # noqa: E402
 
 DPI = 100
 PLOT_SIZE = (800, 500)  # pixels

@@ -21,9 +21,9 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-from bench import scrape
-from bench.client import RequestOptions, RequestRecord, send
-from bench.workloads import Session, Turn, Workload
+from pdserve.bench import scrape
+from pdserve.bench.client import RequestOptions, RequestRecord, send
+from pdserve.bench.workloads import Session, Turn, Workload
 
 TIMELINE_METRICS = (scrape.KV_HIT_TOKENS, scrape.KV_LOADED_TOKENS, scrape.KV_LOOKUPS, scrape.PREFIX_HITS,
                     scrape.PREFIX_QUERIES)

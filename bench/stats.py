@@ -74,7 +74,7 @@ def run_window(requests: list[dict[str, Any]]) -> tuple[float, float]:
 
 
 def summarize(requests: list[dict[str, Any]], slo: SLO, kv_delta: dict[str, float] | None = None) -> dict[str, Any]:
-    from bench.scrape import (KV_HIT_TOKENS, KV_LOADED_TOKENS, KV_LOOKUPS, PREFIX_HITS, PREFIX_QUERIES,
+    from pdserve.bench.scrape import (KV_HIT_TOKENS, KV_LOADED_TOKENS, KV_LOOKUPS, PREFIX_HITS, PREFIX_QUERIES,
                                PROMPT_COMPUTED)
 
     done = [r for r in requests if r["ok"]]

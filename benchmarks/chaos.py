@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.builtin_model import default_model_path  # noqa: E402
+from pdserve.engine.builtin_model import default_model_path  # noqa: E402
 from tests.chaos_helpers import (ChaosCluster, Tally, frozen_decode, frozen_redis, killed_decode,  # noqa: E402
                                  request_bodies, run_load, send_malformed, slow_store, wait_tokens)
 

@@ -34,7 +34,7 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks.engine_throughput import bench_model_path, prompts, run_hf, run_ours  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
-from serving import LLM  # noqa: E402
+from pdserve.serving import LLM  # noqa: E402
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 

@@ -30,8 +30,8 @@ from benchmarks.engine_throughput import bench_model_path, prompts  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.roofline import decode_floor  # noqa: E402
 from benchmarks.timing import engine_parts, print_parts  # noqa: E402
-from engine import SamplingParams  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
+from pdserve.engine import SamplingParams  # noqa: E402
+from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
 
 
 def main() -> None:

@@ -24,8 +24,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from benchmarks.timing import engine_parts, print_parts  # noqa: E402
-from engine.builtin_model import default_model_path  # noqa: E402
-from serving import LLM, SamplingParams  # noqa: E402
+from pdserve.engine.builtin_model import default_model_path  # noqa: E402
+from pdserve.serving import LLM, SamplingParams  # noqa: E402
 
 
 def bench_model_path() -> Path:
@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="interleaved runs per side; the best counts")
     parser.add_argument("--device", default="auto", help="auto|cpu|cuda|cuda:N, for both sides (default auto)")
     args = parser.parse_args()
-    from engine.device import resolve_device
+    from pdserve.engine.device import resolve_device
     from transformers import AutoModelForCausalLM
 
     path = args.model or bench_model_path()

@@ -89,7 +89,7 @@ def cases(s: Shape, device: str) -> list[tuple[str, Callable, Callable, float, f
     """(name, triton call, torch call, bytes moved, flops) per kernel."""
     import torch
 
-    from kernels import torch_ref, triton_attention, triton_transfer
+    from pdserve.kernels import torch_ref, triton_attention, triton_transfer
 
     dtype = getattr(torch, s.dtype)
     es = torch.empty((), dtype=dtype).element_size()

@@ -41,7 +41,7 @@ from benchmarks import kv_load_only  # noqa: E402
 from benchmarks.engine_throughput import bench_model_path, prompts  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.timing import PartTimer  # noqa: E402
-from serving import LLM, SamplingParams  # noqa: E402
+from pdserve.serving import LLM, SamplingParams  # noqa: E402
 from tests.utils import free_port, wait_for_port  # noqa: E402
 
 TTFT_BARS = {"file": 20, "redis": 15, "lmcache": 15}  # x lower than recompute at 2k tokens

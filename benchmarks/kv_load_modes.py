@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_throughput import bench_model_path, prompts  # noqa: E402
 from benchmarks.kv_handoff import backend  # noqa: E402
-from deploy.fault_relay import FaultRelay  # noqa: E402
-from serving import LLM, SamplingParams  # noqa: E402
-from engine.config import KV_LOAD_MODES  # noqa: E402
+from pdserve.deploy.fault_relay import FaultRelay  # noqa: E402
+from pdserve.serving import LLM, SamplingParams  # noqa: E402
+from pdserve.engine.config import KV_LOAD_MODES  # noqa: E402
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 STREAM = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)

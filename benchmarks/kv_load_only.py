@@ -41,16 +41,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from connectors.chunk_math import LoadPlan, slots_for  # noqa: E402
-from connectors.chunked import ChunkedConnectorMetadata, LoadSpec  # noqa: E402
-from connectors.store_connector import StoreConnector  # noqa: E402
+from pdserve.connectors.chunk_math import LoadPlan, slots_for  # noqa: E402
+from pdserve.connectors.chunked import ChunkedConnectorMetadata, LoadSpec  # noqa: E402
+from pdserve.connectors.store_connector import StoreConnector  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kvstore import codec, resp  # noqa: E402
-from kvstore.filesystem import FileSystemStore  # noqa: E402
-from kvstore.redis_store import RedisStore  # noqa: E402
-from kvstore.spans import SpanTable  # noqa: E402
-from serving import LLM, SamplingParams  # noqa: E402
+from pdserve.kvstore import codec, resp  # noqa: E402
+from pdserve.kvstore.filesystem import FileSystemStore  # noqa: E402
+from pdserve.kvstore.redis_store import RedisStore  # noqa: E402
+from pdserve.kvstore.spans import SpanTable  # noqa: E402
+from pdserve.serving import LLM, SamplingParams  # noqa: E402
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 

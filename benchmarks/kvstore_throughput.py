@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import redis  # noqa: E402
 import torch  # noqa: E402
 
-from common.hashing import chunk_keys  # noqa: E402
-from kvstore import KVStore, open_store  # noqa: E402
+from pdserve.common.hashing import chunk_keys  # noqa: E402
+from pdserve.kvstore import KVStore, open_store  # noqa: E402
 from tests.redis_cluster import RedisClusterServer  # noqa: E402
 from tests.utils import free_port, wait_for_port  # noqa: E402
 
@@ -122,7 +122,7 @@ def bench_redis(url: str, keys, layers, values, nbytes, repeats) -> dict[str, fl
     store = open_store(url, fingerprint=FP, num_layers=LAYERS, dtype=DTYPE, kv_shape=(HEADS, HEAD_DIM), timeout=30)
     put, get, get_into, get_batched = store_ops(store, keys, layers)
     if "+cluster" in url:
-        from kvstore.redis_cluster import parse_nodes
+        from pdserve.kvstore.redis_cluster import parse_nodes
 
         nodes, _ = parse_nodes(url)
         client = redis.RedisCluster(startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in nodes],

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.machine import describe  # noqa: E402
-from kernels.cpu_linear import Bf16DotLinear, Bf16Linear  # noqa: E402
+from pdserve.kernels.cpu_linear import Bf16DotLinear, Bf16Linear  # noqa: E402
 
 BENCH_SHAPES = ["2048x1024", "1024x1024", "5632x1024", "1024x2816"]  # N x K: qkv, o_proj, gate_up, down
 

@@ -31,7 +31,7 @@ import aiohttp  # noqa: E402
 
 from benchmarks.engine_throughput import bench_model_path, prompts  # noqa: E402
 from benchmarks.serve_latency import pct  # noqa: E402
-from deploy.processes import HOST, Child, ClusterSpec, LocalCluster, free_port, python_module  # noqa: E402
+from pdserve.deploy.processes import HOST, Child, ClusterSpec, LocalCluster, free_port, python_module  # noqa: E402
 from tests.serve_helpers import ServerProcess  # noqa: E402
 
 
@@ -125,7 +125,7 @@ def main() -> int:
         decode = cluster.decode[0]
         port = free_port()  # a proxy with the decode node only: isolates the proxy hop
         direct_proxy = Child("proxy-decode-only", python_module(
-            "proxy", "--port", str(port), "--decode", decode.grpc_address), log_dir)
+            "pdserve.proxy", "--port", str(port), "--decode", decode.grpc_address), log_dir)
         direct_proxy.start()
         cluster.wait_healthy(1, 1)
         proxy_only_url, decode_url = f"http://{HOST}:{port}", f"http://{HOST}:{decode.http_port}"

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from engine.models.linear import Linear
+from pdserve.engine.models.linear import Linear
 
 
 def _best_seconds(fn, repeats: int) -> float:

@@ -70,7 +70,7 @@ def pct(values: list[float], q: float) -> float:
 
 def offline_tok_s(args: argparse.Namespace) -> dict[int, float]:
     """Aggregate output tokens/s of LLM.generate on a batch of c fresh prompts, per concurrency c."""
-    from serving import LLM, SamplingParams
+    from pdserve.serving import LLM, SamplingParams
 
     llm = LLM(str(args.model), kv_cache_memory=args.kv_cache_memory, device=args.device)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)

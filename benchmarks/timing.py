@@ -45,8 +45,8 @@ class PartTimer:
 def engine_parts(runner: Any) -> PartTimer:
     """Time a model runner's forward pass by part: attention, linear layers, logits + sampling (the
     rest of a run is embedding, norms, RoPE, scheduling and building inputs and outputs)."""
-    from engine.attention import PagedAttention
-    from engine.models.linear import Linear
+    from pdserve.engine.attention import PagedAttention
+    from pdserve.engine.models.linear import Linear
 
     timer = PartTimer()
     timer.wrap(PagedAttention, "forward", "attention")

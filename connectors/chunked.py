@@ -28,15 +28,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from connectors.chunk_math import LoadPlan, save_range, slots_for
-from connectors.kv_metrics import KVTransferMetrics
-from engine.config import KVRole
-from engine.kv_connector import KVConnectorBase, KVConnectorMetadata
-from kvstore.gate import WriteGate
+from pdserve.connectors.chunk_math import LoadPlan, save_range, slots_for
+from pdserve.connectors.kv_metrics import KVTransferMetrics
+from pdserve.engine.config import KVRole
+from pdserve.engine.kv_connector import KVConnectorBase, KVConnectorMetadata
+from pdserve.kvstore.gate import WriteGate
 
 if TYPE_CHECKING:
-    from engine.request import Request
-    from engine.scheduler_output import SchedulerOutput
+    from pdserve.engine.request import Request
+    from pdserve.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

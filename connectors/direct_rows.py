@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvstore.spans import SpanTable
+from pdserve.kvstore.spans import SpanTable
 
 _CACHE, _SCRATCH = 0, 1
 

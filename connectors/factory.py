@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from engine.kv_connector import KVConnectorBase
-from kvstore import SCHEMES as STORE_SCHEMES
+from pdserve.engine.kv_connector import KVConnectorBase
+from pdserve.kvstore import SCHEMES as STORE_SCHEMES
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
+    from pdserve.engine.config import EngineConfig
 
 LMCACHE_SCHEMES = ("lm",)
 
@@ -24,13 +24,13 @@ def create_connector(config: EngineConfig, runner: Any) -> KVConnectorBase | Non
         return None
     scheme = urlsplit(kt.kv_store).scheme.lower() if kt.kv_store else None
     if scheme in LMCACHE_SCHEMES or (scheme is None and kt.lmcache_config):
-        from connectors.lmcache_connector import LMCacheConnector
+        from pdserve.connectors.lmcache_connector import LMCacheConnector
 
         connector: KVConnectorBase = LMCacheConnector(config, runner)
     elif scheme in STORE_SCHEMES:
         if kt.lmcache_config:
             raise ValueError(f"lmcache_config applies to LMCache stores (lm://host:port), not {kt.kv_store!r}")
-        from connectors.store_connector import StoreConnector
+        from pdserve.connectors.store_connector import StoreConnector
 
         connector = StoreConnector(config, runner)
     else:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from connectors.chunk_math import LoadPlan
+from pdserve.connectors.chunk_math import LoadPlan
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Iterable
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import Metric
 
-from connectors.chunk_math import LoadPlan
-from connectors.kv_log import fallback_line, load_line, logger, lookup_line, save_line
+from pdserve.connectors.chunk_math import LoadPlan
+from pdserve.connectors.kv_log import fallback_line, load_line, logger, lookup_line, save_line
 
 _SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 

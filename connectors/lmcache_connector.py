@@ -29,15 +29,15 @@ from lmcache.v1.cache_engine import LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheMetadata
 
-from common.hashing import digest, token_bytes
-from connectors.chunked import ChunkedConnector, ChunkedConnectorMetadata, InFlightLoad, LoadSpec, PendingSave, SaveSpec
-from connectors.lmcache_cpu import PagedKVCPUConnector
-import kernels
-from engine.config import KVRole
+from pdserve.common.hashing import digest, token_bytes
+from pdserve.connectors.chunked import ChunkedConnector, ChunkedConnectorMetadata, InFlightLoad, LoadSpec, PendingSave, SaveSpec
+from pdserve.connectors.lmcache_cpu import PagedKVCPUConnector
+from pdserve import kernels
+from pdserve.engine.config import KVRole
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig, KVTransferConfig
-    from engine.request import Request
+    from pdserve.engine.config import EngineConfig, KVTransferConfig
+    from pdserve.engine.request import Request
 
 _DEFAULTS: dict[str, Any] = {
     "local_cpu": False,  # the lmcache_server is the store; a node-local copy would hide cross-node misses

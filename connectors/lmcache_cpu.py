@@ -22,9 +22,7 @@ import torch
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
-import kernels
-
-
+from pdserve import kernels
 class PagedKVCPUConnector(GPUConnectorInterface):
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_layers = num_layers

@@ -31,10 +31,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-import kernels
-
+from pdserve import kernels
 if TYPE_CHECKING:
-    from engine.device import Platform  # the engine's device calls (the engine passes it in)
+    from pdserve.engine.device import Platform  # the engine's device calls (the engine passes it in)
 
 logger = logging.getLogger(__name__)
 

@@ -23,19 +23,19 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from common.hashing import chunk_keys
-from connectors.chunk_math import chunk_bounds, hit_tokens
-from connectors import direct_rows
-from connectors.chunked import (ChunkedConnector, ChunkedConnectorMetadata, InFlightLoad, LoadSpec, PendingSave,
+from pdserve.common.hashing import chunk_keys
+from pdserve.connectors.chunk_math import chunk_bounds, hit_tokens
+from pdserve.connectors import direct_rows
+from pdserve.connectors.chunked import (ChunkedConnector, ChunkedConnectorMetadata, InFlightLoad, LoadSpec, PendingSave,
                                 SaveSpec)
-from connectors.direct_rows import DirectRows
-from connectors.staging import HostChunks, make_kv_transfer
-from engine.config import KVRole
-from kvstore import CorruptObject, KVStore, NotFound, StoreTimeout, StoreUnavailable, open_store
+from pdserve.connectors.direct_rows import DirectRows
+from pdserve.connectors.staging import HostChunks, make_kv_transfer
+from pdserve.engine.config import KVRole
+from pdserve.kvstore import CorruptObject, KVStore, NotFound, StoreTimeout, StoreUnavailable, open_store
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
-    from engine.request import Request
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.request import Request
 
 logger = logging.getLogger(__name__)
 _REASONS = ((StoreUnavailable, "unavailable"), (StoreTimeout, "timeout"), (CorruptObject, "corrupt"),
@@ -324,12 +324,12 @@ class StoreConnector(ChunkedConnector):
 def _span_reader() -> Any:
     """The compiled file reader of direct loads (kernels/kv_read.py), built once per process; None
     when no C compiler works (the store's Python path does the same)."""
-    from engine.builtin_model import cache_dir
-    from kernels.cpu_build import BuildError
-    from kernels.kv_read import KVReadLibrary
+    from pdserve.common.paths import kernels_dir
+    from pdserve.kernels.cpu_build import BuildError
+    from pdserve.kernels.kv_read import KVReadLibrary
 
     try:
-        return KVReadLibrary(cache_dir() / "kernels")
+        return KVReadLibrary(kernels_dir())
     except (BuildError, OSError, AttributeError) as exc:
         logger.info("KV loads read files in Python (the compiled reader is unavailable: %s)", exc)
         return None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from serving.node import NodeRole, node_main
+from pdserve.serving.node import NodeRole, node_main
 
 ROLE = NodeRole(name="decode", kv_role="kv_consumer", http_port=8200, grpc_port=50052)
 

@@ -8,7 +8,7 @@ sockets stay open (the failure a timeout, not a connection error, must catch).
 
     relay = FaultRelay("127.0.0.1", redis_port); port = relay.start(); relay.delay_s = 2.0
 
-Also a command for manual experiments: `python -m deploy.fault_relay --target 127.0.0.1:6379 --delay 2`.
+Also a command for manual experiments: `python -m pdserve.deploy.fault_relay --target 127.0.0.1:6379 --delay 2`.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import asyncio
 import threading
 import time
 
-from deploy.processes import HOST
+from pdserve.deploy.processes import HOST
 
 _BUFFER = 1 << 16
 
@@ -117,7 +117,7 @@ class FaultRelay:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.fault_relay", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m pdserve.deploy.fault_relay", description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True, help="host:port of the real server")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (default: a free one)")
     parser.add_argument("--delay", type=float, default=0.0, help="seconds added to every reply (default 0)")

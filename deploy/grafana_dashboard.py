@@ -1,4 +1,4 @@
-"""The Grafana dashboard of a pdserve cluster, as code: `python -m deploy.grafana_dashboard` rewrites
+"""The Grafana dashboard of a pdserve cluster, as code: `python -m pdserve.deploy.grafana_dashboard` rewrites
 deploy/grafana/pdserve.json (the file to import), and the tests check that the two agree and that
 every series a panel queries is exported by a live node or proxy.
 

@@ -1,6 +1,6 @@
 """`make serve`: one prefill node, one decode node and the proxy on localhost.
 
-    python -m deploy.local_cluster [--store file|redis|lmcache] [--port 8000] [--model DIR]
+    python -m pdserve.deploy.local_cluster [--store file|redis|lmcache] [--port 8000] [--model DIR]
 
 Uses the built-in tiny model unless --model is given, starts redis-server or LMCache's
 server itself for those stores, waits until the proxy sees both nodes healthy, prints how
@@ -17,12 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from deploy.processes import ClusterSpec, LocalCluster
-from proxy.router import DEFAULT_POLICY, POLICIES
+from pdserve.deploy.processes import ClusterSpec, LocalCluster
+from pdserve.proxy.router import DEFAULT_POLICY, POLICIES
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m deploy.local_cluster", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m pdserve.deploy.local_cluster", description=__doc__.split("\n")[0])
     p.add_argument("--store", choices=("file", "redis", "lmcache"), default="file",
                    help="shared KV store (default file: a directory under the log dir)")
     p.add_argument("--redis-maxmemory", default="1gb",
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.model is None:
-        from engine.builtin_model import default_model_path
+        from pdserve.engine.builtin_model import default_model_path
 
         print("preparing the built-in tiny model ...", flush=True)
         args.model = str(default_model_path())

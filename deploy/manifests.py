@@ -21,8 +21,8 @@ from typing import Any
 
 import yaml
 
-from deploy.processes import HOST, REPO, console_script, free_port
-from deploy.rehearsal import Probe, Step
+from pdserve.deploy.processes import HOST, REPO, console_script, free_port
+from pdserve.deploy.rehearsal import Probe, Step
 
 PORT_FLAGS = ("--port", "--grpc-port", "-p")  # flags whose value is a port this process listens on
 _ADDRESS = re.compile(r"(?<![\w.-])([A-Za-z0-9][\w.-]*):(\d{2,5})(?!\d)")

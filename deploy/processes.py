@@ -1,6 +1,6 @@
 """Start, watch and stop a P/D cluster's processes on one host (used by `make serve` and the tests).
 
-Every child is a real process (`python -m prefill_node`, `decode_node`, `proxy`, plus
+Every child is a real process (`python -m pdserve.prefill_node`, `decode_node`, `proxy`, plus
 redis-server or LMCache's server when the store needs one) with its console output in a file
 under the log directory. Nodes also write their own log via --log-file for `pd-kv-hits`.
 """
@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from proxy.router import DEFAULT_POLICY
+from pdserve.proxy.router import DEFAULT_POLICY
 
 HOST = "127.0.0.1"
 REPO = Path(__file__).resolve().parent.parent
@@ -205,7 +205,7 @@ class LocalCluster:
         self.decode = [self._node("decode", i) for i in range(spec.num_decode)]
         self.proxy_port = spec.proxy_port or free_port()
         self.proxy = Child("proxy", python_module(
-            "proxy", "--host", HOST, "--port", str(self.proxy_port), "--policy", spec.policy,
+            "pdserve.proxy", "--host", HOST, "--port", str(self.proxy_port), "--policy", spec.policy,
             "--prefill", ",".join(n.grpc_address for n in self.prefill),
             "--decode", ",".join(n.grpc_address for n in self.decode), *spec.proxy_args), spec.log_dir, spec.env)
 
@@ -230,7 +230,7 @@ class LocalCluster:
         name = f"{role}{index}"
         node = Node(name, [], self.spec.log_dir, shared_cores_env(self.spec.env), role=role, http_port=free_port(),
                     grpc_port=free_port())
-        node.argv = python_module(f"{role}_node", "--model", self.spec.model, "--kv-store", self.kv_store,
+        node.argv = python_module(f"pdserve.{role}_node", "--model", self.spec.model, "--kv-store", self.kv_store,
                                   "--host", HOST, "--port", str(node.http_port), "--grpc-port", str(node.grpc_port),
                                   "--log-file", str(node.log_file), *self.spec.node_args)
         return node

@@ -1,7 +1,7 @@
 """Run the command lines of the deploy files as local processes: a rehearsal of a deployment.
 
-    python -m deploy.rehearsal compose [deploy/compose.yaml]
-    python -m deploy.rehearsal kubernetes [deploy/kubernetes]
+    python -m pdserve.deploy.rehearsal compose [deploy/compose.yaml]
+    python -m pdserve.deploy.rehearsal kubernetes [deploy/kubernetes]
 
 deploy.manifests turns every container of `deploy/compose.yaml` or `deploy/kubernetes/*.yaml` into
 a Step: its command line with the flags it is written with, translated for one host. This module
@@ -23,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.processes import HOST, Child
+from pdserve.deploy.processes import HOST, Child
 
 MAX_RESTARTS = 3
 
@@ -144,11 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import tempfile
 
-    p = argparse.ArgumentParser(prog="python -m deploy.rehearsal", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m pdserve.deploy.rehearsal", description=__doc__.split("\n")[0])
     p.add_argument("kind", choices=("compose", "kubernetes"))
     p.add_argument("path", nargs="?", default=None)
     args = p.parse_args(argv)
-    from deploy.manifests import REPO, compose_steps, kubernetes_steps
+    from pdserve.deploy.manifests import REPO, compose_steps, kubernetes_steps
 
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-rehearsal-"))
     path = Path(args.path or REPO / "deploy" / ("compose.yaml" if args.kind == "compose" else "kubernetes"))

@@ -2,7 +2,7 @@
 
 The KV connector interface lives here (engine.kv_connector); its implementations live in
 `connectors/` and are handed in by the layer above (serving), so the engine never imports
-them. The offline API is `from serving import LLM, SamplingParams`.
+them. The offline API is `from pdserve import LLM, SamplingParams`.
 
 The heavy names (they pull in torch and transformers) load on first use, so importing a light
 submodule such as `engine.config` stays cheap.
@@ -13,10 +13,10 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "LLMEngine": "engine.llm_engine",
-    "RequestOutput": "engine.outputs",
-    "EngineStats": "engine.outputs",
-    "SamplingParams": "engine.sampling_params",
+    "LLMEngine": "pdserve.engine.llm_engine",
+    "RequestOutput": "pdserve.engine.outputs",
+    "EngineStats": "pdserve.engine.outputs",
+    "SamplingParams": "pdserve.engine.sampling_params",
 }
 __all__ = list(_EXPORTS)
 

@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from engine.outputs import RequestOutput, Resume
-from engine.sampling_params import SamplingParams
+from pdserve.engine.outputs import RequestOutput, Resume
+from pdserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

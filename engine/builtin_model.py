@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from pdserve.common.paths import models_dir
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=32, intermediate_size=256, max_position_embeddings=8192, dtype="float32"),
@@ -135,19 +137,13 @@ def make_model(out_dir: str | os.PathLike, preset: str = "tiny", arch: str = "ll
     return out
 
 
-def cache_dir() -> Path:
-    """pdserve's cache root, $PDSERVE_CACHE_DIR or ~/.cache/pdserve: built-in models under models/,
-    the nodes' default KV store under kvstore/."""
-    return Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
-
-
 def default_model_path(preset: str = "tiny") -> Path:
-    """The built-in random-weight Llama of `preset` under cache_dir()/models, made on first use.
+    """The built-in random-weight Llama of `preset` under $PDSERVE_CACHE_DIR/models (common/paths.py), made on first use.
 
     Built in a temp dir beside the target and renamed into place, so racing processes never see
     a half-written model (the loser of the rename race discards its copy).
     """
-    root = cache_dir() / "models"
+    root = models_dir()
     target = root / f"{preset}-random-llama"
     if (target / "model.safetensors").exists():
         return target

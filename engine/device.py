@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from engine.config import DEVICE_RE
-from kernels.host_memory import huge_empty
+from pdserve.engine.config import DEVICE_RE
+from pdserve.kernels.host_memory import huge_empty
 
 
 def resolve_device(spec: str) -> torch.device:

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.metadata import AttentionMetadata, build_attention_metadata
-from engine.device import HostDeviceBuffer, Platform
-from engine.request import Request
-from engine.scheduler_output import SchedulerOutput
+from pdserve.engine.attention.metadata import AttentionMetadata, build_attention_metadata
+from pdserve.engine.device import HostDeviceBuffer, Platform
+from pdserve.engine.request import Request
+from pdserve.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

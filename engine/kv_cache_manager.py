@@ -8,9 +8,9 @@ process. A block is indexed only after the step that wrote its KV has finished
 """
 from __future__ import annotations
 
-from common.hashing import chain_seed, hash_chain
-from engine.block_pool import BlockPool, KVCacheBlock
-from engine.request import Request
+from pdserve.common.hashing import chain_seed, hash_chain
+from pdserve.engine.block_pool import BlockPool, KVCacheBlock
+from pdserve.engine.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

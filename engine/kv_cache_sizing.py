@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_MEMORY, CacheConfig
-from engine.device import Platform
+from pdserve.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_MEMORY, CacheConfig
+from pdserve.engine.device import Platform
 
 GIB = 2**30
 

@@ -32,14 +32,14 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from engine.config import KVRole
+from pdserve.engine.config import KVRole
 
 if TYPE_CHECKING:
     import torch
 
-    from engine.config import EngineConfig
-    from engine.request import Request
-    from engine.scheduler_output import SchedulerOutput
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.request import Request
+    from pdserve.engine.scheduler_output import SchedulerOutput
 
 
 # Builds an engine's connector from its config once the model runner (shapes, KV tensors) exists.

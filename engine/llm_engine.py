@@ -11,19 +11,19 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.model_runner import ModelRunner
-from engine.outputs import EngineStats, Logprob, RequestOutput, Resume
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.scheduler_output import ModelRunnerOutput
-from engine.structured_output import StructuredOutputManager
-from engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.outputs import EngineStats, Logprob, RequestOutput, Resume
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_output import ModelRunnerOutput
+from pdserve.engine.structured_output import StructuredOutputManager
+from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 if TYPE_CHECKING:
-    from engine.kv_connector import ConnectorFactory
+    from pdserve.engine.kv_connector import ConnectorFactory
 
 logger = logging.getLogger(__name__)
 

@@ -13,26 +13,23 @@ import sys
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 ENV_SWITCH = "PDSERVE_CONFIGURE_LOGGING"
-PACKAGES = ("engine", "connectors", "kvstore", "kernels")
+LOGGER = "pdserve"  # every module logs under its own name, all below this one
 
 
 def configure_default_logging(level: int = logging.INFO) -> bool:
-    """Give pdserve's package loggers a stdout handler (as vLLM does) unless logging is configured
+    """Give pdserve's logger a stdout handler (as vLLM does) unless logging is configured
     or switched off; True if it did. Calling it again changes nothing."""
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     if logging.getLogger().handlers:
         return False
-    configured = False
-    for name in PACKAGES:
-        logger = logging.getLogger(name)
-        if any(getattr(h, "_pdserve_default", False) for h in logger.handlers):
-            continue
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter(LOG_FORMAT))
-        handler._pdserve_default = True  # type: ignore[attr-defined]
-        logger.addHandler(handler)
-        logger.setLevel(level)
-        logger.propagate = False  # an application that configures the root later gets no duplicates
-        configured = True
-    return configured
+    logger = logging.getLogger(LOGGER)
+    if any(getattr(h, "_pdserve_default", False) for h in logger.handlers):
+        return False
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler._pdserve_default = True  # type: ignore[attr-defined]
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False  # an application that configures the root later gets no duplicates
+    return True

@@ -16,9 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.penalties import apply_penalties
-from engine.request import Request
-from engine.structured_output import apply_grammar_bitmask
+from pdserve.engine.penalties import apply_penalties
+from pdserve.engine.request import Request
+from pdserve.engine.structured_output import apply_grammar_bitmask
 
 
 def _index(rows: list[int], cols: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

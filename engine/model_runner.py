@@ -12,22 +12,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from common.hashing import model_fingerprint
-from engine import kv_cache_sizing
-from engine.attention import ForwardContext, select_attention_backend, set_forward_context
-from engine.config import EngineConfig
-from engine.device import Platform, resolve_device
-from engine.input_batch import InputBatchBuilder, StepInputs
-from engine.loader import iterate_weights
-from engine.models import build_model
-from engine.prompt_logprobs import compute_prompt_logprobs
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pdserve.common.hashing import model_fingerprint
+from pdserve.engine import kv_cache_sizing
+from pdserve.engine.attention import ForwardContext, select_attention_backend, set_forward_context
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.device import Platform, resolve_device
+from pdserve.engine.input_batch import InputBatchBuilder, StepInputs
+from pdserve.engine.loader import iterate_weights
+from pdserve.engine.models import build_model
+from pdserve.engine.prompt_logprobs import compute_prompt_logprobs
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from engine.kv_connector import KVConnectorBase
+    from pdserve.engine.kv_connector import KVConnectorBase
 
 logger = logging.getLogger(__name__)
 

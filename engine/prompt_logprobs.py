@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.request import Request
+from pdserve.engine.request import Request
 
 
 def compute_prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,

@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.structured_output import RequestGrammar
+    from pdserve.engine.structured_output import RequestGrammar
 
 logger = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 import torch
 
-from common.hashing import digest
-from engine.logits_processors import process_logits
-from engine.request import Request
-from engine.sampling_params import SEED_MAX, SEED_MIN
+from pdserve.common.hashing import digest
+from pdserve.engine.logits_processors import process_logits
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SEED_MAX, SEED_MIN
 
 
 def seeded_generator(seed: int, token_index: int, device: torch.device | str = "cpu") -> torch.Generator:

@@ -19,13 +19,13 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from engine.kv_connector import KVConnectorBase
+    from pdserve.engine.kv_connector import KVConnectorBase
 
 logger = logging.getLogger(__name__)
 

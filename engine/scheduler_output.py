@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.request import Request
+    from pdserve.engine.request import Request
 
 
 @dataclass

@@ -22,13 +22,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from engine.sampling_params import StructuredOutputsParams
+from pdserve.engine.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import torch
     import xgrammar as xgr
 
-    from engine.request import Request
+    from pdserve.engine.request import Request
 
 logger = logging.getLogger(__name__)
 

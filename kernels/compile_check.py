@@ -8,7 +8,7 @@ those argument types and constexprs. It takes minutes on a CPU, so it is `make c
 not part of `make test`; run it with the Triton the GPU machine has (3.6 there) to check API
 compatibility before spending GPU time:
 
-    python -m kernels.compile_check [--arch 90]
+    python -m pdserve.kernels.compile_check [--arch 90]
 
 TRITON_INTERPRET must be unset (the kernels must be real JITFunctions).
 """
@@ -25,8 +25,8 @@ import torch
 
 def capture_launches() -> list[tuple]:
     """(jit function, args, kwargs) of every launch the wrappers make for the engine's shapes."""
-    from kernels import triton_attention as ta
-    from kernels import triton_transfer as tt
+    from pdserve.kernels import triton_attention as ta
+    from pdserve.kernels import triton_transfer as tt
 
     launches = []
 

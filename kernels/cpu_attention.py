@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import load_library
+from pdserve.kernels.cpu_build import load_library
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_decode_attention.c"
 # Included by SOURCE (part of the build cache key).

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import load_library
+from pdserve.kernels.cpu_build import load_library
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_block_ops.c"
 HEADERS = (SOURCE.with_name("vec_exp.h"), SOURCE.with_name("bf16.h"))

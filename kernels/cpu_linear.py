@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import BuildError, load_library
-from kernels.host_memory import huge_empty
+from pdserve.kernels.cpu_build import BuildError, load_library
+from pdserve.kernels.host_memory import huge_empty
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_linear_bf16.c"
 DOT_SOURCE = Path(__file__).with_name("csrc") / "cpu_linear_avx512bf16.c"

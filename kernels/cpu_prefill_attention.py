@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu_build import load_library
+from pdserve.kernels.cpu_build import load_library
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_prefill_attention.c"
 HEADERS = (SOURCE.with_name("vec_exp.h"),)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from kernels.cpu_build import load_library
+from pdserve.kernels.cpu_build import load_library
 
 SOURCE = Path(__file__).with_name("csrc") / "kv_read.c"
 RECV_SOURCE = SOURCE.with_name("kv_recv.c")

@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from kernels import torch_ref
+from pdserve.kernels import torch_ref
 
 BACKENDS = ("auto", "triton", "torch")
 _forced: list[str] = []
@@ -61,7 +61,7 @@ def _use_triton(tensor: torch.Tensor) -> bool:
 def gather_kv(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Copy the KV of the given slots into a contiguous [2, n, kv_heads, head_dim] buffer."""
     if _use_triton(kv_cache):
-        from kernels import triton_transfer
+        from pdserve.kernels import triton_transfer
         return triton_transfer.gather_kv(kv_cache, slots)
     return torch_ref.gather_kv(kv_cache, slots)
 
@@ -69,7 +69,7 @@ def gather_kv(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 def scatter_kv(kv_cache: torch.Tensor, slots: torch.Tensor, buf: torch.Tensor) -> None:
     """Write a [2, n, kv_heads, head_dim] buffer into the given slots."""
     if _use_triton(kv_cache):
-        from kernels import triton_transfer
+        from pdserve.kernels import triton_transfer
         triton_transfer.scatter_kv(kv_cache, slots, buf)
     else:
         torch_ref.scatter_kv(kv_cache, slots, buf)
@@ -78,7 +78,7 @@ def scatter_kv(kv_cache: torch.Tensor, slots: torch.Tensor, buf: torch.Tensor) -
 def gather_kv_layers(kv_caches: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
     """Copy the KV of the given slots of every layer into one [L, 2, n, kv_heads, head_dim] buffer."""
     if _use_triton(kv_caches[0]):
-        from kernels import triton_transfer
+        from pdserve.kernels import triton_transfer
         return triton_transfer.gather_kv_layers(kv_caches, slots)
     return torch_ref.gather_kv_layers(kv_caches, slots)
 
@@ -86,7 +86,7 @@ def gather_kv_layers(kv_caches: list[torch.Tensor], slots: torch.Tensor) -> torc
 def scatter_kv_layers(kv_caches: list[torch.Tensor], slots: torch.Tensor, buf: torch.Tensor) -> None:
     """Write an [L, 2, n, kv_heads, head_dim] buffer into the given slots of every layer."""
     if _use_triton(kv_caches[0]):
-        from kernels import triton_transfer
+        from pdserve.kernels import triton_transfer
         triton_transfer.scatter_kv_layers(kv_caches, slots, buf)
     else:
         torch_ref.scatter_kv_layers(kv_caches, slots, buf)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import launch_guard
+from pdserve.kernels.launch import launch_guard
 
 _LOG2E = math.log2(math.e)
 _MIN_ROWS = 16  # tl.dot needs at least 16 rows

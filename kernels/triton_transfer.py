@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.launch import launch_guard
+from pdserve.kernels.launch import launch_guard
 
 # Elements one program copies per K/V tile; large tiles keep the interpreter's program count low.
 _TILE_ELEMS = 4096

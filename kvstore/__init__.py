@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any, Callable
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from common.units import parse_bytes
-from kvstore.base import ChunkInfo, KVStore, StoreStats, Usage, VerifyReport
-from kvstore.errors import CorruptObject, NotFound, StoreError, StoreTimeout, StoreUnavailable
+from pdserve.common.units import parse_bytes
+from pdserve.kvstore.base import ChunkInfo, KVStore, StoreStats, Usage, VerifyReport
+from pdserve.kvstore.errors import CorruptObject, NotFound, StoreError, StoreTimeout, StoreUnavailable
 
 __all__ = ["open_store", "SCHEMES", "KVStore", "ChunkInfo", "StoreStats", "Usage", "VerifyReport",
            "StoreError", "StoreUnavailable", "StoreTimeout", "CorruptObject", "NotFound"]
@@ -57,16 +57,16 @@ def open_store(url: str, **options: Any) -> KVStore:
             raise ValueError(f"bad value for {name} in {url!r}: {exc}") from exc
     query.update(options)
     if scheme == "file":
-        from kvstore.filesystem import FileSystemStore
+        from pdserve.kvstore.filesystem import FileSystemStore
 
         if parts.netloc not in ("", "localhost") or not parts.path:
             raise ValueError(f"file store URL must be file:///absolute/path, got {url!r}")
         return FileSystemStore(unquote(parts.path), **query)
     url = parts._replace(query="").geturl()
     if scheme.endswith("+cluster"):
-        from kvstore.redis_cluster import RedisClusterStore
+        from pdserve.kvstore.redis_cluster import RedisClusterStore
 
         return RedisClusterStore(url, **query)
-    from kvstore.redis_store import RedisStore
+    from pdserve.kvstore.redis_store import RedisStore
 
     return RedisStore(url, **query)

@@ -82,10 +82,10 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from kvstore import codec
-from kvstore.errors import CorruptObject, StoreError, StoreTimeout
-from kvstore.gate import NO_GATE, WriteGate
-from kvstore.spans import SpanTable, copy_into
+from pdserve.kvstore import codec
+from pdserve.kvstore.errors import CorruptObject, StoreError, StoreTimeout
+from pdserve.kvstore.gate import NO_GATE, WriteGate
+from pdserve.kvstore.spans import SpanTable, copy_into
 
 Buffer = bytes | bytearray | memoryview
 

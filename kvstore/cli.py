@@ -9,9 +9,9 @@ import json
 import sys
 from dataclasses import asdict
 
-from kvstore import open_store
-from kvstore.base import KVStore
-from kvstore.errors import StoreError
+from pdserve.kvstore import open_store
+from pdserve.kvstore.base import KVStore
+from pdserve.kvstore.errors import StoreError
 
 
 def _gib(n: int) -> str:

@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 import xxhash
 
-from kvstore.errors import CorruptObject
+from pdserve.kvstore.errors import CorruptObject
 
 MAGIC = b"PDKV"
 VERSION = 2

@@ -33,12 +33,12 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
-from kvstore.base import Buffer, ChunkInfo, KVStore
-from kvstore.errors import NotFound, StoreError, StoreTimeout, StoreUnavailable
-from kvstore import fs_ledger
-from kvstore.fs_ledger import ChunkLedger
-from kvstore.fs_read import FileReads, read_file
-from kvstore.spans import advance
+from pdserve.kvstore.base import Buffer, ChunkInfo, KVStore
+from pdserve.kvstore.errors import NotFound, StoreError, StoreTimeout, StoreUnavailable
+from pdserve.kvstore import fs_ledger
+from pdserve.kvstore.fs_ledger import ChunkLedger
+from pdserve.kvstore.fs_read import FileReads, read_file
+from pdserve.kvstore.spans import advance
 
 logger = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvstore import codec
-from kvstore.errors import CorruptObject
-from kvstore.gate import NO_GATE, LoadAbandoned, WriteGate
-from kvstore.spans import SpanReader, SpanTable, advance, copy_into
+from pdserve.kvstore import codec
+from pdserve.kvstore.errors import CorruptObject
+from pdserve.kvstore.gate import NO_GATE, LoadAbandoned, WriteGate
+from pdserve.kvstore.spans import SpanReader, SpanTable, advance, copy_into
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from kvstore.errors import StoreError
+from pdserve.kvstore.errors import StoreError
 
 
 class LoadAbandoned(StoreError):

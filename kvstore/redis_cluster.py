@@ -26,8 +26,8 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 
-from kvstore.base import KVStore
-from kvstore.redis_store import RedisStore
+from pdserve.kvstore.base import KVStore
+from pdserve.kvstore.redis_store import RedisStore
 
 
 def parse_nodes(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:

@@ -23,11 +23,11 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvstore import codec, resp
-from kvstore.base import Buffer, ChunkInfo, KVStore
-from kvstore.errors import NotFound, StoreError, StoreTimeout, StoreUnavailable
-from kvstore.gate import NO_GATE, WriteGate
-from kvstore.spans import SpanReader, SpanTable
+from pdserve.kvstore import codec, resp
+from pdserve.kvstore.base import Buffer, ChunkInfo, KVStore
+from pdserve.kvstore.errors import NotFound, StoreError, StoreTimeout, StoreUnavailable
+from pdserve.kvstore.gate import NO_GATE, WriteGate
+from pdserve.kvstore.spans import SpanReader, SpanTable
 
 # Replies that mean "this shard cannot serve right now" (a cluster mid-failover): an outage, not a bug.
 _OUTAGE = (redis.ConnectionError, redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,

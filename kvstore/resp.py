@@ -21,8 +21,8 @@ from typing import Any, Iterator
 import numpy as np
 import redis
 
-from kvstore.gate import NO_GATE, LoadAbandoned, WriteGate
-from kvstore.spans import SpanReader, SpanTable, advance, copy_into
+from pdserve.kvstore.gate import NO_GATE, LoadAbandoned, WriteGate
+from pdserve.kvstore.spans import SpanReader, SpanTable, advance, copy_into
 
 ABANDONED = 1  # kernels/csrc/kv_recv.c's PD_ABANDONED: the gate closed while the replies were read
 

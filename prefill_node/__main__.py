@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from serving.node import NodeRole, node_main
+from pdserve.serving.node import NodeRole, node_main
 
 ROLE = NodeRole(name="prefill", kv_role="kv_producer", http_port=8100, grpc_port=50051)
 

@@ -1,11 +1,13 @@
-"""Regenerate the committed gRPC code: `python -m protos.generate` (needs grpcio-tools 1.78.0).
+"""Regenerate the committed gRPC code: `python -m pdserve.protos.generate` (needs grpcio-tools 1.78.0).
 
 The generated files are committed so that installing pdserve needs no code generation;
 tests/test_protos.py regenerates into a temp dir and checks the committed files are current.
 """
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -14,19 +16,27 @@ GENERATED = ("pdserve_pb2.py", "pdserve_pb2.pyi", "pdserve_pb2_grpc.py")
 
 
 def generate(out_dir: Path) -> list[Path]:
-    """Run protoc with the repo root as include path, so the stubs import `protos.pdserve_pb2`."""
+    """Run protoc on the proto as `pdserve/protos/pdserve.proto` (its installed place), so the stubs
+    import `pdserve.protos.pdserve_pb2`; the files land in out_dir itself."""
     from grpc_tools import protoc
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    args = ["protoc", f"-I{REPO}", f"--python_out={out_dir}", f"--pyi_out={out_dir}",
-            f"--grpc_python_out={out_dir}", str(REPO / PROTO)]
-    if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed on {PROTO}")
-    return [out_dir / "protos" / name for name in GENERATED]
+    with tempfile.TemporaryDirectory() as tmp:
+        include, gen = Path(tmp) / "include", Path(tmp) / "out"
+        (include / "pdserve" / "protos").mkdir(parents=True)
+        gen.mkdir()
+        shutil.copy(REPO / PROTO, include / "pdserve" / PROTO)
+        args = ["protoc", f"-I{include}", f"--python_out={gen}", f"--pyi_out={gen}",
+                f"--grpc_python_out={gen}", str(include / "pdserve" / PROTO)]
+        if protoc.main(args) != 0:
+            raise RuntimeError(f"protoc failed on {PROTO}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for name in GENERATED:
+            shutil.copy(gen / "pdserve" / "protos" / name, out_dir / name)
+    return [out_dir / name for name in GENERATED]
 
 
 def main() -> int:
-    paths = generate(REPO)
+    paths = generate(REPO / "protos")
     print("generated " + ", ".join(str(p.relative_to(REPO)) for p in paths))
     return 0
 

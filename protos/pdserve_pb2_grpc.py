@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos import pdserve_pb2 as protos_dot_pdserve__pb2
+from pdserve.protos import pdserve_pb2 as pdserve_dot_protos_dot_pdserve__pb2
 
 GRPC_GENERATED_VERSION = '1.78.0'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in protos/pdserve_pb2_grpc.py depends on'
+        + ' but the generated code in pdserve/protos/pdserve_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,38 +36,38 @@ class PDNodeStub(object):
         """
         self.Prefill = channel.unary_unary(
                 '/pdserve.PDNode/Prefill',
-                request_serializer=protos_dot_pdserve__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve__pb2.PrefillResponse.FromString,
+                request_serializer=pdserve_dot_protos_dot_pdserve__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/pdserve.PDNode/Generate',
-                request_serializer=protos_dot_pdserve__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve__pb2.GenerateDelta.FromString,
+                request_serializer=pdserve_dot_protos_dot_pdserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.GenerateDelta.FromString,
                 _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/pdserve.PDNode/Lookup',
-                request_serializer=protos_dot_pdserve__pb2.LookupRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve__pb2.LookupResponse.FromString,
+                request_serializer=pdserve_dot_protos_dot_pdserve__pb2.LookupRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.LookupResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/pdserve.PDNode/Health',
-                request_serializer=protos_dot_pdserve__pb2.HealthRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve__pb2.HealthResponse.FromString,
+                request_serializer=pdserve_dot_protos_dot_pdserve__pb2.HealthRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.HealthResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/pdserve.PDNode/Stats',
-                request_serializer=protos_dot_pdserve__pb2.StatsRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve__pb2.StatsResponse.FromString,
+                request_serializer=pdserve_dot_protos_dot_pdserve__pb2.StatsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.StatsResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/pdserve.PDNode/Tokenize',
-                request_serializer=protos_dot_pdserve__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve__pb2.TokenizeResponse.FromString,
+                request_serializer=pdserve_dot_protos_dot_pdserve__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.Detokenize = channel.unary_unary(
                 '/pdserve.PDNode/Detokenize',
-                request_serializer=protos_dot_pdserve__pb2.DetokenizeRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve__pb2.DetokenizeResponse.FromString,
+                request_serializer=pdserve_dot_protos_dot_pdserve__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
 
 
@@ -128,38 +128,38 @@ def add_PDNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=protos_dot_pdserve__pb2.PrefillRequest.FromString,
-                    response_serializer=protos_dot_pdserve__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.PrefillRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_pdserve__pb2.PrefillResponse.SerializeToString,
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=protos_dot_pdserve__pb2.GenerateRequest.FromString,
-                    response_serializer=protos_dot_pdserve__pb2.GenerateDelta.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.GenerateRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_pdserve__pb2.GenerateDelta.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
-                    request_deserializer=protos_dot_pdserve__pb2.LookupRequest.FromString,
-                    response_serializer=protos_dot_pdserve__pb2.LookupResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.LookupRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_pdserve__pb2.LookupResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=protos_dot_pdserve__pb2.HealthRequest.FromString,
-                    response_serializer=protos_dot_pdserve__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.HealthRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_pdserve__pb2.HealthResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=protos_dot_pdserve__pb2.StatsRequest.FromString,
-                    response_serializer=protos_dot_pdserve__pb2.StatsResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.StatsRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_pdserve__pb2.StatsResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=protos_dot_pdserve__pb2.TokenizeRequest.FromString,
-                    response_serializer=protos_dot_pdserve__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.TokenizeRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_pdserve__pb2.TokenizeResponse.SerializeToString,
             ),
             'Detokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Detokenize,
-                    request_deserializer=protos_dot_pdserve__pb2.DetokenizeRequest.FromString,
-                    response_serializer=protos_dot_pdserve__pb2.DetokenizeResponse.SerializeToString,
+                    request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.DetokenizeRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_pdserve__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -187,8 +187,8 @@ class PDNode(object):
             request,
             target,
             '/pdserve.PDNode/Prefill',
-            protos_dot_pdserve__pb2.PrefillRequest.SerializeToString,
-            protos_dot_pdserve__pb2.PrefillResponse.FromString,
+            pdserve_dot_protos_dot_pdserve__pb2.PrefillRequest.SerializeToString,
+            pdserve_dot_protos_dot_pdserve__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -214,8 +214,8 @@ class PDNode(object):
             request,
             target,
             '/pdserve.PDNode/Generate',
-            protos_dot_pdserve__pb2.GenerateRequest.SerializeToString,
-            protos_dot_pdserve__pb2.GenerateDelta.FromString,
+            pdserve_dot_protos_dot_pdserve__pb2.GenerateRequest.SerializeToString,
+            pdserve_dot_protos_dot_pdserve__pb2.GenerateDelta.FromString,
             options,
             channel_credentials,
             insecure,
@@ -241,8 +241,8 @@ class PDNode(object):
             request,
             target,
             '/pdserve.PDNode/Lookup',
-            protos_dot_pdserve__pb2.LookupRequest.SerializeToString,
-            protos_dot_pdserve__pb2.LookupResponse.FromString,
+            pdserve_dot_protos_dot_pdserve__pb2.LookupRequest.SerializeToString,
+            pdserve_dot_protos_dot_pdserve__pb2.LookupResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -268,8 +268,8 @@ class PDNode(object):
             request,
             target,
             '/pdserve.PDNode/Health',
-            protos_dot_pdserve__pb2.HealthRequest.SerializeToString,
-            protos_dot_pdserve__pb2.HealthResponse.FromString,
+            pdserve_dot_protos_dot_pdserve__pb2.HealthRequest.SerializeToString,
+            pdserve_dot_protos_dot_pdserve__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -295,8 +295,8 @@ class PDNode(object):
             request,
             target,
             '/pdserve.PDNode/Stats',
-            protos_dot_pdserve__pb2.StatsRequest.SerializeToString,
-            protos_dot_pdserve__pb2.StatsResponse.FromString,
+            pdserve_dot_protos_dot_pdserve__pb2.StatsRequest.SerializeToString,
+            pdserve_dot_protos_dot_pdserve__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -322,8 +322,8 @@ class PDNode(object):
             request,
             target,
             '/pdserve.PDNode/Tokenize',
-            protos_dot_pdserve__pb2.TokenizeRequest.SerializeToString,
-            protos_dot_pdserve__pb2.TokenizeResponse.FromString,
+            pdserve_dot_protos_dot_pdserve__pb2.TokenizeRequest.SerializeToString,
+            pdserve_dot_protos_dot_pdserve__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -349,8 +349,8 @@ class PDNode(object):
             request,
             target,
             '/pdserve.PDNode/Detokenize',
-            protos_dot_pdserve__pb2.DetokenizeRequest.SerializeToString,
-            protos_dot_pdserve__pb2.DetokenizeResponse.FromString,
+            pdserve_dot_protos_dot_pdserve__pb2.DetokenizeRequest.SerializeToString,
+            pdserve_dot_protos_dot_pdserve__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,14 +4,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common import eventloop
-from proxy.app import Proxy, ProxyConfig
-from proxy.decode_stream import Deadlines
-from proxy.router import DEFAULT_POLICY, POLICIES
-from serving.auth import add_proxy_security_args, proxy_security
-from serving.cli import ArgumentParser, add_log_file, setup_logging
-from serving.errors import StartupError
-from serving.http import listen_socket, serve_app
+from pdserve.common import eventloop
+from pdserve.proxy.app import Proxy, ProxyConfig
+from pdserve.proxy.decode_stream import Deadlines
+from pdserve.proxy.router import DEFAULT_POLICY, POLICIES
+from pdserve.serving.auth import add_proxy_security_args, proxy_security
+from pdserve.serving.cli import ArgumentParser, add_log_file, setup_logging
+from pdserve.serving.errors import StartupError
+from pdserve.serving.http import listen_socket, serve_app
 
 
 def _addresses(text: str) -> list[str]:

@@ -20,22 +20,22 @@ from typing import AsyncIterator
 import grpc
 from aiohttp import web
 
-from protos import pdserve_pb2 as pb
-from proxy import dashboard
-from proxy.decode_stream import Deadlines, DecodeStream
-from proxy.health import HealthMonitor, Node
-from proxy.http_generate import HttpGenerate
-from proxy.router import DEFAULT_POLICY, Router
-from serving import errors, tokenize_api
-from serving import protocol as oai
-from serving.auth import GrpcSecurity
-from serving.choices import Assembler, ChoiceOutput, merge, sub_request_id
-from serving.http import api_middleware
-from serving.limits import MAX_BODY_BYTES
-from serving.metrics import CONTENT_TYPE, ProxyMetrics
-from serving.responses import ResponseBuilder, models_list
-from serving.sse import SSEStream
-from serving.wire import (delta_from_pb, positions_from_pb, prompt_to_pb, sampling_to_pb, token_ids_to_pb,
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.proxy import dashboard
+from pdserve.proxy.decode_stream import Deadlines, DecodeStream
+from pdserve.proxy.health import HealthMonitor, Node
+from pdserve.proxy.http_generate import HttpGenerate
+from pdserve.proxy.router import DEFAULT_POLICY, Router
+from pdserve.serving import errors, tokenize_api
+from pdserve.serving import protocol as oai
+from pdserve.serving.auth import GrpcSecurity
+from pdserve.serving.choices import Assembler, ChoiceOutput, merge, sub_request_id
+from pdserve.serving.http import api_middleware
+from pdserve.serving.limits import MAX_BODY_BYTES
+from pdserve.serving.metrics import CONTENT_TYPE, ProxyMetrics
+from pdserve.serving.responses import ResponseBuilder, models_list
+from pdserve.serving.sse import SSEStream
+from pdserve.serving.wire import (delta_from_pb, positions_from_pb, prompt_to_pb, sampling_to_pb, token_ids_to_pb,
                           tokenize_to_pb, usage_from_pb)
 
 logger = logging.getLogger(__name__)

@@ -18,14 +18,14 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from protos import pdserve_pb2 as pb
-from proxy.health import Node
-from proxy.http_generate import FrameCall
-from proxy.router import Router
-from serving import errors
-from serving import protocol as oai
-from serving.delta_frames import CallFailed
-from serving.heartbeat import HEARTBEAT_S
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.proxy.health import Node
+from pdserve.proxy.http_generate import FrameCall
+from pdserve.proxy.router import Router
+from pdserve.serving import errors
+from pdserve.serving import protocol as oai
+from pdserve.serving.delta_frames import CallFailed
+from pdserve.serving.heartbeat import HEARTBEAT_S
 
 logger = logging.getLogger(__name__)
 

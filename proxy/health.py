@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from protos import KEEPALIVE_CLIENT_OPTIONS, MESSAGE_LIMITS
-from protos import pdserve_pb2 as pb
-from protos import pdserve_pb2_grpc as pb_grpc
-from proxy.http_generate import FrameCall, HttpGenerate, http_base
-from serving.auth import GrpcSecurity, node_channel
+from pdserve.protos import KEEPALIVE_CLIENT_OPTIONS, MESSAGE_LIMITS
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.protos import pdserve_pb2_grpc as pb_grpc
+from pdserve.proxy.http_generate import FrameCall, HttpGenerate, http_base
+from pdserve.serving.auth import GrpcSecurity, node_channel
 
 logger = logging.getLogger(__name__)
 

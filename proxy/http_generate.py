@@ -12,11 +12,11 @@ import asyncio
 
 import grpc
 
-from protos import pdserve_pb2 as pb
-from proxy.frame_client import Conn, ConnectionLost, Pool
-from serving import delta_frames as frames
-from serving.auth import bearer
-from serving.delta_frames import CallFailed
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.proxy.frame_client import Conn, ConnectionLost, Pool
+from pdserve.serving import delta_frames as frames
+from pdserve.serving.auth import bearer
+from pdserve.serving.delta_frames import CallFailed
 
 _DRAIN_S = 5.0  # how long a finished call may take to deliver its end before its connection is dropped
 

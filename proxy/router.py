@@ -17,8 +17,8 @@ import logging
 
 import grpc
 
-from protos import pdserve_pb2 as pb
-from proxy.health import Node
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.proxy.health import Node
 
 logger = logging.getLogger(__name__)
 

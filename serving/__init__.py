@@ -5,7 +5,7 @@ launcher, command-line options and Prometheus metrics live here, so `engine/` st
 HTTP, gRPC and Prometheus. This is also the layer that picks a KV connector from
 `connectors/` and hands it to the engine. Layout and import rules: docs/architecture.md.
 
-`from serving import LLM, SamplingParams` loads the engine on first use only, so the proxy can
+`from pdserve.serving import LLM, SamplingParams` loads the engine on first use only, so the proxy can
 import serving's protocol without it.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS = {"LLM": "serving.llm", "SamplingParams": "engine.sampling_params"}
+_EXPORTS = {"LLM": "pdserve.serving.llm", "SamplingParams": "pdserve.engine.sampling_params"}
 __all__ = list(_EXPORTS)
 
 

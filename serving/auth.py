@@ -22,7 +22,7 @@ from typing import Any, Awaitable, Callable
 import grpc
 from aiohttp import web
 
-from serving import protocol as oai
+from pdserve.serving import protocol as oai
 
 logger = logging.getLogger(__name__)
 

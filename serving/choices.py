@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from serving.protocol import CHAT, GenerationRequest
-from serving.responses import Delta, PromptPosition, echo_delta, prompt_logprobs_json, usage_dict
+from pdserve.serving.protocol import CHAT, GenerationRequest
+from pdserve.serving.responses import Delta, PromptPosition, echo_delta, prompt_logprobs_json, usage_dict
 
 T = TypeVar("T")
 _DONE = object()

@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Any, NoReturn
 
-from engine.config import (ATTENTION_BACKENDS, DEFAULT_GPU_MEMORY_UTILIZATION, DEVICE_RE, DTYPES, CacheConfig,
+from pdserve.engine.config import (ATTENTION_BACKENDS, DEFAULT_GPU_MEMORY_UTILIZATION, DEVICE_RE, DTYPES, CacheConfig,
                            DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig)
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -22,7 +22,7 @@ import struct
 
 import grpc
 
-from protos import pdserve_pb2 as pb
+from pdserve.protos import pdserve_pb2 as pb
 
 PATH = "/v1/pd/generate"
 REQUEST_TYPE = "application/x-protobuf"

@@ -11,7 +11,7 @@ import json
 
 import grpc
 
-from serving.protocol import CHAT, APIError, bad_request, service_unavailable
+from pdserve.serving.protocol import CHAT, APIError, bad_request, service_unavailable
 
 # HTTP status -> gRPC status code of a node's answer; a full queue is RESOURCE_EXHAUSTED, others UNAVAILABLE.
 class StartupError(Exception):
@@ -55,7 +55,7 @@ def from_engine_error(e: Exception, kind: str) -> APIError | None:
     once a stream has started. (Imported here, not at the top: the proxy uses this module and
     never loads the engine.)
     """
-    from engine.async_engine import EngineOverloadedError, EngineShutdownError, RequestAbortedError
+    from pdserve.engine.async_engine import EngineOverloadedError, EngineShutdownError, RequestAbortedError
 
     if isinstance(e, EngineOverloadedError):
         return service_unavailable(str(e), "queue_full")

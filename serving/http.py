@@ -19,11 +19,11 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage
 
-from serving import errors
-from serving.auth import check_http_api_key
-from serving.errors import StartupError
-from serving.limits import MAX_HEADER_BYTES
-from serving.protocol import REQUEST_ID_RE, APIError, bad_request, error_body
+from pdserve.serving import errors
+from pdserve.serving.auth import check_http_api_key
+from pdserve.serving.errors import StartupError
+from pdserve.serving.limits import MAX_HEADER_BYTES
+from pdserve.serving.protocol import REQUEST_ID_RE, APIError, bad_request, error_body
 
 logger = logging.getLogger(__name__)
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
-from connectors.factory import create_connector
-from engine.llm_engine import LLMEngine
-from engine.logging_setup import configure_default_logging
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import apply_chat_template, encode_prompt
-from serving.offline_outputs import ChoiceRecorder, RequestOutput
+from pdserve.connectors.factory import create_connector
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.logging_setup import configure_default_logging
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
+from pdserve.serving.offline_outputs import ChoiceRecorder, RequestOutput
 
 Prompt = str | Sequence[int]
 Messages = list[dict[str, Any]]

@@ -14,25 +14,25 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from engine.config import KVRole
-from protos import KEEPALIVE_SERVER_OPTIONS, MESSAGE_LIMITS
-from protos import pdserve_pb2_grpc as pb_grpc
-from serving.auth import GrpcSecurity, add_node_security_args, http_api_key_middleware, node_interceptors, node_security
-from serving.cli import ArgumentParser, add_engine_args, add_log_file, add_server_args
-from serving.errors import StartupError
-from serving.node_grpc import NodeServicer
-from serving.node_http import add_generate_route
-from serving.server import run_node, serve
-from serving.startup import check_model_dir
+from pdserve.engine.config import KVRole
+from pdserve.protos import KEEPALIVE_SERVER_OPTIONS, MESSAGE_LIMITS
+from pdserve.protos import pdserve_pb2_grpc as pb_grpc
+from pdserve.serving.auth import GrpcSecurity, add_node_security_args, http_api_key_middleware, node_interceptors, node_security
+from pdserve.serving.cli import ArgumentParser, add_engine_args, add_log_file, add_server_args
+from pdserve.serving.errors import StartupError
+from pdserve.serving.node_grpc import NodeServicer
+from pdserve.serving.node_http import add_generate_route
+from pdserve.serving.server import run_node, serve
+from pdserve.serving.startup import check_model_dir
 
 logger = logging.getLogger(__name__)
 
 
 def default_kv_store() -> str:
     """file:// store under the user's pdserve cache directory (shared by nodes on one host)."""
-    from engine.builtin_model import cache_dir
+    from pdserve.common.paths import kvstore_dir
 
-    return (cache_dir() / "kvstore").resolve().as_uri()
+    return kvstore_dir().resolve().as_uri()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,7 @@ def check_store(url: str, timeout_s: float = 3.0) -> None:
         except OSError as e:
             raise StartupError(f"LMCache server {parts.netloc} unreachable: {e.strerror or e}") from None
         return
-    from kvstore import StoreError, open_store
+    from pdserve.kvstore import StoreError, open_store
 
     try:  # one real round trip: redis connects lazily
         with open_store(url, timeout=timeout_s, fingerprint="0" * 32) as store:

@@ -16,14 +16,14 @@ from typing import Any, AsyncIterator
 
 import grpc
 
-from protos import pdserve_pb2 as pb
-from protos import pdserve_pb2_grpc as pb_grpc
-from serving import errors
-from serving import protocol as oai
-from serving import tokenize_api, wire
-from serving.choices import prompt_positions
-from serving.delta_frames import CallFailed
-from serving.heartbeat import with_heartbeat
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.protos import pdserve_pb2_grpc as pb_grpc
+from pdserve.serving import errors
+from pdserve.serving import protocol as oai
+from pdserve.serving import tokenize_api, wire
+from pdserve.serving.choices import prompt_positions
+from pdserve.serving.delta_frames import CallFailed
+from pdserve.serving.heartbeat import with_heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class NodeServicer(pb_grpc.PDNodeServicer):
                        resume: Any = None) -> AsyncIterator[Any]:
         """Engine outputs with engine errors raised as the call's failure (CallFailed, pd-serve's OpenAI
         errors); closing it (the caller left) aborts the request."""
-        from engine.async_engine import RequestAbortedError
+        from pdserve.engine.async_engine import RequestAbortedError
 
         outputs = self.async_engine.generate(rid, ids, params, req.cache_salt, resume)
         finish_reason: str | None = None
@@ -120,7 +120,7 @@ class NodeServicer(pb_grpc.PDNodeServicer):
             logger.info("Reqid: %s, local prefill: prompt tokenized here (%d tokens)", request.request_id, len(ids))
         resume = None
         if request.HasField("resume"):  # another decode node started this stream (proxy/decode_stream.py)
-            from engine.outputs import Resume
+            from pdserve.engine.outputs import Resume
 
             resume = Resume(list(request.resume.output_token_ids), request.resume.num_sent_chars)
         started: set[int] = set()  # choices that sent their first delta
@@ -145,8 +145,8 @@ class NodeServicer(pb_grpc.PDNodeServicer):
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         """A routing hint: read-only peeks at the prefix cache and the store, never blocking the engine."""
-        from engine.request import Request
-        from engine.sampling_params import SamplingParams
+        from pdserve.engine.request import Request
+        from pdserve.engine.sampling_params import SamplingParams
 
         req = wire.request_from_pb(request.prompt, pb.SamplingParams(), request.cache_salt)
         try:

@@ -12,10 +12,10 @@ import contextlib
 from aiohttp import web
 from google.protobuf.message import DecodeError
 
-from protos import pdserve_pb2 as pb
-from serving import delta_frames as frames
-from serving.delta_frames import CallFailed
-from serving.protocol import bad_request
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.serving import delta_frames as frames
+from pdserve.serving.delta_frames import CallFailed
+from pdserve.serving.protocol import bad_request
 
 SERVICER = web.AppKey("pd_node_servicer", object)
 

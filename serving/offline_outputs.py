@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.outputs import Logprob
-from engine.outputs import RequestOutput as StepOutput
+from pdserve.engine.outputs import Logprob
+from pdserve.engine.outputs import RequestOutput as StepOutput
 
 
 @dataclass

@@ -12,10 +12,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sampling_params import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams, parse_logit_bias
-from serving.limits import check_prompt_chars, decode_json
-from serving.structured_outputs import FIELDS as STRUCTURED_OUTPUT_FIELDS
-from serving.structured_outputs import parse_structured_outputs
+from pdserve.engine.sampling_params import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams, parse_logit_bias
+from pdserve.serving.limits import check_prompt_chars, decode_json
+from pdserve.serving.structured_outputs import FIELDS as STRUCTURED_OUTPUT_FIELDS
+from pdserve.serving.structured_outputs import parse_structured_outputs
 
 COMPLETION, CHAT = "completion", "chat"
 # X-Request-Id values honoured as given (printable ASCII, no spaces): the id starts every log line.

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from serving.protocol import CHAT, COMPLETION, GenerationRequest
+from pdserve.serving.protocol import CHAT, COMPLETION, GenerationRequest
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -19,22 +19,22 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from common import eventloop
-from engine.async_engine import RequestAbortedError
-from engine.tokenizer import apply_chat_template, encode_prompt
-from engine.sampling_params import SamplingParams
-from serving import errors
-from serving import protocol as oai
-from serving import tokenize_api
-from serving.choices import Assembler, ChoiceOutput, merge, prompt_positions, sub_request_id
-from serving.cli import ArgumentParser, add_engine_args, add_server_args, setup_logging
-from serving.errors import StartupError
-from serving.http import api_middleware, json_response, listen_socket, serve_app
-from serving.limits import MAX_BODY_BYTES
-from serving.metrics import CONTENT_TYPE
-from serving.responses import Delta, ResponseBuilder, models_list, top_token_texts, usage_dict
-from serving.sse import SSEStream
-from serving.startup import create_async_engine
+from pdserve.common import eventloop
+from pdserve.engine.async_engine import RequestAbortedError
+from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.serving import errors
+from pdserve.serving import protocol as oai
+from pdserve.serving import tokenize_api
+from pdserve.serving.choices import Assembler, ChoiceOutput, merge, prompt_positions, sub_request_id
+from pdserve.serving.cli import ArgumentParser, add_engine_args, add_server_args, setup_logging
+from pdserve.serving.errors import StartupError
+from pdserve.serving.http import api_middleware, json_response, listen_socket, serve_app
+from pdserve.serving.limits import MAX_BODY_BYTES
+from pdserve.serving.metrics import CONTENT_TYPE
+from pdserve.serving.responses import Delta, ResponseBuilder, models_list, top_token_texts, usage_dict
+from pdserve.serving.sse import SSEStream
+from pdserve.serving.startup import create_async_engine
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from serving.protocol import CHAT, APIError
-from serving.responses import Delta, ResponseBuilder
+from pdserve.serving.protocol import CHAT, APIError
+from pdserve.serving.responses import Delta, ResponseBuilder
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 SSE_DONE = b"data: [DONE]\n\n"

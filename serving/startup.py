@@ -10,11 +10,11 @@ import logging
 import os
 from pathlib import Path
 
-from engine.async_engine import AsyncLLMEngine
-from engine.config import EngineConfig
-from serving.cli import engine_kwargs_from_args
-from serving.errors import StartupError
-from serving.metrics import EngineMetrics
+from pdserve.engine.async_engine import AsyncLLMEngine
+from pdserve.engine.config import EngineConfig
+from pdserve.serving.cli import engine_kwargs_from_args
+from pdserve.serving.errors import StartupError
+from pdserve.serving.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 def check_model_dir(path: str | None) -> str:
     """The model directory to load (the built-in tiny model if None); StartupError if unusable."""
     if path is None:
-        from engine.builtin_model import default_model_path
+        from pdserve.engine.builtin_model import default_model_path
 
         return str(default_model_path())
     p = Path(path)
@@ -44,8 +44,8 @@ def create_async_engine(args: argparse.Namespace) -> tuple[AsyncLLMEngine, list[
     except (TypeError, ValueError) as e:
         raise StartupError(f"invalid engine option: {e}") from None
     model = check_model_dir(args.model)  # before the heavy imports (torch): a bad path fails fast
-    from connectors.factory import create_connector
-    from engine.llm_engine import LLMEngine
+    from pdserve.connectors.factory import create_connector
+    from pdserve.engine.llm_engine import LLMEngine
 
     try:  # built on its step thread: the process's one OpenMP team (engine/async_engine.py)
         config = EngineConfig.from_kwargs(model, **kwargs)

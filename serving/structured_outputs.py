@@ -13,7 +13,7 @@ import dataclasses
 import json
 from typing import Any, Callable
 
-from engine.sampling_params import StructuredOutputsParams
+from pdserve.engine.sampling_params import StructuredOutputsParams
 
 FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _SPEC_KEYS = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
@@ -74,7 +74,7 @@ def parse_structured_outputs(body: dict[str, Any], bad_request: Callable[..., Ex
         else:
             spec = StructuredOutputsParams(grammar=v)
         if spec is not None and check:
-            from engine.structured_output import check_structured_outputs
+            from pdserve.engine.structured_output import check_structured_outputs
 
             check_structured_outputs(spec)
     except (ValueError, TypeError) as e:

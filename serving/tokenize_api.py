@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from serving.protocol import bad_request, decode_json_body, parse_messages
+from pdserve.serving.protocol import bad_request, decode_json_body, parse_messages
 
 _TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
                     "return_token_strs", "continue_final_message"}
@@ -78,7 +78,7 @@ def parse_detokenize(raw: bytes | str | Any) -> tuple[str | None, list[int]]:
 
 def tokenize(tokenizer: Any, req: TokenizeRequest) -> list[int]:
     """The token ids, as the generation endpoints would compute them with the default flags."""
-    from engine.tokenizer import apply_chat_template, encode_prompt
+    from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
 
     if req.messages is not None:
         try:

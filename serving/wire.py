@@ -11,11 +11,11 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from engine.sampling_params import StructuredOutputsParams
-from protos import pdserve_pb2 as pb
-from serving import protocol as oai
-from serving.responses import Delta, PromptPosition, usage_dict
-from serving.tokenize_api import TokenizeRequest
+from pdserve.engine.sampling_params import StructuredOutputsParams
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.serving import protocol as oai
+from pdserve.serving.responses import Delta, PromptPosition, usage_dict
+from pdserve.serving.tokenize_api import TokenizeRequest
 
 
 def messages_to_pb(messages: list[dict[str, str]]) -> list[pb.ChatMessage]:

@@ -24,8 +24,8 @@ from typing import Any
 
 import httpx
 
-from deploy.fault_relay import FaultRelay
-from deploy.processes import HOST, ClusterSpec, LocalCluster, Node
+from pdserve.deploy.fault_relay import FaultRelay
+from pdserve.deploy.processes import HOST, ClusterSpec, LocalCluster, Node
 from tests.cluster_helpers import CHUNK_SIZE, NODE_ARGS
 from tests.utils import RedisServer
 
@@ -93,7 +93,7 @@ class ChaosCluster:
         another prompt's first chunk: a valid object in the wrong place. Returns the objects copied."""
         import redis
 
-        from common.hashing import chunk_keys
+        from pdserve.common.hashing import chunk_keys
 
         r = redis.Redis(host=HOST, port=self.redis.port)
         fingerprints = {k.split(b":")[1] for k in r.scan_iter(match=b"pdkv:*", count=1000)}

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import openai
 
-from deploy.processes import Child, ClusterSpec, LocalCluster, python_module
+from pdserve.deploy.processes import Child, ClusterSpec, LocalCluster, python_module
 
 # Small, exact (fp32) nodes; chunk 64 = 4 blocks of 16, so prompts of a few hundred tokens span several chunks.
 MAX_MODEL_LEN = 1024
@@ -32,11 +32,11 @@ def start_cluster(model: Path, log_dir: Path, store: str = "file", num_prefill: 
 
 def extra_proxy(cluster: LocalCluster, name: str, *args: str) -> tuple[Child, str]:
     """Another proxy over the same nodes (e.g. a second routing policy); (child, url) once it is healthy."""
-    from deploy.processes import HOST, free_port
+    from pdserve.deploy.processes import HOST, free_port
 
     port = free_port()
     child = Child(name, python_module(
-        "proxy", "--port", str(port), "--health-interval", "0.3",
+        "pdserve.proxy", "--port", str(port), "--health-interval", "0.3",
         "--prefill", ",".join(n.grpc_address for n in cluster.prefill),
         "--decode", ",".join(n.grpc_address for n in cluster.decode), *args), cluster.spec.log_dir)
     child.start()
@@ -88,7 +88,7 @@ def routed(url: str) -> dict[str, int]:
 
 def kv_hits(*logs: Path) -> dict:
     """`pd-kv-hits --json` over node logs, as a real subprocess."""
-    proc = subprocess.run([sys.executable, "-m", "connectors.kv_hits", "--json", *map(str, logs)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "pdserve.connectors.kv_hits", "--json", *map(str, logs)], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)

@@ -18,7 +18,7 @@ from tests.utils import RedisServer  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
-    from engine.builtin_model import make_model
+    from pdserve.engine.builtin_model import make_model
 
     path = tmp_path_factory.mktemp("tiny-llama")
     make_model(path, preset="tiny", arch="llama")
@@ -27,7 +27,7 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> Path:
-    from engine.builtin_model import make_model
+    from pdserve.engine.builtin_model import make_model
 
     path = tmp_path_factory.mktemp("tiny-qwen2")
     make_model(path, preset="tiny", arch="qwen2")

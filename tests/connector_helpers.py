@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from serving import LLM, SamplingParams
+from pdserve.serving import LLM, SamplingParams
 
 LENGTHS = (1, 2, 15, 16, 17, 255, 256, 257, 511, 512, 513, 1000)
 MAX_TOKENS = 4
@@ -89,7 +89,7 @@ def lines(caplog, pattern: re.Pattern) -> list[tuple]:
 
 
 def capture(caplog) -> None:
-    caplog.set_level(logging.INFO, logger="connectors")
+    caplog.set_level(logging.INFO, logger="pdserve.connectors")
 
 
 def check_full_handoff(producer: LLM, consumer: LLM, prompts: list[list[int]], expected: list[list[int]],

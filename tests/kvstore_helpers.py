@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from common.hashing import chunk_keys
-from kvstore import KVStore, open_store
+from pdserve.common.hashing import chunk_keys
+from pdserve.kvstore import KVStore, open_store
 
 FP = "0123456789abcdef" * 2
 OTHER_FP = "fedcba9876543210" * 2

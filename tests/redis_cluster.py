@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import redis
 
-from deploy.processes import free_port
+from pdserve.deploy.processes import free_port
 from tests.utils import wait_for_port
 
 SLOTS = 16384

@@ -11,7 +11,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from bench import cli, plots, schema, stats
+from pdserve.bench import cli, plots, schema, stats
 from tests.cluster_helpers import start_cluster
 from tests.utils import console_script
 
@@ -154,7 +154,7 @@ def test_compare_and_plots(runs, tmp_path):
 def test_make_bench_pd_pipeline(tiny_llama, tmp_path):
     """What `make bench-pd ARGS=--quick` runs, with the tiny model and pd-serve alone (the P/D clusters it
     starts are deploy/processes.py's, exercised above): the run, its plots, the comparison, the logs."""
-    proc = subprocess.run([sys.executable, "-m", "bench.pd_matrix", "--quick", "--setups", "pd-serve", "--model",
+    proc = subprocess.run([sys.executable, "-m", "pdserve.bench.pd_matrix", "--quick", "--setups", "pd-serve", "--model",
                            str(tiny_llama), "--output-dir", str(tmp_path), "--no-progress", "--no-plots"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -13,9 +13,9 @@ import platform
 import pytest
 import torch
 
-from engine.models import block_ops
-from kernels.cpu_block_ops import CpuBlockOps
-from kernels.ops import use_backend
+from pdserve.engine.models import block_ops
+from pdserve.kernels.cpu_block_ops import CpuBlockOps
+from pdserve.kernels.ops import use_backend
 
 BUILDS = {"native": (), "avx2": ("-mno-avx512f",), "c": ("-mno-avx",)}
 RUNNABLE = [name for name, flags in BUILDS.items() if not flags or platform.machine() in ("x86_64", "AMD64")]
@@ -108,7 +108,7 @@ def test_dispatch_uses_the_compiled_kernels_unless_torch_is_forced():
 def test_engine_with_torch_block_ops_matches_hf(tiny_llama, monkeypatch):
     """The reference path the kernels are checked against is itself token-identical to HF (the default
     path is checked in tests/test_models.py and throughout)."""
-    from serving import LLM, SamplingParams
+    from pdserve.serving import LLM, SamplingParams
     from tests.connector_helpers import hf_greedy, prompt
 
     monkeypatch.setenv("PDSERVE_KERNELS", "torch")
@@ -120,10 +120,10 @@ def test_engine_with_torch_block_ops_matches_hf(tiny_llama, monkeypatch):
 
 def test_a_machine_without_a_working_compiler_gets_none_and_one_warning(tmp_path, monkeypatch, caplog):
     """kernels/cpu_build.py's build_or_none, as every kernel's first use calls it: the caller falls back."""
-    from kernels.cpu_build import build_or_none
+    from pdserve.kernels.cpu_build import build_or_none
 
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    with caplog.at_level("WARNING", logger="kernels.cpu_build"):
+    with caplog.at_level("WARNING", logger="pdserve.kernels.cpu_build"):
         got = build_or_none(lambda: CpuBlockOps(tmp_path / "kernels"), "compiled block ops", "torch ops instead")
     assert got is None
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]

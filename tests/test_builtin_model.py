@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.builtin_model import default_model_path, main, make_model
-from engine.tokenizer import IncrementalDetokenizer, apply_chat_template, encode_prompt, load_tokenizer
+from pdserve.engine.builtin_model import default_model_path, main, make_model
+from pdserve.engine.tokenizer import IncrementalDetokenizer, apply_chat_template, encode_prompt, load_tokenizer
 
 PD_MAKE_MODEL = str(Path(sys.executable).with_name("pd-make-model"))
 
@@ -87,7 +87,7 @@ def test_tokenizer_prompt_chat_and_incremental_text(tiny_llama, tmp_path):
 
 def test_gpu_preset_is_a_1b_bf16_llama():
     """`pd-make-model --preset gpu`: big enough to keep a GPU busy (shapes only: no weights are drawn)."""
-    from engine.builtin_model import _param_shapes, build_config
+    from pdserve.engine.builtin_model import _param_shapes, build_config
 
     cfg = build_config("gpu")
     params = sum(math.prod(shape) for shape in _param_shapes(cfg).values())

@@ -43,7 +43,7 @@ def test_launcher_errors_are_one_line(tmp_path, argv, code, needle):
 def test_free_ports_stay_out_of_the_kernels_ephemeral_range():
     """Outgoing connections take ports from the ephemeral range, so a port picked there could be
     gone before the child binds it (CI once saw a decode node fail to listen that way)."""
-    from deploy.processes import _ephemeral_range
+    from pdserve.deploy.processes import _ephemeral_range
 
     low, high = _ephemeral_range()
     ports = [free_port() for _ in range(200)]

@@ -1,4 +1,4 @@
-"""What `make serve` runs (python -m deploy.local_cluster), from a fresh cache directory as on a fresh
+"""What `make serve` runs (python -m pdserve.deploy.local_cluster), from a fresh cache directory as on a fresh
 clone: it builds the built-in model, starts prefill + decode + proxy, prints the URL, a curl example and
 the pd-kv-hits command, answers a request through the proxy, and stops every child cleanly on Ctrl-C."""
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _read_until(q: queue.Queue, pattern: str, seen: list[str], timeout_s: float)
 
 def test_local_cluster_from_fresh_cache_serves_and_stops_cleanly(tmp_path):
     env = {**os.environ, "PDSERVE_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "deploy.local_cluster", "--port", "0", "--log-dir",
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.deploy.local_cluster", "--port", "0", "--log-dir",
                              str(tmp_path / "logs")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
     q, seen = _lines(proc), []

@@ -9,9 +9,9 @@ import grpc
 import httpx
 import pytest
 
-from deploy.processes import Child, ClusterSpec, LocalCluster, console_script, free_port, python_module
-from protos import pdserve_pb2 as pb
-from protos import pdserve_pb2_grpc as pb_grpc
+from pdserve.deploy.processes import Child, ClusterSpec, LocalCluster, console_script, free_port, python_module
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.protos import pdserve_pb2_grpc as pb_grpc
 from tests.cluster_helpers import NODE_ARGS, status, wait_until
 from tests.connector_helpers import hf_greedy
 from tests.tls_helpers import Pki, make_pki
@@ -83,7 +83,7 @@ def test_nodes_refuse_clients_without_key_certificate_or_tls(tls_cluster, pki):
 def test_a_proxy_with_the_wrong_key_sees_no_healthy_node(tls_cluster, pki):
     port = free_port()
     proxy = Child("proxy-wrong-key", python_module(
-        "proxy", "--port", str(port), "--health-interval", "0.3", "--grpc-tls-ca", str(pki.ca),
+        "pdserve.proxy", "--port", str(port), "--health-interval", "0.3", "--grpc-tls-ca", str(pki.ca),
         "--grpc-tls-cert", str(pki.client_cert), "--grpc-tls-key", str(pki.client_key), "--node-api-key", "wrong",
         "--prefill", tls_cluster.prefill[0].grpc_address, "--decode", tls_cluster.decode[0].grpc_address),
         tls_cluster.spec.log_dir)

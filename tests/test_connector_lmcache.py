@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from connectors.lmcache_connector import chunk_hash
-from serving import LLM
+from pdserve.connectors.lmcache_connector import chunk_hash
+from pdserve.serving import LLM
 from tests.connector_helpers import (GREEDY, LENGTHS, LOOKUP_RE, PARTIAL_CASES, capture, check_full_handoff,
                                      check_partial_load, check_salts_never_share, engine_pair, hf_greedy, lines, mono_engine, prompt,
                                      prompt_tokens_computed, token_ids)
@@ -72,7 +72,7 @@ def test_lmcache_hit_across_processes_with_other_hash_seeds(tiny_llama, lm_url, 
     """A producer process with PYTHONHASHSEED=1 stores; this process (another seed) loads via a YAML config."""
     full = prompt(600, seed=4)
     script = textwrap.dedent(f"""
-        from serving import LLM, SamplingParams
+        from pdserve.serving import LLM, SamplingParams
         llm = LLM({str(tiny_llama)!r}, kv_store={lm_url!r}, kv_role="producer", kv_cache_memory="48MiB")
         llm.generate([{full!r}], SamplingParams(max_tokens=1, temperature=0.0))
         llm.engine.shutdown()

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.chunk_math import LoadPlan, chunk_bounds, hit_tokens, save_range, savable_end, slots_for
-from connectors.kv_log import load_line, lookup_line, save_line
+from pdserve.connectors.chunk_math import LoadPlan, chunk_bounds, hit_tokens, save_range, savable_end, slots_for
+from pdserve.connectors.kv_log import load_line, lookup_line, save_line
 
 C = 256
 

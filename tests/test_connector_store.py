@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from engine.request import Request
-from serving import LLM
+from pdserve.engine.request import Request
+from pdserve.serving import LLM
 from tests.connector_helpers import (ENGINE_KW, FALLBACK_RE, GREEDY, LENGTHS, LOOKUP_RE, PARTIAL_CASES, PREFILL,
                                      SAVE_RE, broken_at_load_start, capture, check_full_handoff, check_partial_load,
                                      check_salts_never_share, engine_pair, hf_greedy,

@@ -16,8 +16,8 @@ import platform
 import pytest
 import torch
 
-from kernels import torch_ref
-from kernels.cpu_attention import ISA_PATHS, CpuDecodeAttention
+from pdserve.kernels import torch_ref
+from pdserve.kernels.cpu_attention import ISA_PATHS, CpuDecodeAttention
 
 # Against the reference on the same (rounded) inputs.
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
@@ -96,7 +96,7 @@ def test_unsupported_inputs_are_refused(kernel):
 def test_backend_matches_torch_reference_on_a_mixed_batch():
     """Decodes first, then a chunk over cached history and a fresh prompt: outputs and cache writes
     equal the torch reference backend's."""
-    from engine.attention import build_attention_metadata, select_attention_backend
+    from pdserve.engine.attention import build_attention_metadata, select_attention_backend
 
     gen = torch.Generator().manual_seed(11)
     heads, kv_heads, dim, block = 8, 2, 64, 16
@@ -124,7 +124,7 @@ def test_backend_matches_torch_reference_on_a_mixed_batch():
 def test_engine_with_cpu_backend_matches_hf(tiny_llama):
     """The default CPU engine (this backend) is token-identical to HF through chunked prefill (a
     48-token budget), decoding and a prefill over a cached paged prefix."""
-    from serving import LLM, SamplingParams
+    from pdserve.serving import LLM, SamplingParams
     from tests.connector_helpers import hf_greedy, prompt
 
     prompts = [prompt(n, seed=7) for n in (1, 16, 17, 70)]
@@ -138,8 +138,8 @@ def test_engine_with_cpu_backend_matches_hf(tiny_llama):
 
 
 def test_without_a_compiler_auto_falls_back_to_the_torch_reference(tmp_path, monkeypatch, caplog):
-    from engine.attention import select_attention_backend
-    from kernels.cpu_build import BuildError
+    from pdserve.engine.attention import select_attention_backend
+    from pdserve.kernels.cpu_build import BuildError
 
     monkeypatch.setenv("CC", "/bin/false")  # a "compiler" that fails every build
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))  # no cached build to fall back on

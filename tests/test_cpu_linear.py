@@ -15,8 +15,8 @@ import platform
 import pytest
 import torch
 
-from kernels.cpu_build import BuildError, load_library
-from kernels.cpu_linear import Bf16DotLinear, Bf16Linear
+from pdserve.kernels.cpu_build import BuildError, load_library
+from pdserve.kernels.cpu_linear import Bf16DotLinear, Bf16Linear
 
 X86 = platform.machine() in ("x86_64", "AMD64")
 AVX2_ONLY = ("-march=x86-64-v3",)  # a later -march wins over FLAGS' -march=native
@@ -156,7 +156,7 @@ def test_engine_takes_the_dot_kernel_for_every_batch_where_it_is_chosen():
     """On a CPU with AVX512_BF16 and no AMX, engine/models/linear.py sends every batch, decode-sized or
     prefill-sized, through the dot kernel and keeps no other layout of the weights (no second copy);
     elsewhere the dot kernel is not used at all."""
-    from engine.models import linear
+    from pdserve.engine.models import linear
 
     g = torch.Generator().manual_seed(0)
     lin = linear.Linear(256, 100, True, torch.bfloat16)

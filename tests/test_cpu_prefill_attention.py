@@ -14,8 +14,8 @@ import platform
 import pytest
 import torch
 
-from kernels import torch_ref
-from kernels.cpu_prefill_attention import CpuPrefillAttention
+from pdserve.kernels import torch_ref
+from pdserve.kernels.cpu_prefill_attention import CpuPrefillAttention
 from tests.kernels_helpers import count_calls
 
 X86 = platform.machine() in ("x86_64", "AMD64")
@@ -129,7 +129,7 @@ def test_backend_takes_it_for_bf16_prefill_chunks(monkeypatch):
     """A bf16 batch of decodes, a chunk over cached history and a fresh prompt through the cpu backend:
     where the CPU has AVX512_BF16 the chunk goes through `paged` and the fresh prompt through the new-rows
     entry (once each; decodes never), and every output row agrees with the torch reference backend."""
-    from engine.attention import build_attention_metadata, select_attention_backend
+    from pdserve.engine.attention import build_attention_metadata, select_attention_backend
 
     heads, kv_heads, dim, block = 8, 2, 64, 16
     lens, q_lens = [40, 70, 33], [1, 30, 33]

@@ -14,8 +14,8 @@ import yaml
 from matplotlib import image as mpimg
 from prometheus_client.parser import text_string_to_metric_families
 
-from deploy.grafana_dashboard import DASHBOARD_PATH, build, queried_metrics
-from deploy.processes import HOST, Child, free_port, python_module
+from pdserve.deploy.grafana_dashboard import DASHBOARD_PATH, build, queried_metrics
+from pdserve.deploy.processes import HOST, Child, free_port, python_module
 from tests.browser import Browser
 from tests.cluster_helpers import client, start_cluster, wait_until
 
@@ -55,7 +55,7 @@ def _family(series: str) -> str:
 # ------------------------------------------------------------------ Grafana dashboard
 
 def test_dashboard_file_is_the_generated_one():
-    assert json.loads(DASHBOARD_PATH.read_text()) == build(), "run: python -m deploy.grafana_dashboard"
+    assert json.loads(DASHBOARD_PATH.read_text()) == build(), "run: python -m pdserve.deploy.grafana_dashboard"
 
 
 def test_dashboard_layout():
@@ -158,7 +158,7 @@ def test_status_page_in_chromium(cluster):
     down_address = f"{HOST}:{free_port()}"  # nothing listens there
     port = free_port()
     proxy = Child("proxy-down", python_module(
-        "proxy", "--port", str(port), "--health-interval", "0.3", "--prefill", cluster.prefill[0].grpc_address,
+        "pdserve.proxy", "--port", str(port), "--health-interval", "0.3", "--prefill", cluster.prefill[0].grpc_address,
         "--decode", f"{cluster.decode[0].grpc_address},{down_address}"), cluster.spec.log_dir)
     proxy.start()
     url = f"http://{HOST}:{port}"

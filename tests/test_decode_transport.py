@@ -14,12 +14,12 @@ import grpc
 import httpx
 import pytest
 
-from protos import pdserve_pb2 as pb
-from proxy.health import Node
-from proxy.http_generate import HttpGenerate
-from serving import delta_frames as frames
-from serving import protocol as oai
-from serving import wire
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.proxy.health import Node
+from pdserve.proxy.http_generate import HttpGenerate
+from pdserve.serving import delta_frames as frames
+from pdserve.serving import protocol as oai
+from pdserve.serving import wire
 from tests.cluster_helpers import MAX_MODEL_LEN, NODE_ARGS, extra_proxy, log_lines, status, wait_until
 from tests.test_generate import hf_greedy, random_prompt
 
@@ -31,7 +31,7 @@ PROMPT = random_prompt(40, seed=4242)
 
 @pytest.fixture(scope="module")
 def nodes(tiny_llama, tmp_path_factory):
-    from deploy.processes import ClusterSpec, LocalCluster
+    from pdserve.deploy.processes import ClusterSpec, LocalCluster
 
     c = LocalCluster(ClusterSpec(model=str(tiny_llama), log_dir=tmp_path_factory.mktemp("transport"), num_prefill=1,
                                  num_decode=2, node_args=[*NODE_ARGS, "--api-key", KEY],
@@ -154,7 +154,7 @@ def test_the_frame_endpoint_speaks_only_its_format(nodes, tiny_llama):
 def test_a_port_that_does_not_answer_keeps_grpc(nodes):
     """A node whose HTTP port cannot be reached (a firewall, say) keeps Generate on gRPC; once the port
     answers, its streams move over."""
-    from deploy.processes import free_port
+    from pdserve.deploy.processes import free_port
 
     async def check() -> tuple[str | None, str | None]:
         http = HttpGenerate(KEY, connect_s=1.0)

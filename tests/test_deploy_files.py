@@ -15,9 +15,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from deploy.manifests import DeployFileError, compose_steps, kubernetes_steps, load_kubernetes
-from deploy.processes import REPO
-from deploy.rehearsal import Rehearsal
+from pdserve.deploy.manifests import DeployFileError, compose_steps, kubernetes_steps, load_kubernetes
+from pdserve.deploy.processes import REPO
+from pdserve.deploy.rehearsal import Rehearsal
 from tests.connector_helpers import hf_greedy
 
 COMPOSE = REPO / "deploy" / "compose.yaml"

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deploy.processes import REPO, free_port
+from pdserve.deploy.processes import REPO, free_port
 
 BASE = "localhost/pdserve-base:bookworm"
 IMAGE = "localhost/pdserve:test"

@@ -11,12 +11,12 @@ import sys
 import pytest
 import torch
 
-from serving import LLM, SamplingParams
-from engine.attention import backend_name, select_attention_backend
-from engine.config import CacheConfig, EngineConfig
-from engine.device import NullEvent, Platform, resolve_device
-from engine.kv_cache_sizing import GIB, GpuMemoryProfile, fixed_budget
-from kernels import ops
+from pdserve.serving import LLM, SamplingParams
+from pdserve.engine.attention import backend_name, select_attention_backend
+from pdserve.engine.config import CacheConfig, EngineConfig
+from pdserve.engine.device import NullEvent, Platform, resolve_device
+from pdserve.engine.kv_cache_sizing import GIB, GpuMemoryProfile, fixed_budget
+from pdserve.kernels import ops
 from tests.connector_helpers import hf_greedy, prompt
 
 CPU = torch.device("cpu")
@@ -41,7 +41,7 @@ def test_config_rejects_bad_device_and_backend(bad):
 
 
 def test_cli_rejects_bad_device_in_milliseconds():
-    proc = subprocess.run([sys.executable, "-m", "serving.server", "--device", "gpu"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "pdserve.serving.server", "--device", "gpu"], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and "expected auto, cpu, cuda or cuda:N, got 'gpu'" in proc.stderr
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common import eventloop
+from pdserve.common import eventloop
 from tests.serve_helpers import ServerProcess
 from tests.utils import console_script
 

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from serving import LLM, SamplingParams
+from pdserve.serving import LLM, SamplingParams
 
 LENGTHS = [1, 15, 16, 17, 100, 255, 256, 257, 600]
 MAX_TOKENS = 12

@@ -4,7 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from common.hashing import chunk_keys, hash_chain, chain_seed, model_fingerprint
+from pdserve.common.hashing import chunk_keys, hash_chain, chain_seed, model_fingerprint
 
 FP = model_fingerprint({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}, "float32", 2, 2, 16)
 TOKENS = list(range(600))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.device import Platform
-from kernels.host_memory import HUGE_PAGE_BYTES, advise_huge_pages, huge_empty
+from pdserve.engine.device import Platform
+from pdserve.kernels.host_memory import HUGE_PAGE_BYTES, advise_huge_pages, huge_empty
 
 
 def _thp_mode() -> str:

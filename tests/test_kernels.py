@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine.attention import build_attention_metadata
-from engine.attention.backends.triton import TritonAttentionBackend
-from kernels import ops, torch_ref
+from pdserve.engine.attention import build_attention_metadata
+from pdserve.engine.attention.backends.triton import TritonAttentionBackend
+from pdserve.kernels import ops, torch_ref
 from tests.kernels_helpers import count_calls
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -26,7 +26,7 @@ def triton_interpreter() -> Iterator[None]:
     """Force the Triton path; tests/conftest.py set TRITON_INTERPRET=1 before triton was imported."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    from kernels import triton_attention, triton_transfer
+    from pdserve.kernels import triton_attention, triton_transfer
 
     assert isinstance(triton_attention._paged_attention_kernel, InterpretedFunction)
     assert isinstance(triton_transfer._kv_slot_copy_kernel, InterpretedFunction)
@@ -61,7 +61,7 @@ def test_reshape_and_cache(dtype: torch.dtype, block_size: int, kv_heads: int, h
     slots[[0, 5, n - 1]] = -1  # padding tokens are skipped
     expected, actual = cache.clone(), cache.clone()
     torch_ref.reshape_and_cache(key, value, expected, slots)
-    from kernels import triton_transfer
+    from pdserve.kernels import triton_transfer
 
     triton_transfer.reshape_and_cache(key, value, actual, slots)
     assert not torch.equal(expected, cache)
@@ -147,7 +147,7 @@ ATTN_CASES = [  # (gqa ratio, block size, head dim): every ratio meets both bloc
 @pytest.mark.parametrize("ratio,block_size,head_dim", ATTN_CASES)
 def test_decode_attention(ratio: int, block_size: int, head_dim: int, dtype: torch.dtype, backend,
                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels import triton_attention
+    from pdserve.kernels import triton_attention
 
     decode_calls = count_calls([(triton_attention, "paged_decode_attention")], monkeypatch.setattr)
     gen = torch.Generator().manual_seed(ratio * 1000 + block_size + head_dim)
@@ -163,7 +163,7 @@ def test_decode_attention(ratio: int, block_size: int, head_dim: int, dtype: tor
 @pytest.mark.parametrize("ratio,block_size,head_dim", ATTN_CASES)
 def test_context_attention(ratio: int, block_size: int, head_dim: int, dtype: torch.dtype, backend,
                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels import triton_attention
+    from pdserve.kernels import triton_attention
 
     calls = count_calls([(triton_attention, "context_attention"), (triton_attention, "paged_decode_attention")],
                         monkeypatch.setattr)
@@ -181,7 +181,7 @@ def test_context_attention(ratio: int, block_size: int, head_dim: int, dtype: to
 
 def test_context_kernel_alone_takes_single_token_rows() -> None:
     """The context kernel is correct on any ragged batch, single-token rows anywhere included."""
-    from kernels import triton_attention
+    from pdserve.kernels import triton_attention
 
     gen = torch.Generator().manual_seed(11)
     query, cache, tables, qsl, seq_lens = paged_batch(gen, [20, 9, 33], [20, 1, 5], 4, 2, 32, 16, torch.float32)
@@ -203,7 +203,7 @@ def test_attention_long_query_spans_several_tiles(backend) -> None:
 def test_split_kv_decode_matches_reference(dtype: torch.dtype, num_splits: int) -> None:
     """Flash-decoding: keys split into slices (one of them empty with 3 splits of 64-key tiles),
     partial results combined by their log-sum-exp; sequences shorter than one slice included."""
-    from kernels import triton_attention
+    from pdserve.kernels import triton_attention
 
     gen = torch.Generator().manual_seed(num_splits)
     seq_lens = [200, 1, 64, 65, 130]
@@ -216,7 +216,7 @@ def test_split_kv_decode_matches_reference(dtype: torch.dtype, num_splits: int) 
 
 
 def test_num_kv_splits_policy() -> None:
-    from kernels.triton_attention import num_kv_splits
+    from pdserve.kernels.triton_attention import num_kv_splits
 
     assert num_kv_splits(num_seqs=256, num_kv_heads=8, max_seq_len=32768, num_sms=132) == 1  # batch fills the GPU
     assert num_kv_splits(num_seqs=1, num_kv_heads=8, max_seq_len=200, num_sms=132) == 1  # too short to split
@@ -226,7 +226,7 @@ def test_num_kv_splits_policy() -> None:
 
 
 def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kernels import triton_transfer
+    from pdserve.kernels import triton_transfer
 
     calls = count_calls([(triton_transfer, "gather_kv")], monkeypatch.setattr)
     cache, slots = torch.randn(2, 2, 16, 1, 32), torch.tensor([3, 17])
@@ -250,7 +250,7 @@ def test_bad_env_backend_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(ValueError, match="PDSERVE_KERNELS: unknown kernel backend 'gpu'"):
         ops.gather_kv(torch.zeros(2, 1, 16, 1, 32), torch.tensor([0]))
     monkeypatch.setenv("PDSERVE_KERNELS", "triton")
-    from kernels import triton_transfer
+    from pdserve.kernels import triton_transfer
 
     calls = count_calls([(triton_transfer, "gather_kv")], monkeypatch.setattr)
     ops.gather_kv(torch.zeros(2, 1, 16, 1, 32), torch.tensor([0]))

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from connectors import staging
-from serving import LLM, SamplingParams
-from kernels import ops, triton_attention, triton_transfer
+from pdserve.connectors import staging
+from pdserve.serving import LLM, SamplingParams
+from pdserve.kernels import ops, triton_attention, triton_transfer
 from tests.connector_helpers import PREFILL, hf_greedy, prompt
 from tests.kernels_helpers import count_calls
 

@@ -6,9 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
 
 BS = 16
 FP = "f" * 32
@@ -130,9 +130,9 @@ def test_disabled_prefix_caching_never_hits():
 
 
 HASH_SCRIPT = """
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
 kv = KVCacheManager(num_blocks=4, block_size=16, fingerprint="f" * 32)
 r = Request("x", list(range(1000, 1050)), SamplingParams(), cache_salt="s")
 print(",".join(h.hex() for h in kv.block_hashes(r)))

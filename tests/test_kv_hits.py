@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from connectors.kv_hits import KVHitReport, main, parse_line
+from pdserve.connectors.kv_hits import KVHitReport, main, parse_line
 
 PREFIX = "2025-01-01 10:00:00,123 INFO connectors.store_connector: "
 DECODE_LOG = [
@@ -86,14 +86,14 @@ def test_cli_table_json_and_stdin(tmp_path, capsys):
     assert main(["--json", str(decode)]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [r["request_id"] for r in data["requests"]] == ["cmpl-1", "cmpl-2", "cmpl-3", "cmpl-4"]
-    proc = subprocess.run([sys.executable, "-m", "connectors.kv_hits", "--json", "-"], input="\n".join(LMCACHE_LOG),
+    proc = subprocess.run([sys.executable, "-m", "pdserve.connectors.kv_hits", "--json", "-"], input="\n".join(LMCACHE_LOG),
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["summary"]["loaded_tokens"] == 256
 
 
 def test_cli_missing_file_is_one_line_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "connectors.kv_hits", str(tmp_path / "nope.log")],
+    proc = subprocess.run([sys.executable, "-m", "pdserve.connectors.kv_hits", str(tmp_path / "nope.log")],
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode != 0 and proc.stderr.strip().count("\n") == 0 and "cannot read" in proc.stderr
 
@@ -103,7 +103,7 @@ def test_follow_prints_rows_as_lines_arrive(tmp_path, stop):
     log = tmp_path / "decode.log"
     log.write_text(DECODE_LOG[0] + "\n")
     # SIGINT ignored as `nohup ... &` leaves it: --follow must still end with its summary.
-    proc = subprocess.Popen([sys.executable, "-m", "connectors.kv_hits", "--follow", str(log)],
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.connectors.kv_hits", "--follow", str(log)],
                             stdout=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
@@ -129,8 +129,8 @@ def test_lmcache_connector_native_and_section5_lines_count_once():
 
 def test_parses_what_the_connectors_print():
     """The connectors' own line builders (connectors.kv_log), so a wording change cannot drift silently."""
-    from connectors.chunk_math import LoadPlan
-    from connectors.kv_log import fallback_line, load_line, lookup_line, save_line
+    from pdserve.connectors.chunk_math import LoadPlan
+    from pdserve.connectors.kv_log import fallback_line, load_line, lookup_line, save_line
 
     plan = LoadPlan(num_tokens=600, num_local=288, hit=512, chunk_size=256)
     report = KVHitReport()

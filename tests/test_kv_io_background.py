@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from deploy.fault_relay import FaultRelay
-from serving import LLM, SamplingParams
-from engine.request import RequestStatus
+from pdserve.deploy.fault_relay import FaultRelay
+from pdserve.serving import LLM, SamplingParams
+from pdserve.engine.request import RequestStatus
 from tests.connector_helpers import ENGINE_KW, FALLBACK_RE, GREEDY, PREFILL, capture, lines, mono_engine, prompt
 
 pytestmark = pytest.mark.timeout(120)
@@ -172,7 +172,7 @@ def test_saves_never_stall_a_running_stream(tiny_llama, redis_module, relay, mod
 
 
 def _probe(token_ids: list[int]):
-    from engine.request import Request
+    from pdserve.engine.request import Request
 
     return Request("probe", token_ids, GREEDY)
 

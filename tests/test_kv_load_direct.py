@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from connectors.chunk_math import LoadPlan, chunk_bounds, slots_for
-from connectors.direct_rows import DirectRows, cache_bytes
-from kernels.kv_read import KVReadLibrary
-from kvstore import CorruptObject, NotFound, open_store
-from kvstore.filesystem import FileSystemStore
-from kvstore.gate import LoadAbandoned, WriteGate
-from kvstore.spans import SpanTable
+from pdserve.connectors.chunk_math import LoadPlan, chunk_bounds, slots_for
+from pdserve.connectors.direct_rows import DirectRows, cache_bytes
+from pdserve.kernels.kv_read import KVReadLibrary
+from pdserve.kvstore import CorruptObject, NotFound, open_store
+from pdserve.kvstore.filesystem import FileSystemStore
+from pdserve.kvstore.gate import LoadAbandoned, WriteGate
+from pdserve.kvstore.spans import SpanTable
 from tests.connector_helpers import FALLBACK_RE, GREEDY, PREFILL, capture, engine_pair, lines, mono_engine, prompt
 from tests.kvstore_helpers import CHUNK, KV_SHAPE, make_chunks, open_test_store, write_all
 

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import torch
 
-from kvstore.cli import main
+from pdserve.kvstore.cli import main
 from tests.kvstore_helpers import FP, OTHER_FP, PYTHON, make_chunks, open_test_store, write_all
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "kvstore.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+    return subprocess.run([PYTHON, "-m", "pdserve.kvstore.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
 
 
 def _fill(url: str) -> None:

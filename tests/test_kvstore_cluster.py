@@ -10,8 +10,8 @@ import pytest
 import redis
 import torch
 
-from kvstore import CorruptObject, NotFound, StoreError, StoreTimeout, StoreUnavailable, open_store
-from kvstore.cli import main
+from pdserve.kvstore import CorruptObject, NotFound, StoreError, StoreTimeout, StoreUnavailable, open_store
+from pdserve.kvstore.cli import main
 from tests.kvstore_helpers import FP, PYTHON, make_chunks, open_test_store, write_all
 from tests.redis_cluster import RedisClusterServer
 
@@ -67,7 +67,7 @@ def test_misplaced_object_is_corrupt_and_verify_names_it(redis_cluster):
 def test_pd_kvstore_works_on_a_cluster(redis_cluster, capsys):
     keys, layers = make_chunks(40, LAYERS, torch.bfloat16)
     write_all(open_test_store(redis_cluster.url, LAYERS, torch.bfloat16), keys, layers)
-    done = subprocess.run([PYTHON, "-m", "kvstore.cli", redis_cluster.url, "stats", "--json"], cwd=REPO,
+    done = subprocess.run([PYTHON, "-m", "pdserve.kvstore.cli", redis_cluster.url, "stats", "--json"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)[FP] | {"bytes": 0} == {"chunks": 3, "objects": 6, "bytes": 0}
@@ -98,7 +98,7 @@ def test_bounds_warning_names_an_unbounded_cluster(redis_cluster):
 
 
 def test_unreachable_cluster_is_unavailable_and_bad_urls_are_value_errors():
-    from deploy.processes import free_port
+    from pdserve.deploy.processes import free_port
 
     url = f"redis+cluster://127.0.0.1:{free_port()},127.0.0.1:{free_port()}/"
     with open_test_store(url, LAYERS, timeout=1.0) as store:  # opening never blocks on the cluster

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore import codec
-from kvstore.errors import CorruptObject
+from pdserve.kvstore import codec
+from pdserve.kvstore.errors import CorruptObject
 from tests.kvstore_helpers import FP, OTHER_FP
 
 KEY = "ab" * 16

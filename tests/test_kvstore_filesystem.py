@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore import CorruptObject, NotFound, StoreUnavailable, codec, open_store
-from kvstore.filesystem import FileSystemStore
+from pdserve.kvstore import CorruptObject, NotFound, StoreUnavailable, codec, open_store
+from pdserve.kvstore.filesystem import FileSystemStore
 from tests.kvstore_helpers import FP, OTHER_FP, make_chunks, open_test_store, spawn_writer, start, write_all
 
 
@@ -163,7 +163,7 @@ def test_eviction_replays_a_ledger_instead_of_walking_the_tree(tmp_path):
 
 
 def test_ledger_operations_stay_cheap_at_100k_chunks(tmp_path):
-    from kvstore.fs_ledger import ChunkLedger
+    from pdserve.kvstore.fs_ledger import ChunkLedger
 
     def ledger() -> ChunkLedger:
         return ChunkLedger(str(tmp_path), walk=lambda: iter(()), size_of=lambda rel: None)

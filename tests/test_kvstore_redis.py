@@ -13,10 +13,10 @@ import redis
 import torch
 import xxhash
 
-from kernels.kv_read import KVReadLibrary
-from kvstore import CorruptObject, StoreTimeout, StoreUnavailable, resp
-from kvstore.gate import LoadAbandoned, WriteGate
-from kvstore.spans import SpanTable
+from pdserve.kernels.kv_read import KVReadLibrary
+from pdserve.kvstore import CorruptObject, StoreTimeout, StoreUnavailable, resp
+from pdserve.kvstore.gate import LoadAbandoned, WriteGate
+from pdserve.kvstore.spans import SpanTable
 from tests.kvstore_helpers import FP, OTHER_FP, make_chunks, open_test_store, write_all
 from tests.utils import wait_for_port
 
@@ -129,8 +129,8 @@ def test_bounds_warning_says_when_redis_can_grow_without_limit(redis_server):
 
 
 def test_make_serve_starts_a_bounded_redis(tmp_path):
-    from deploy.processes import ClusterSpec, LocalCluster
-    from kvstore import open_store
+    from pdserve.deploy.processes import ClusterSpec, LocalCluster
+    from pdserve.kvstore import open_store
 
     cluster = LocalCluster(ClusterSpec(model="unused", log_dir=tmp_path, store="redis", redis_maxmemory="64mb"))
     cluster.store_server.start()  # only the redis-server of `make serve ARGS="--store redis"`
@@ -145,7 +145,7 @@ def test_make_serve_starts_a_bounded_redis(tmp_path):
 
 
 def test_node_start_up_check_warns_once_about_an_unbounded_store(redis_server, tmp_path, caplog):
-    from serving.node import check_store
+    from pdserve.serving.node import check_store
 
     caplog.set_level(logging.WARNING)
     for url in (redis_server.url, redis_server.url + "?ttl=60", f"file://{tmp_path}?max_bytes=1GiB"):

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from kvstore import CorruptObject, NotFound, open_store
+from pdserve.kvstore import CorruptObject, NotFound, open_store
 from tests.kvstore_helpers import FP, make_chunks, open_test_store, spawn_writer, start, write_all
 
 LAYERS = 3

@@ -9,16 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.attention import ForwardContext, set_forward_context
-from engine.builtin_model import make_model
-from engine.config import EngineConfig, KVRole
-from engine.kv_connector import KVConnectorBase
-from engine.model_runner import ModelRunner
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler_output import SchedulerOutput
-import kernels
-
+from pdserve.engine.attention import ForwardContext, set_forward_context
+from pdserve.engine.builtin_model import make_model
+from pdserve.engine.config import EngineConfig, KVRole
+from pdserve.engine.kv_connector import KVConnectorBase
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler_output import SchedulerOutput
+from pdserve import kernels
 ATOL = 1e-4
 BLOCK = 16
 
@@ -289,7 +288,7 @@ def test_bf16_linear_is_a_bf16_gemm_with_fp32_accumulation(rows):
     """Packed bf16 weights (oneDNN's bf16 path; on CPUs without bf16 instructions the compiled bf16
     kernel) give the fp32 product of the bf16 inputs plus the bias, rounded to bf16, for 2-d and
     3-d activations. 50 outputs: the kernel's 16-column panels leave a partial one."""
-    from engine.models.linear import Linear
+    from pdserve.engine.models.linear import Linear
 
     g = torch.Generator().manual_seed(rows)
     lin = Linear(64, 50, True, torch.bfloat16)

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deploy.processes import Child, console_script, python_module, wait_for_port
+from pdserve.deploy.processes import Child, console_script, python_module, wait_for_port
 from tests.cluster_helpers import NODE_ARGS, wait_until
 from tests.connector_helpers import hf_greedy
 from tests.netns_helpers import NetnsLab

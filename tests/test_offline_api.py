@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from engine.tokenizer import apply_chat_template
-from serving import LLM, SamplingParams
+from pdserve.engine.tokenizer import apply_chat_template
+from pdserve.serving import LLM, SamplingParams
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 
@@ -86,7 +86,7 @@ def run_offline(script: str, env: dict[str, str]) -> subprocess.CompletedProcess
 def test_offline_api_prints_its_log_lines_kv_transfer_included(tiny_llama, tmp_path):
     store = (tmp_path / "store").as_uri()
     script = f"""
-from serving import LLM, SamplingParams
+from pdserve.serving import LLM, SamplingParams
 p = SamplingParams(max_tokens=2, temperature=0.0)
 prompt = list(range(3, 43))
 LLM({str(tiny_llama)!r}, kv_store={store!r}, kv_role="producer", chunk_size=16).generate([prompt], p)

@@ -20,8 +20,8 @@ import torch
 from openai.resources.chat.completions import Completions as ChatCompletions
 from openai.resources.completions import Completions
 
-from serving import LLM, SamplingParams
-from serving.protocol import CHAT, COMPLETION, NEUTRAL_PARAMETERS, SUPPORTED_PARAMETERS
+from pdserve.serving import LLM, SamplingParams
+from pdserve.serving.protocol import CHAT, COMPLETION, NEUTRAL_PARAMETERS, SUPPORTED_PARAMETERS
 from tests.cluster_helpers import NODE_ARGS, client, log_lines, start_cluster
 from tests.serve_helpers import ServerProcess
 from tests.test_generate import hf_greedy, random_prompt
@@ -210,7 +210,7 @@ def by_choice(chunks) -> dict[int, list[int]]:
 def test_message_names_reach_the_chat_template(api, tiny_llama):
     """OpenAI's per-message `name` is rendered by the chat template (the built-in one writes it after the
     role), on pd-serve and across P/D alike."""
-    from engine.tokenizer import apply_chat_template, load_tokenizer
+    from pdserve.engine.tokenizer import apply_chat_template, load_tokenizer
 
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi", "name": "ann"}]
     tokenizer = load_tokenizer(tiny_llama)

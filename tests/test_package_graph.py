@@ -10,7 +10,7 @@ import ast
 import subprocess
 import sys
 
-from deploy.processes import REPO
+from pdserve.deploy.processes import REPO
 
 # package -> the first-party packages it may import (docs/architecture.md, "Packages and imports")
 ALLOWED = {
@@ -35,8 +35,14 @@ def _is_type_checking(test: ast.expr) -> bool:
         (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
+def _package(module: str) -> str:
+    """pdserve.engine.config -> engine (the folder); a third-party module -> its top-level name."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "pdserve" and len(parts) > 1 else parts[0]
+
+
 def _imported(tree: ast.AST) -> set[str]:
-    """Top-level packages of every import in the tree that runs (TYPE_CHECKING blocks skipped)."""
+    """Packages of every import in the tree that runs (TYPE_CHECKING blocks skipped)."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
@@ -45,9 +51,11 @@ def _imported(tree: ast.AST) -> set[str]:
                 visit(child)
             return
         if isinstance(node, ast.Import):
-            found.update(alias.name.split(".")[0] for alias in node.names)
+            found.update(_package(alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "pdserve":
+            found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split(".")[0])
+            found.add(_package(node.module))
         for child in ast.iter_child_nodes(node):
             visit(child)
 
@@ -93,9 +101,28 @@ def test_the_proxy_process_stays_light():
     """pd-proxy loads no torch, model code, connector or store client. Of the engine it loads only the
     two dependency-free dataclass modules serving shares with it: the request's SamplingParams (what
     serving.protocol validates into) and the engine config (serving.cli's option defaults)."""
-    code = ("import sys, proxy.app, proxy.__main__; "
-            "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in "
+    code = ("import sys, pdserve.proxy.app, pdserve.proxy.__main__; "
+            "print(' '.join(sorted(m for m in sys.modules if m.removeprefix('pdserve.').split('.')[0] in "
             "('engine', 'connectors', 'kvstore', 'kernels', 'torch', 'transformers'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert set(out.stdout.split()) <= {"engine", "engine.sampling_params", "engine.config"}, out.stdout
+    assert set(out.stdout.split()) <= {"pdserve.engine", "pdserve.engine.sampling_params", "pdserve.engine.config"}, out.stdout
+
+
+def test_first_party_imports_name_the_pdserve_namespace(tmp_path):
+    """Every import of a first-party package goes through `pdserve.` (a bare `import common` would take
+    whatever `common` comes first on sys.path), and a stray common.py / engine.py there changes nothing."""
+    bare = []
+    for folder in [*ALLOWED, "tests", "benchmarks"]:
+        for path in (REPO / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+                bare += [f"{path.relative_to(REPO)}: {n}" for n in names if n.split(".")[0] in ALLOWED]
+    assert not bare, bare
+    for name in ("common", "engine", "kernels", "serving"):
+        (tmp_path / f"{name}.py").write_text("raise ImportError('the wrong module')\n")
+    code = "from pdserve.serving import protocol; from pdserve.common import hashing; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from serving import LLM, SamplingParams
+from pdserve.serving import LLM, SamplingParams
 from tests.test_generate import BLOCK_BYTES_TINY, hf_greedy, random_prompt
 
 # Around block boundaries: the partial last block is copied per choice, full blocks are shared.
@@ -47,7 +47,7 @@ def test_greedy_choices_all_match_hf(tiny_llama, llm):
 def test_single_token_choices_and_a_pool_too_small_to_fork(tiny_llama, caplog):
     # 5 blocks: a 40-token prompt takes 3, the first two forks take one copy each, the third waits
     # (as if preempted) and is recomputed once there is room. Every choice is still exact.
-    caplog.set_level(logging.INFO, logger="engine")
+    caplog.set_level(logging.INFO, logger="pdserve.engine")
     small = LLM(str(tiny_llama), dtype="float32", kv_cache_memory=5 * BLOCK_BYTES_TINY)
     params = SamplingParams(n=4, max_tokens=3, temperature=1.0, seed=11, ignore_eos=True)
     outs = small.generate([PROMPTS[4]], params)[0].outputs

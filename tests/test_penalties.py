@@ -6,11 +6,11 @@ import random
 import pytest
 import torch
 
-from engine.logits_processors import process_logits
-from engine.penalties import apply_penalties
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from pdserve.engine.logits_processors import process_logits
+from pdserve.engine.penalties import apply_penalties
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import SamplingParams
 
 VOCAB = 50
 

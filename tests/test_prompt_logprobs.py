@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serving import LLM, SamplingParams
+from pdserve.serving import LLM, SamplingParams
 from tests.test_generate import random_prompt
 
 PROMPT = random_prompt(40, seed=7)

@@ -5,10 +5,10 @@ import asyncio
 
 import pytest
 
-from engine.sampling_params import StructuredOutputsParams
-from serving import protocol as oai
-from serving import responses as out
-from serving.choices import Assembler, ChoiceOutput, first_delta, merge, sub_request_id
+from pdserve.engine.sampling_params import StructuredOutputsParams
+from pdserve.serving import protocol as oai
+from pdserve.serving import responses as out
+from pdserve.serving.choices import Assembler, ChoiceOutput, first_delta, merge, sub_request_id
 
 
 def parse(body: dict, kind: str = oai.COMPLETION) -> oai.GenerationRequest:

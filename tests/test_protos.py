@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from importlib.metadata import version
 
-from protos import generate as gen
+from pdserve.protos import generate as gen
 
 
 def test_grpc_tools_is_the_pinned_version():
@@ -16,11 +16,11 @@ def test_committed_generated_code_is_current(tmp_path):
     for path in fresh:
         committed = gen.REPO / "protos" / path.name
         assert committed.read_text() == path.read_text(), \
-            f"{committed} is stale: run `python -m protos.generate` and commit the result"
+            f"{committed} is stale: run `python -m pdserve.protos.generate` and commit the result"
 
 
 def test_generated_messages_round_trip():
-    from protos import pdserve_pb2 as pb
+    from pdserve.protos import pdserve_pb2 as pb
 
     req = pb.GenerateRequest(request_id="r1", prompt=pb.Prompt(token_ids=pb.TokenIds(ids=[5, 6, 7])),
                              params=pb.SamplingParams(max_tokens=3, seed=4), cache_salt="t")

@@ -11,9 +11,9 @@ import asyncio
 import grpc
 import pytest
 
-from protos import pdserve_pb2 as pb
-from proxy.http_generate import HttpGenerate
-from serving import delta_frames as frames
+from pdserve.protos import pdserve_pb2 as pb
+from pdserve.proxy.http_generate import HttpGenerate
+from pdserve.serving import delta_frames as frames
 
 pytestmark = pytest.mark.timeout(60)
 

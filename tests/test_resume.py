@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import SamplingParams
-from engine.outputs import Resume
+from pdserve.engine import SamplingParams
+from pdserve.engine.outputs import Resume
 from tests.connector_helpers import mono_engine, prompt
 
 CASES = {

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def req(rid: str = "r", n_tokens: int = 3, **params) -> Request:

@@ -7,13 +7,13 @@ its token history. Its next token is a pure function of the context, so any sche
 """
 from __future__ import annotations
 
-from engine.config import EngineConfig, KVRole, ModelConfig, SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_connector import KVConnectorBase, KVConnectorMetadata
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pdserve.engine.config import EngineConfig, KVRole, ModelConfig, SchedulerConfig
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv_connector import KVConnectorBase, KVConnectorMetadata
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 BS = 16
 EOS = 1

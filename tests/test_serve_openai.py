@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 
-from serving.responses import top_by_text
+from pdserve.serving.responses import top_by_text
 from tests.serve_helpers import ServerProcess, open_stream, sse_events
 from tests.test_generate import hf_greedy, random_prompt
 
@@ -83,7 +83,7 @@ def test_chat_stream_and_non_stream_agree(client, model_name):
 
 
 def test_chat_uses_the_chat_template(tiny_llama, client, model_name):
-    from engine.tokenizer import apply_chat_template, load_tokenizer
+    from pdserve.engine.tokenizer import apply_chat_template, load_tokenizer
 
     messages = [{"role": "user", "content": "hello there"}]
     expected = apply_chat_template(load_tokenizer(tiny_llama), messages)

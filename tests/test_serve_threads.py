@@ -24,7 +24,7 @@ TOKENS = 48
 @pytest.fixture(scope="module")
 def parallel_model(tmp_path_factory) -> Path:
     """bf16 weights wide enough that a one-token decode step runs its linear layers on every thread."""
-    from engine.builtin_model import make_model
+    from pdserve.engine.builtin_model import make_model
 
     path = tmp_path_factory.mktemp("bench-2-layers")
     make_model(path, preset="bench", arch="llama", num_hidden_layers=2)
@@ -85,7 +85,7 @@ def _environ(pid: int) -> dict[str, str]:
 def test_cluster_nodes_that_share_cores_wait_briefly(tiny_llama, tmp_path, monkeypatch):
     """A LocalCluster's engines share the machine's cores, so their workers spin only briefly before
     sleeping (deploy/processes.py SHARED_CORES_ENV); an operator's own OpenMP wait setting wins."""
-    from deploy.processes import SHARED_CORES_ENV, shared_cores_env
+    from pdserve.deploy.processes import SHARED_CORES_ENV, shared_cores_env
     from tests.cluster_helpers import start_cluster
 
     for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):

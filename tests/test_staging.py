@@ -13,10 +13,10 @@ import torch
 
 import pytest
 
-from connectors.chunk_math import slots_for
-from connectors.staging import BlockScatter, KVTransfer, PinnedPool, StagedTransfer, make_kv_transfer, use_staging
-from engine.device import Platform
-from kernels import torch_ref
+from pdserve.connectors.chunk_math import slots_for
+from pdserve.connectors.staging import BlockScatter, KVTransfer, PinnedPool, StagedTransfer, make_kv_transfer, use_staging
+from pdserve.engine.device import Platform
+from pdserve.kernels import torch_ref
 
 CPU = Platform(torch.device("cpu"))
 

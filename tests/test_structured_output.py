@@ -7,9 +7,9 @@ import re
 import jsonschema
 import pytest
 
-from engine.sampling_params import StructuredOutputsParams
-from engine.structured_output import check_structured_outputs
-from serving import LLM, SamplingParams
+from pdserve.engine.sampling_params import StructuredOutputsParams
+from pdserve.engine.structured_output import check_structured_outputs
+from pdserve.serving import LLM, SamplingParams
 
 SCHEMA = {
     "type": "object",

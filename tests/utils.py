@@ -4,8 +4,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 
-from deploy.processes import console_script, free_port  # noqa: F401  (re-exported for the tests)
-from deploy.processes import wait_for_port as port_open
+from pdserve.deploy.processes import console_script, free_port  # noqa: F401  (re-exported for the tests)
+from pdserve.deploy.processes import wait_for_port as port_open
 
 
 def wait_for_port(port: int, timeout: float = 30.0, host: str = "127.0.0.1") -> None:

@@ -28,14 +28,14 @@ def cuda_device() -> torch.device:
 @pytest.fixture(scope="session")
 def fp32_model(tmp_path_factory) -> Path:
     """The `bench` preset (12 layers, hidden 1024, GQA 2) in fp32, for exact greedy comparisons."""
-    from engine.builtin_model import make_model
+    from pdserve.engine.builtin_model import make_model
 
     return make_model(tmp_path_factory.mktemp("bench-fp32"), preset="bench", dtype="float32")
 
 
 @pytest.fixture(scope="session")
 def bf16_model(tmp_path_factory) -> Path:
-    from engine.builtin_model import make_model
+    from pdserve.engine.builtin_model import make_model
 
     return make_model(tmp_path_factory.mktemp("bench-bf16"), preset="bench")
 

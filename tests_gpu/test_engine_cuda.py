@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import ForwardContext, set_forward_context
-from engine.request import Request
-from engine.scheduler_output import SchedulerOutput
-from serving import LLM, SamplingParams
+from pdserve.engine.attention import ForwardContext, set_forward_context
+from pdserve.engine.request import Request
+from pdserve.engine.scheduler_output import SchedulerOutput
+from pdserve.serving import LLM, SamplingParams
 from tests_gpu.helpers import count_tolerated_divergences, hf_greedy_with_gaps, hf_model, prompt
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,7 +106,7 @@ def test_bf16_logits_within_tolerance(bf16_model):
 
 MEMORY_RUN = """
 import json, logging, sys, torch
-from serving import LLM
+from pdserve.serving import LLM
 records = []
 class Keep(logging.Handler):
     def emit(self, record):

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import build_attention_metadata, select_attention_backend
-from kernels import torch_ref, triton_attention, triton_transfer
-from kernels.triton_attention import num_kv_splits
+from pdserve.engine.attention import build_attention_metadata, select_attention_backend
+from pdserve.kernels import torch_ref, triton_attention, triton_transfer
+from pdserve.kernels.triton_attention import num_kv_splits
 from tests.test_kernels import ATTN_CASES, ATTN_TOL, DTYPES, paged_batch
 
 CUDA = torch.device("cuda")

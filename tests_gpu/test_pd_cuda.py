@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from connectors.staging import PinnedPool, StagedTransfer
-from engine.device import Platform
-from kernels import torch_ref
-from serving import LLM, SamplingParams
+from pdserve.connectors.staging import PinnedPool, StagedTransfer
+from pdserve.engine.device import Platform
+from pdserve.kernels import torch_ref
+from pdserve.serving import LLM, SamplingParams
 from tests_gpu.helpers import count_tolerated_divergences, hf_greedy_with_gaps, prompt
 
 LENGTHS = [1, 17, 255, 256, 257, 1000, 3000]  # chunk (256) and block (16) boundaries

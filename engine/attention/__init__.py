@@ -9,10 +9,10 @@
 - `PagedAttention` (layer.py): the model's attention layer; reads the `ForwardContext` the
   runner sets around each forward pass and calls the KV connector's per-layer hooks.
 """
-from engine.attention.backends.base import AttentionBackend
-from engine.attention.layer import ForwardContext, PagedAttention, get_forward_context, set_forward_context
-from engine.attention.metadata import AttentionMetadata, build_attention_metadata
-from engine.attention.selector import backend_name, select_attention_backend
+from pdserve.engine.attention.backends.base import AttentionBackend
+from pdserve.engine.attention.layer import ForwardContext, PagedAttention, get_forward_context, set_forward_context
+from pdserve.engine.attention.metadata import AttentionMetadata, build_attention_metadata
+from pdserve.engine.attention.selector import backend_name, select_attention_backend
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "ForwardContext", "PagedAttention", "backend_name",
            "build_attention_metadata", "get_forward_context", "select_attention_backend", "set_forward_context"]

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from engine.attention.backends.base import AttentionBackend
-from engine.attention.metadata import AttentionMetadata
+from pdserve.engine.attention.backends.base import AttentionBackend
+from pdserve.engine.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from engine.kv_connector import KVConnectorBase
+    from pdserve.engine.kv_connector import KVConnectorBase
 
 
 @dataclass

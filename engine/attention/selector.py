@@ -15,18 +15,18 @@ import os
 
 import torch
 
-from engine.attention.backends.base import AttentionBackend
-from engine.config import ATTENTION_BACKENDS
-from kernels.cpu_build import BuildError
-from kernels.ops import default_backend, requested_backend
+from pdserve.engine.attention.backends.base import AttentionBackend
+from pdserve.engine.config import ATTENTION_BACKENDS
+from pdserve.kernels.cpu_build import BuildError
+from pdserve.kernels.ops import default_backend, requested_backend
 
 logger = logging.getLogger(__name__)
 
 # name -> "module:class"; imported on selection, so an unused backend costs nothing.
 BACKEND_CLASSES = {
-    "torch": "engine.attention.backends.torch_ref:TorchAttentionBackend",
-    "cpu": "engine.attention.backends.cpu:CpuAttentionBackend",
-    "triton": "engine.attention.backends.triton:TritonAttentionBackend",
+    "torch": "pdserve.engine.attention.backends.torch_ref:TorchAttentionBackend",
+    "cpu": "pdserve.engine.attention.backends.cpu:CpuAttentionBackend",
+    "triton": "pdserve.engine.attention.backends.triton:TritonAttentionBackend",
 }
 assert set(BACKEND_CLASSES) | {"auto"} == set(ATTENTION_BACKENDS)
 

@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

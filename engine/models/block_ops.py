@@ -14,17 +14,17 @@ import functools
 
 import torch
 
-from kernels.ops import requested_backend
+from pdserve.kernels.ops import requested_backend
 
 
 @functools.lru_cache(maxsize=1)
 def _compiled():
     """The compiled CPU kernels, or None (one build attempt and at most one warning per process)."""
-    from engine.builtin_model import cache_dir
-    from kernels.cpu_block_ops import CpuBlockOps
-    from kernels.cpu_build import build_or_none
+    from pdserve.common.paths import kernels_dir
+    from pdserve.kernels.cpu_block_ops import CpuBlockOps
+    from pdserve.kernels.cpu_build import build_or_none
 
-    return build_or_none(lambda: CpuBlockOps(cache_dir() / "kernels"), "compiled block ops",
+    return build_or_none(lambda: CpuBlockOps(kernels_dir()), "compiled block ops",
                          "norms, RoPE and SiLU use torch ops")
 
 

@@ -40,11 +40,11 @@ def _dot_kernel():
     one build attempt and at most one warning per process."""
     if not (torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()):
         return None
-    from engine.builtin_model import cache_dir
-    from kernels.cpu_build import build_or_none
-    from kernels.cpu_linear import Bf16DotLinear
+    from pdserve.common.paths import kernels_dir
+    from pdserve.kernels.cpu_build import build_or_none
+    from pdserve.kernels.cpu_linear import Bf16DotLinear
 
-    kernel = build_or_none(lambda: Bf16DotLinear(cache_dir() / "kernels"), "bf16 dot kernel",
+    kernel = build_or_none(lambda: Bf16DotLinear(kernels_dir()), "bf16 dot kernel",
                            "bf16 layers use oneDNN's packed bf16")
     return kernel if kernel is not None and kernel.available else None
 
@@ -53,11 +53,11 @@ def _dot_kernel():
 def _bf16_kernel():
     """The bf16 linear kernel, or None when it cannot be built here (no C compiler): one build
     attempt and at most one warning per process."""
-    from engine.builtin_model import cache_dir
-    from kernels.cpu_build import build_or_none
-    from kernels.cpu_linear import Bf16Linear
+    from pdserve.common.paths import kernels_dir
+    from pdserve.kernels.cpu_build import build_or_none
+    from pdserve.kernels.cpu_linear import Bf16Linear
 
-    return build_or_none(lambda: Bf16Linear(cache_dir() / "kernels"), "bf16 linear kernel",
+    return build_or_none(lambda: Bf16Linear(kernels_dir()), "bf16 linear kernel",
                          "bf16 layers use an fp32 packed copy")
 
 
@@ -87,7 +87,7 @@ class Linear(nn.Module):
         try:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 16)
         except RuntimeError:  # no bf16 instructions on this CPU
-            from kernels.cpu_linear import Bf16Linear
+            from pdserve.kernels.cpu_linear import Bf16Linear
 
             kernel = _bf16_kernel() if Bf16Linear.supports(w.detach()) else None
             if kernel is not None:
@@ -102,7 +102,7 @@ class Linear(nn.Module):
 
     def _pack_dot(self) -> bool:
         """Whether the bf16 dot kernel takes this layer (its layout then replaces the weight)."""
-        from kernels.cpu_linear import Bf16DotLinear
+        from pdserve.kernels.cpu_linear import Bf16DotLinear
 
         kernel = _dot_kernel() if Bf16DotLinear.supports(self.weight.detach()) else None
         if kernel is None:

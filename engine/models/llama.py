@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import PagedAttention
-from engine.models import block_ops
-from engine.models.linear import Linear
+from pdserve.engine.attention import PagedAttention
+from pdserve.engine.models import block_ops
+from pdserve.engine.models.linear import Linear
 
 
 class RMSNorm(nn.Module):

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from engine.attention.metadata import AttentionMetadata
+from pdserve.engine.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(ABC):

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.backends.base import AttentionBackend
-from engine.attention.metadata import AttentionMetadata
-from engine.builtin_model import cache_dir
-from kernels import torch_ref
-from kernels.cpu_attention import CpuDecodeAttention
-from kernels.cpu_prefill_attention import CpuPrefillAttention
+from pdserve.engine.attention.backends.base import AttentionBackend
+from pdserve.engine.attention.metadata import AttentionMetadata
+from pdserve.common.paths import kernels_dir
+from pdserve.kernels import torch_ref
+from pdserve.kernels.cpu_attention import CpuDecodeAttention
+from pdserve.kernels.cpu_prefill_attention import CpuPrefillAttention
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -28,8 +28,8 @@ class CpuAttentionBackend(AttentionBackend):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
-        self.kernel = CpuDecodeAttention(cache_dir() / "kernels")  # BuildError when no compiler works
-        self.prefill_kernel = CpuPrefillAttention(cache_dir() / "kernels")
+        self.kernel = CpuDecodeAttention(kernels_dir())  # BuildError when no compiler works
+        self.prefill_kernel = CpuPrefillAttention(kernels_dir())
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:

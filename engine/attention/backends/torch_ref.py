@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.backends.base import AttentionBackend
-from engine.attention.metadata import AttentionMetadata
-from kernels import torch_ref
+from pdserve.engine.attention.backends.base import AttentionBackend
+from pdserve.engine.attention.metadata import AttentionMetadata
+from pdserve.kernels import torch_ref
 
 
 class TorchAttentionBackend(AttentionBackend):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.backends.base import AttentionBackend
-from engine.attention.metadata import AttentionMetadata
+from pdserve.engine.attention.backends.base import AttentionBackend
+from pdserve.engine.attention.metadata import AttentionMetadata
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -19,7 +19,7 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         # Imported here: TRITON_INTERPRET must be set before the kernel modules load on CPU.
-        from kernels import triton_attention, triton_transfer
+        from pdserve.kernels import triton_attention, triton_transfer
 
         self._attention = triton_attention
         self._transfer = triton_transfer
