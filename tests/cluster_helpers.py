@@ -22,9 +22,12 @@ NODE_ARGS = ["--dtype", "float32", "--kv-cache-memory", "32MiB", "--max-model-le
 
 
 def start_cluster(model: Path, log_dir: Path, store: str = "file", num_prefill: int = 1, num_decode: int = 1,
-                  policy: str = "least-loaded", proxy_args: list[str] | None = None) -> LocalCluster:
+                  policy: str = "least-loaded", proxy_args: list[str] | None = None,
+                  node_args: list[str] | None = None) -> LocalCluster:
+    """node_args: the nodes' engine options (default NODE_ARGS)."""
     cluster = LocalCluster(ClusterSpec(model=str(model), log_dir=log_dir, store=store, num_prefill=num_prefill,
-                                       num_decode=num_decode, policy=policy, node_args=list(NODE_ARGS),
+                                       num_decode=num_decode, policy=policy,
+                                       node_args=list(NODE_ARGS if node_args is None else node_args),
                                        proxy_args=["--health-interval", "0.3", *(proxy_args or [])]))
     cluster.start(timeout_s=180)
     return cluster
