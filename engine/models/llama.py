@@ -1,6 +1,7 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral) over paged KV.
+"""Llama-family decoder (Llama, Qwen2, Mistral, Qwen3) over paged KV.
 
-Pre-norm blocks: RMSNorm -> attention (fused qkv projection, RoPE, GQA) -> residual,
+Pre-norm blocks: RMSNorm -> attention (fused qkv projection, [Qwen3: RMSNorm of each q and k head],
+RoPE, GQA) -> residual,
 RMSNorm -> SwiGLU MLP (fused gate/up projection) -> residual. The elementwise steps (residual add
 + norm, RoPE, SiLU-and-multiply) live in engine/models/block_ops.py, in the order transformers uses,
 so fp32 logits agree with it to rounding. Layers pass the residual stream on beside the hidden
@@ -31,6 +32,10 @@ class RMSNorm(nn.Module):
         """(norm(residual + x), residual + x); (norm(x), x) for the first layer's input."""
         return block_ops.add_rms_norm(x, residual, self.weight, self.eps)
 
+    def heads(self, x: torch.Tensor) -> torch.Tensor:
+        """Each head of x [n, heads, head_dim] normed on its own (Qwen3's q_norm / k_norm)."""
+        return block_ops.add_rms_norm(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps)[0].view(x.shape)
+
 
 def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any]]:
     """(theta, scaling parameters) from either transformers 5 `rope_parameters` or older fields."""
@@ -38,7 +43,13 @@ def rope_settings(hf_config: Any) -> tuple[float, dict[str, Any]]:
     legacy = getattr(hf_config, "rope_scaling", None)
     if isinstance(legacy, dict):
         params = {**legacy, **params}
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return parse_rope(params, getattr(hf_config, "rope_theta", 10000.0))
+
+
+def parse_rope(params: dict[str, Any], default_theta: float) -> tuple[float, dict[str, Any]]:
+    """(theta, scaling parameters) of one `rope_parameters` dict; a rope_type we do not compute is an error."""
+    params = dict(params)
+    theta = params.get("rope_theta", default_theta)
     rope_type = params.get("rope_type", params.get("type", "default"))
     params["rope_type"] = rope_type
     if rope_type not in ("default", "linear", "llama3"):
@@ -86,7 +97,11 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool, o_bias: bool, dtype: torch.dtype) -> None:
+    """With `qk_norm` (a norm class with a `heads` method: Qwen3's, Gemma 3's), q and k are normed per head
+    before RoPE; `scale` defaults to head_dim ** -0.5."""
+
+    def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool, o_bias: bool, dtype: torch.dtype,
+                 qk_norm: type[nn.Module] | None = None, scale: float | None = None) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -95,14 +110,19 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, o_bias, dtype)
+        self.q_norm = self.k_norm = None
+        if qk_norm is not None:
+            self.q_norm = qk_norm(self.head_dim, cfg.rms_norm_eps, dtype)
+            self.k_norm = qk_norm(self.head_dim, cfg.rms_norm_eps, dtype)
         self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
-                                   scale=self.head_dim ** -0.5)
+                                   scale=self.head_dim ** -0.5 if scale is None else scale)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        # q and k heads side by side: one rotation for both.
-        qk = block_ops.rope(qkv[:, :self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads,
-                                                                      self.head_dim), *rope)
+        qk = qkv[:, :self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm.heads(qk[:, :self.num_heads]), self.k_norm.heads(qk[:, self.num_heads:])), 1)
+        qk = block_ops.rope(qk, *rope)  # q and k heads side by side: one rotation for both
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         out = self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], v)
         return self.o_proj(out)
@@ -122,10 +142,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool, o_bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool, o_bias: bool, dtype: torch.dtype,
+                 qk_norm: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, layer_idx, qkv_bias, o_bias, dtype)
+        self.self_attn = Attention(cfg, layer_idx, qkv_bias, o_bias, dtype, RMSNorm if qk_norm else None)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype)
 
@@ -144,7 +165,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also Qwen2 (bias on q/k/v, usually tied embeddings) and Mistral (same math as Llama)."""
+    """Also Qwen2 (bias on q/k/v, usually tied embeddings), Mistral (same math as Llama) and Qwen3 (q/k
+    RMSNorm per head, head_dim independent of hidden_size / heads, no qkv bias unless attention_bias)."""
 
     def __init__(self, cfg: Any, dtype: torch.dtype, max_positions: int | None = None) -> None:
         super().__init__()
@@ -159,7 +181,8 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
                                          requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, qkv_bias, o_bias, dtype)
+        qk_norm = arch == "Qwen3ForCausalLM"
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, qkv_bias, o_bias, dtype, qk_norm)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
@@ -198,12 +221,16 @@ class LlamaForCausalLM(nn.Module):
             raise KeyError(name)
         layer = self.layers[int(parts[1])]
         module, proj, kind = parts[2], parts[3], parts[-1]
-        if module in ("input_layernorm", "post_attention_layernorm"):
-            return getattr(layer, module).weight, 0, layer.input_layernorm.weight.shape[0]
+        if module.endswith("layernorm"):  # input_, post_attention_ (Gemma 3: pre_ and post_feedforward_ too)
+            norm = getattr(layer, module)
+            return norm.weight, 0, norm.weight.shape[0]
         if kind not in ("weight", "bias"):
             raise KeyError(name)
         if module == "self_attn" and proj == "rotary_emb":
             return None  # old checkpoints store inv_freq; we compute it
+        if module == "self_attn" and proj in ("q_norm", "k_norm"):
+            norm = getattr(layer.self_attn, proj)
+            return norm.weight, 0, norm.weight.shape[0]
         if module == "self_attn":
             attn = layer.self_attn
             if proj == "o_proj":
