@@ -15,12 +15,13 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pdserve.common.paths import models_dir
 from pdserve.engine.real_model import DTYPES, REAL_MODELS, SourceMissing, build_once, make_real_model
+
+if TYPE_CHECKING:
+    import torch
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
@@ -91,6 +92,7 @@ def build_config(preset: str = "tiny", arch: str = "llama", num_kv_heads: int | 
 
 def _param_shapes(cfg) -> dict[str, tuple[int, ...]]:
     """Parameter names and shapes exactly as transformers names them (model built on the meta device)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -103,6 +105,8 @@ def _param_shapes(cfg) -> dict[str, tuple[int, ...]]:
 
 def random_weights(cfg, seed: int) -> dict[str, torch.Tensor]:
     """Deterministic weights: one generator, parameters drawn in sorted-name order, then cast."""
+    import torch  # here, not at the top: `pd-make-model --preset smollm2` on a made model needs no torch
+
     gen = torch.Generator().manual_seed(seed)
     shapes = _param_shapes(cfg)
     hidden = cfg.hidden_size
