@@ -10,6 +10,7 @@ proxy sees both nodes healthy, prints how to use the cluster, and stops every ch
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -90,11 +91,13 @@ def main(argv: list[str] | None = None) -> int:
         # `make serve` runs from the venv without activating it: name the script where it lies.
         kv_hits = shutil.which("pd-kv-hits") or str(Path(sys.executable).parent / "pd-kv-hits")
         name = served_name or Path(model).name
+        question = {"role": "user", "content": "What is the capital of France?"}
+        example = json.dumps({"model": name, "messages": [question], "max_tokens": 32, "temperature": 0})
         print(f"""
 pdserve P/D cluster ready: {cluster.url}  (OpenAI API; model {name})
 
   curl {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' \\
-       -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 32, "temperature": 0}}'
+       -d '{example}'
 
   status:  curl {cluster.url}/status
   KV hits: {kv_hits} {logs}

@@ -47,7 +47,8 @@ def hf_config(reader: Any) -> dict[str, Any]:
     """config.json's fields from the GGUF metadata (a Llama config)."""
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
     def meta(name: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{name}", default)
@@ -97,7 +98,8 @@ def hf_weights(reader: Any, config: dict[str, Any], dtype: torch.dtype) -> dict[
                 continue
             raise ValueError(f"GGUF tensor {name!r} has no Llama counterpart")
         # numpy shape is the reverse of GGUF's (ne0 is the fastest dimension): [out, in], as torch's.
-        w = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))  # a copy: F32 ones are read-only maps
+        # np.array copies: F32 tensors come back as read-only views of the file's memory map.
+        w = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
         if hf_name.endswith("q_proj.weight"):
             w = _unpermute(w, config["num_attention_heads"])
         elif hf_name.endswith("k_proj.weight"):

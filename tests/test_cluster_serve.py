@@ -97,7 +97,8 @@ def test_local_cluster_from_fresh_cache_serves_and_stops_cleanly(tmp_path, smoll
 
 
 def test_the_tiny_model_is_one_flag_away(tmp_path, monkeypatch):
-    """`make serve ARGS="--model tiny"`: the random-weight model, made in the cache, served under its directory's name."""
+    """`make serve ARGS="--model tiny"`: the random-weight model, made in the cache, served under its
+    directory's name."""
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     assert resolve_model("tiny") == (str(tmp_path / "models" / "tiny-random-llama"), None)
     assert (tmp_path / "models" / "tiny-random-llama" / "model.safetensors").exists()
