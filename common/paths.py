@@ -2,10 +2,13 @@
 
 $PDSERVE_CACHE_DIR, else ~/.cache/pdserve. Below it: `models/` (checkpoints made by pd-make-model),
 `kvstore/` (the nodes' default file store), `kernels/` (compiled CPU kernels, keyed by their source).
+Libraries prebuilt at install (common/native_build.py) lie with the installation instead, under
+<sys.prefix>/share/pdserve/kernels, where a cache directory mounted over the default cannot hide them.
 """
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 ENV = "PDSERVE_CACHE_DIR"
@@ -25,3 +28,7 @@ def kvstore_dir() -> Path:
 
 def kernels_dir() -> Path:
     return cache_dir() / "kernels"
+
+
+def prebuilt_kernels_dir() -> Path:
+    return Path(sys.prefix) / "share" / "pdserve" / "kernels"

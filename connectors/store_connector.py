@@ -325,7 +325,7 @@ def _span_reader() -> Any:
     """The compiled file reader of direct loads (kernels/kv_read.py), built once per process; None
     when no C compiler works (the store's Python path does the same)."""
     from pdserve.common.paths import kernels_dir
-    from pdserve.kernels.cpu_build import BuildError
+    from pdserve.common.native_build import BuildError
     from pdserve.kernels.kv_read import KVReadLibrary
 
     try:

@@ -13,12 +13,9 @@ from pathlib import Path
 
 import torch
 
-from pdserve.kernels.cpu_build import load_library
+from pdserve.common.native_build import load_library
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_decode_attention.c"
-# Included by SOURCE (part of the build cache key).
-HEADERS = (SOURCE.with_name("cpu_decode_attention_avx2.h"), SOURCE.with_name("cpu_decode_attention_avx512.h"),
-           SOURCE.with_name("vec_exp.h"), SOURCE.with_name("bf16.h"))
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_GROUP = 16  # query heads per kv head (MAX_GROUP in the C source)
 # The vector path a build takes for bf16 caches (pd_decode_attention_isa): fp32/fp16 caches take the
@@ -31,11 +28,11 @@ _c_ptr, _c_int, _c_i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 class CpuDecodeAttention:
     """The compiled decode kernel; construct once per process (it builds or loads the library)."""
 
-    def __init__(self, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> None:
+    def __init__(self, build_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> None:
         """`extra_flags`: appended to the build's flags; tests use e.g. ("-mno-avx512f",) to build and
         check the lower ISA paths on a machine that would not take them."""
         self.extra_flags = extra_flags
-        lib = load_library(SOURCE, build_dir, extra_flags, HEADERS)
+        lib = load_library(SOURCE, build_dir, extra_flags)
         self.isa = ISA_PATHS[lib.pd_decode_attention_isa()]
         self._fn = lib.pd_paged_decode_attention
         self._fn.restype = _c_int

@@ -12,12 +12,9 @@ from pathlib import Path
 
 import torch
 
-from pdserve.kernels.cpu_build import load_library
+from pdserve.common.native_build import load_library
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_block_ops.c"
-HEADERS = (SOURCE.with_name("vec_exp.h"), SOURCE.with_name("bf16.h"))
-# Round where torch rounds: no fused multiply-adds, no regrouping, signed zeros (after cpu_build.FLAGS).
-EXACT_FLAGS = ("-ffp-contract=off", "-fno-associative-math", "-fsigned-zeros")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -30,8 +27,8 @@ def _dense_rows(t: torch.Tensor) -> bool:
 class CpuBlockOps:
     """Construct once per process (builds or loads the library)."""
 
-    def __init__(self, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> None:
-        lib = load_library(SOURCE, build_dir, (*EXACT_FLAGS, *extra_flags), HEADERS)
+    def __init__(self, build_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> None:
+        lib = load_library(SOURCE, build_dir, extra_flags)
         self._norm = self._entry(lib.pd_add_rms_norm, [_p, _p, _p, _p, _i64, _i64, _f, _i, _i])
         self._rope = self._entry(lib.pd_rope, [_p, _p, _i64, _p, _p, _i64, _i, _i, _i, _i])
         self._silu_mul = self._entry(lib.pd_silu_mul, [_p, _p, _i64, _i64, _i, _i])

@@ -21,12 +21,11 @@ from pathlib import Path
 
 import torch
 
-from pdserve.kernels.cpu_build import BuildError, load_library
+from pdserve.common.native_build import BuildError, load_library
 from pdserve.kernels.host_memory import huge_empty
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_linear_bf16.c"
 DOT_SOURCE = Path(__file__).with_name("csrc") / "cpu_linear_avx512bf16.c"
-INCLUDES = {SOURCE: (SOURCE.with_name("bf16.h"),)}  # headers each source includes (part of its build's key)
 PANEL = 16  # PANEL in both C sources: output columns per weight panel
 # Bf16Linear's stored position -> column within one k of a panel: 2j holds column j, 2j+1 column j+8.
 _PANEL_ORDER = [c for j in range(PANEL // 2) for c in (j, j + PANEL // 2)]
@@ -36,8 +35,8 @@ _ARGTYPES = [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int, _c_int, _c_int, _c_i64, _c_
 
 
 @functools.lru_cache(maxsize=None)
-def _library(source: Path, build_dir: Path, extra_flags: tuple[str, ...]) -> ctypes.CDLL:
-    return load_library(source, build_dir, extra_flags, INCLUDES.get(source, ()))
+def _library(source: Path, build_dir: Path | None, extra_flags: tuple[str, ...]) -> ctypes.CDLL:
+    return load_library(source, build_dir, extra_flags)
 
 
 def _entry(lib: ctypes.CDLL, name: str):
@@ -123,7 +122,7 @@ class Bf16Linear(_Kernel):
     layout = "fp32-widen"
     k_multiple = 8
 
-    def __init__(self, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> None:
+    def __init__(self, build_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> None:
         super().__init__(_entry(_library(SOURCE, build_dir, tuple(extra_flags)), "pd_linear_bf16"))
 
     @staticmethod
@@ -151,7 +150,7 @@ class Bf16DotLinear(_Kernel):
     layout = "bf16-pairs"
     k_multiple = 2
 
-    def __init__(self, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> None:
+    def __init__(self, build_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> None:
         lib = _library(DOT_SOURCE, build_dir, tuple(extra_flags))
         super().__init__(_entry(lib, "pd_linear_bf16_dot"))
         self.available = bool(lib.pd_linear_bf16_dot_available())

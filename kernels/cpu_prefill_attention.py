@@ -15,10 +15,9 @@ from pathlib import Path
 
 import torch
 
-from pdserve.kernels.cpu_build import load_library
+from pdserve.common.native_build import load_library
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_prefill_attention.c"
-HEADERS = (SOURCE.with_name("vec_exp.h"),)
 
 _p, _i, _i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
@@ -26,8 +25,8 @@ _p, _i, _i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 class CpuPrefillAttention:
     """Construct once per process (builds or loads the library); `available`: this build can run it."""
 
-    def __init__(self, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> None:
-        lib = load_library(SOURCE, build_dir, extra_flags, HEADERS)
+    def __init__(self, build_dir: Path | None = None, extra_flags: tuple[str, ...] = ()) -> None:
+        lib = load_library(SOURCE, build_dir, extra_flags)
         self.available = bool(lib.pd_prefill_attention_available())
         self._fn = lib.pd_prefill_attention
         self._fn.restype = _i

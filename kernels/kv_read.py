@@ -20,11 +20,10 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from pdserve.kernels.cpu_build import load_library
+from pdserve.common.native_build import load_library
 
 SOURCE = Path(__file__).with_name("csrc") / "kv_read.c"
 RECV_SOURCE = SOURCE.with_name("kv_recv.c")
-OBJECT_H = SOURCE.with_name("kv_object.h")  # included by both (part of their build cache key)
 _ptr, _int = ctypes.c_void_p, ctypes.c_int
 SUMMED = 56  # header bytes under the checksum (kvstore/codec.py, kernels/csrc/kv_object.h)
 _ERROR_TEXT = 512  # bytes kept of a redis error reply
@@ -64,7 +63,7 @@ class KVReadLibrary:
     """The compiled reader; construct once per process (it builds or loads the library)."""
 
     def __init__(self, build_dir: Path) -> None:
-        lib = load_library(SOURCE, build_dir, depends=(OBJECT_H,))
+        lib = load_library(SOURCE, build_dir)
         xxh = ctypes.CDLL(xxhash._xxhash.__file__)  # noqa: SLF001 (the module's own XXH3, already loaded)
         # XXH3_64bits_update_dispatch picks the widest vector unit this CPU has (AVX2 here: about twice
         # XXH3_64bits_update's speed, the same digest); a build without it has the plain one.
@@ -74,7 +73,7 @@ class KVReadLibrary:
                      ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset", update, "XXH3_64bits_digest")]
         lib.pd_kv_init.argtypes = [_ptr] * 5
         lib.pd_kv_init(*addresses)
-        recv = load_library(RECV_SOURCE, build_dir, depends=(OBJECT_H,))
+        recv = load_library(RECV_SOURCE, build_dir)
         recv.pd_recv_init.argtypes = [_ptr] * 5
         recv.pd_recv_init(*addresses)
         self._resp_get = recv.pd_resp_get

@@ -6,44 +6,20 @@ through the engine's attention backend instead (engine/attention), which asks
 `default_backend` here for its `auto` choice, so both follow one rule.
 
 The choice can be forced with env PDSERVE_KERNELS=auto|triton|torch or, in-process, with
-`with use_backend("triton"):`. Forcing Triton on CPU tensors runs the kernels in Triton's
-interpreter, which is how CPU-only CI checks them: TRITON_INTERPRET=1 must be set before the
-`kernels.triton_*` modules are first imported (they are imported lazily, on first Triton use).
+`with use_backend("triton"):` (common/kernel_choice.py owns both; re-exported here). Forcing
+Triton on CPU tensors runs the kernels in Triton's interpreter, which is how CPU-only CI checks
+them: TRITON_INTERPRET=1 must be set before the `kernels.triton_*` modules are first imported
+(they are imported lazily, on first Triton use).
 """
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
-from typing import Iterator
-
 import torch
 
+from pdserve.common.kernel_choice import BACKENDS, requested_backend, use_backend
 from pdserve.kernels import torch_ref
 
-BACKENDS = ("auto", "triton", "torch")
-_forced: list[str] = []
-
-
-@contextmanager
-def use_backend(name: str) -> Iterator[None]:
-    """Force a backend for the calls made inside the block (any thread), then restore."""
-    _check(name, "use_backend")
-    _forced.append(name)
-    try:
-        yield
-    finally:
-        _forced.pop()
-
-
-def _check(name: str, source: str) -> str:
-    if name not in BACKENDS:
-        raise ValueError(f"{source}: unknown kernel backend {name!r}; expected one of {', '.join(BACKENDS)}")
-    return name
-
-
-def requested_backend() -> str:
-    """The forced choice (use_backend, else PDSERVE_KERNELS), or 'auto'."""
-    return _forced[-1] if _forced else _check(os.environ.get("PDSERVE_KERNELS", "auto"), "PDSERVE_KERNELS")
+__all__ = ["BACKENDS", "requested_backend", "use_backend", "default_backend", "gather_kv", "scatter_kv",
+           "gather_kv_layers", "scatter_kv_layers"]
 
 
 def default_backend(device: torch.device) -> str:

@@ -119,18 +119,49 @@ def test_engine_with_torch_block_ops_matches_hf(tiny_llama, monkeypatch):
 
 
 def test_a_machine_without_a_working_compiler_gets_none_and_one_warning(tmp_path, monkeypatch, caplog):
-    """kernels/cpu_build.py's build_or_none, as every kernel's first use calls it: the caller falls back."""
-    from pdserve.kernels.cpu_build import build_or_none
+    """common/native_build.py's build_or_none, as every compiled path's first use calls it: the caller
+    falls back, with one warning per reason however many libraries fail for it, one build attempt per
+    name and process, and nothing built or logged at all under PDSERVE_KERNELS=torch."""
+    from pdserve.common.native_build import build_or_none
+
+    tag = str(tmp_path)  # names of this test's own: build_or_none remembers each answer for the process
+    calls = []
+
+    def make(build_dir):
+        calls.append(build_dir)
+        return CpuBlockOps(build_dir)
 
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    with caplog.at_level("WARNING", logger="pdserve.kernels.cpu_build"):
-        got = build_or_none(lambda: CpuBlockOps(tmp_path / "kernels"), "compiled block ops", "torch ops instead")
-    assert got is None
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert len(warnings) == 1 and warnings[0].startswith("compiled block ops unavailable (compiler ")
-    assert warnings[0].endswith("; torch ops instead")
+    with caplog.at_level("INFO", logger="pdserve.common.native_build"):
+        got = build_or_none(f"block ops {tag}", lambda: make(tmp_path / "a"), "torch ops instead")
+        other = build_or_none(f"other ops {tag}", lambda: make(tmp_path / "b"), "torch ops too")
+        again = build_or_none(f"block ops {tag}", lambda: make(tmp_path / "c"), "-")
+    assert got is None and other is None and again is None and len(calls) == 2
+    records = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert [level for level, _ in records] == ["WARNING", "INFO"]
+    assert records[0][1].startswith(f"block ops {tag} unavailable (compiler ")
+    assert records[0][1].endswith("no library prebuilt for this CPU); torch ops instead")
+    assert records[1][1].startswith(f"other ops {tag} unavailable (compiler ")
     monkeypatch.delenv("CC")
-    assert build_or_none(lambda: CpuBlockOps(tmp_path / "kernels"), "compiled block ops", "-") is not None
+    monkeypatch.setenv("PDSERVE_KERNELS", "torch")
+    assert build_or_none(f"new ops {tag}", lambda: make(tmp_path / "d"), "-") is None and len(calls) == 2
+    monkeypatch.delenv("PDSERVE_KERNELS")
+    assert build_or_none(f"new ops {tag}", lambda: make(tmp_path / "d"), "-") is not None and len(calls) == 3
+
+
+def test_a_missing_source_is_one_warning_and_the_torch_path(tmp_path, monkeypatch, caplog):
+    """An installation whose C sources are gone (a wheel built without its package data) falls back like a
+    machine without a compiler, instead of failing the engine's start with FileNotFoundError."""
+    from pdserve.common.native_build import BuildError, build_or_none, load_library
+
+    with pytest.raises(BuildError, match="is missing"):
+        load_library(tmp_path / "gone.c", tmp_path / "kernels")
+    (tmp_path / "main.c").write_text('#include "gone.h"\nint pd_answer(void) { return 42; }\n')
+    with pytest.raises(BuildError, match="gone.h is missing"):
+        load_library(tmp_path / "main.c", tmp_path / "kernels")
+    with caplog.at_level("WARNING", logger="pdserve.common.native_build"):
+        assert build_or_none(f"gone {tmp_path}", lambda: load_library(tmp_path / "gone.c"), "torch ops") is None
+    assert "gone.c is missing" in caplog.text and "; torch ops" in caplog.text
 
 
 def test_native_bf16_conversions_equal_the_integer_rounding_bit_for_bit(tmp_path):

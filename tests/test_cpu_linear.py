@@ -15,7 +15,7 @@ import platform
 import pytest
 import torch
 
-from pdserve.kernels.cpu_build import BuildError, load_library
+from pdserve.common.native_build import BuildError, load_library
 from pdserve.kernels.cpu_linear import Bf16DotLinear, Bf16Linear
 
 X86 = platform.machine() in ("x86_64", "AMD64")
@@ -206,3 +206,52 @@ def test_benchmark_script_runs():
     assert len(rows) == 2 and "x |" in rows[1]
     step = lines[lines.index(next(line for line in lines if "4 calls" in line)) + 3:]
     assert [line.split(" | ")[0] for line in step] == ["| 1", "| 7"] and all(line.endswith("x |") for line in step)
+
+
+def test_a_source_carries_its_recipe(tmp_path):
+    """The files a source includes are part of its build's key (a changed header rebuilds), and its
+    PD_CFLAGS line adds flags."""
+    src, header = tmp_path / "one.c", tmp_path / "answer.h"
+    src.write_text('/* PD_CFLAGS: -DPD_BASE=40 */\n#include "answer.h"\nint pd_answer(void) { return PD_BASE + ANSWER; }\n')
+    header.write_text("#define ANSWER 2\n")
+    build = tmp_path / "build"
+    assert load_library(src, build).pd_answer() == 42
+    header.write_text("#define ANSWER 3\n")
+    assert load_library(src, build).pd_answer() == 43
+    assert len(list(build.glob("*.so"))) == 2
+
+
+def test_without_a_compiler_the_library_prebuilt_for_this_cpu_loads(tmp_path, monkeypatch):
+    """What an image without a compiler runs: the libraries `--prebuild` made for every x86-64 level; of
+    those this CPU runs, the widest. A changed source finds none (the prebuilt key is its text and flags)."""
+    from pdserve.common.native_build import TARGETS, _cpu_flags, loaded_libraries, prebuild
+
+    src = tmp_path / "pd_prebuilt_probe.c"
+    src.write_text("int pd_answer(void) { return 42; }\n")
+    prebuilt = tmp_path / "prebuilt"
+    assert len(prebuild(prebuilt, [src])) == len(TARGETS) >= 4
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert load_library(src, tmp_path / "cache", prebuilt_dir=prebuilt).pd_answer() == 42
+    widest = next(t for t in TARGETS if t.needs <= _cpu_flags())
+    assert loaded_libraries()["pd_prebuilt_probe"].startswith(f"prebuilt for {widest.name}: {prebuilt}/")
+    assert not (tmp_path / "cache").exists()
+    src.write_text("int pd_answer(void) { return 43; }\n")
+    with pytest.raises(BuildError, match="does not run.*no library prebuilt for this CPU"):
+        load_library(src, tmp_path / "cache", prebuilt_dir=prebuilt)
+
+
+def test_torch_kernels_keep_the_compiled_linear_kernels_out(monkeypatch):
+    """PDSERVE_KERNELS=torch: a bf16 layer packs for oneDNN (or an fp32 copy where oneDNN cannot pack
+    bf16), never into a compiled kernel's layout; the same layer under `auto` is checked above."""
+    from pdserve.engine.models import linear
+
+    monkeypatch.setenv("PDSERVE_KERNELS", "torch")
+    g = torch.Generator().manual_seed(1)
+    lin = linear.Linear(256, 100, True, torch.bfloat16)
+    weight, bias = torch.randn(100, 256, generator=g).bfloat16(), torch.randn(100, generator=g).bfloat16()
+    lin.weight.data.copy_(weight)
+    lin.bias.data.copy_(bias)
+    lin.pack()
+    assert lin.dot_kernel is None and lin.bf16_kernel is None and lin.packed is not None
+    x = torch.randn(5, 256, generator=g).bfloat16()
+    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, weight, bias), rtol=2e-2, atol=2e-2)

@@ -245,7 +245,9 @@ def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_bad_env_backend_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ops, "_forced", [])
+    from pdserve.common import kernel_choice
+
+    monkeypatch.setattr(kernel_choice, "_forced", [])
     monkeypatch.setenv("PDSERVE_KERNELS", "gpu")
     with pytest.raises(ValueError, match="PDSERVE_KERNELS: unknown kernel backend 'gpu'"):
         ops.gather_kv(torch.zeros(2, 1, 16, 1, 32), torch.tensor([0]))

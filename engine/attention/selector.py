@@ -1,7 +1,7 @@
 """Choose the engine's attention backend once, at start-up, from the device.
 
 `auto` is Triton on CUDA and, on CPU, the compiled CPU kernel (engine/attention/backends/cpu.py),
-or the torch reference when the kernel cannot be built there (no C compiler: one warning line).
+or the torch reference when its library cannot be had there (common/native_build.py: one warning).
 Forcing the kernels to torch (PDSERVE_KERNELS=torch or kernels.ops.use_backend, as the tests'
 oracle runs do) makes `auto` the torch reference; PDSERVE_KERNELS=triton makes it Triton.
 Naming one (`--attention-backend torch|cpu|triton`) forces it; Triton on CPU runs in Triton's
@@ -17,7 +17,7 @@ import torch
 
 from pdserve.engine.attention.backends.base import AttentionBackend
 from pdserve.engine.config import ATTENTION_BACKENDS
-from pdserve.kernels.cpu_build import BuildError
+from pdserve.common.native_build import BuildError, log_fallback
 from pdserve.kernels.ops import default_backend, requested_backend
 
 logger = logging.getLogger(__name__)
@@ -52,8 +52,8 @@ def select_attention_backend(device: torch.device, requested: str = "auto") -> A
     except BuildError as exc:
         if requested != "auto":
             raise
-        logger.warning("the CPU attention kernel could not be built (%s); using the torch reference, "
-                       "which copies KV blocks out of paged memory in every layer", str(exc).splitlines()[0])
+        log_fallback("the CPU attention kernel", exc, "using the torch reference, which copies KV blocks out of "
+                     "paged memory in every layer")
         name, backend = "torch", _construct("torch", device)
     logger.info("attention backend: %s on %s (%s)", name, device,
                 "chosen from the device" if requested == "auto" else "forced")

@@ -5,33 +5,27 @@ rounding): residual add + RMSNorm, RoPE, SiLU-and-multiply. On CPU tensors they 
 compiled kernels of kernels/cpu_block_ops.py instead, which round at the same points (see
 kernels/csrc/cpu_block_ops.c for the two places where they may differ in the last bit): in a decode
 step these ops are ~25 small torch calls per layer whose cost is dispatch, not arithmetic. Other
-devices, other dtypes, shapes the kernels do not take, a machine without a C compiler and
-PDSERVE_KERNELS=torch (kernels/ops.py) use the reference.
+devices, other dtypes, shapes the kernels do not take, a machine without the compiled library and
+PDSERVE_KERNELS=torch use the reference (common/native_build.py's build_or_none decides the last two).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from pdserve.kernels.ops import requested_backend
+from pdserve.common.native_build import build_or_none
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled():
-    """The compiled CPU kernels, or None (one build attempt and at most one warning per process)."""
-    from pdserve.common.paths import kernels_dir
+def _make():
     from pdserve.kernels.cpu_block_ops import CpuBlockOps
-    from pdserve.kernels.cpu_build import build_or_none
 
-    return build_or_none(lambda: CpuBlockOps(kernels_dir()), "compiled block ops",
-                         "norms, RoPE and SiLU use torch ops")
+    return CpuBlockOps()
 
 
 def _kernels(x: torch.Tensor):
-    if not x.is_cpu or requested_backend() != "auto":
+    """The compiled CPU kernels for `x`, or None (one build attempt and at most one warning per process)."""
+    if not x.is_cpu:
         return None
-    return _compiled()
+    return build_or_none("compiled block ops", _make, "norms, RoPE and SiLU use torch ops")
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

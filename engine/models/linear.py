@@ -22,43 +22,38 @@ plain `F.linear`. The choice for bfloat16 weights, per CPU:
   oneDNN's fp32 GEMM on an fp32 copy of the weights at every batch size measured (1 to 1024 rows, the
   bench model's shapes) and reads half the bytes, so no fp32 copy is kept. Where the kernel cannot be
   built (no C compiler) or cannot take the shape, an fp32 packed copy is the fallback.
+
+PDSERVE_KERNELS=torch (or a machine without the compiled library) keeps both kernels out: the layer
+then packs for oneDNN as above, or an fp32 copy where oneDNN cannot pack bf16. The choice is made once,
+in `pack`.
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.common.native_build import build_or_none
+
 _PACKABLE = (torch.float32, torch.bfloat16)
 
 
-@functools.lru_cache(maxsize=1)
 def _dot_kernel():
-    """The bf16 dot kernel where it is chosen (AVX512_BF16 without AMX) and can be built, else None:
-    one build attempt and at most one warning per process."""
+    """The bf16 dot kernel where it is chosen (AVX512_BF16 without AMX) and available, else None: one
+    build attempt and at most one warning per process (build_or_none)."""
     if not (torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()):
         return None
-    from pdserve.common.paths import kernels_dir
-    from pdserve.kernels.cpu_build import build_or_none
     from pdserve.kernels.cpu_linear import Bf16DotLinear
 
-    kernel = build_or_none(lambda: Bf16DotLinear(kernels_dir()), "bf16 dot kernel",
-                           "bf16 layers use oneDNN's packed bf16")
+    kernel = build_or_none("bf16 dot kernel", Bf16DotLinear, "bf16 layers use oneDNN's packed bf16")
     return kernel if kernel is not None and kernel.available else None
 
 
-@functools.lru_cache(maxsize=1)
 def _bf16_kernel():
-    """The bf16 linear kernel, or None when it cannot be built here (no C compiler): one build
-    attempt and at most one warning per process."""
-    from pdserve.common.paths import kernels_dir
-    from pdserve.kernels.cpu_build import build_or_none
+    """The bf16 linear kernel, or None where it is not available (build_or_none)."""
     from pdserve.kernels.cpu_linear import Bf16Linear
 
-    return build_or_none(lambda: Bf16Linear(kernels_dir()), "bf16 linear kernel",
-                         "bf16 layers use an fp32 packed copy")
+    return build_or_none("bf16 linear kernel", Bf16Linear, "bf16 layers use an fp32 packed copy")
 
 
 class Linear(nn.Module):

@@ -9,9 +9,10 @@
  *   - RMSNorm's sum of squares is added in this loop's order, not torch's (one fp32 rounding of
  *     the mean may differ; the products, the rsqrt and every later rounding are torch's);
  *   - SiLU's exp is vec_exp.h's polynomial, not torch's vector exp (both within ~1 ulp of exp).
- * Built with -ffp-contract=off -fno-associative-math -fsigned-zeros (kernels/cpu_block_ops.py): no
- * a*b+c may become one fused multiply-add with a single rounding where torch rounds twice, no product
- * of three may be regrouped, and -0 stays -0.
+ * Built with the flags below (after common/native_build.py's FLAGS, which they override): no a*b+c
+ * may become one fused multiply-add with a single rounding where torch rounds twice, no product of
+ * three may be regrouped, and -0 stays -0.
+ * PD_CFLAGS: -ffp-contract=off -fno-associative-math -fsigned-zeros
  *
  * dt: 0 float32, 1 bfloat16 (kernels/cpu_block_ops.py checks dtypes, shapes and strides).
  * Rows run in parallel (OpenMP, torch's team) only when there are enough elements to pay for it.

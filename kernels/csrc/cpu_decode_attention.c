@@ -17,7 +17,7 @@
  * and groups 1, 2, 4, 8; everything else takes the plain C loops (same arithmetic, fp32 accumulation). All three are
  * tested on any machine that can run them (tests/test_cpu_attention.py builds lower ISA levels).
  *
- * Built at first use by kernels/cpu_build.py (plain C, no torch headers: it compiles in about a
+ * Built at first use by common/native_build.py (plain C, no torch headers: it compiles in about a
  * second) and called through ctypes with raw pointers; kernels/cpu_attention.py checks shapes,
  * dtypes and strides first. KV layout: see kernels/torch_ref.py.
  */

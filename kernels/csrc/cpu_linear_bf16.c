@@ -16,7 +16,7 @@
  * in turn while it sits in L2, so the weights stream from memory once per block of rows.
  * Threads split the panels. The bias (fp32, padded to whole panels, may be NULL) is added in
  * fp32 and the result rounded to nearest even bf16. Needs K % 8 == 0 (kernels/cpu_linear.py
- * checks). Built at first use by kernels/cpu_build.py.
+ * checks). Built at first use by common/native_build.py.
  */
 #include <stdint.h>
 #include <stdlib.h>

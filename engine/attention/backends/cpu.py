@@ -3,7 +3,7 @@
 The torch reference copies every decode request's KV blocks out of paged memory in each layer
 before attending (as many bytes copied as attention reads); this backend hands the decode rows
 (one query token each, first in the batch) to kernels/cpu_attention.py, a C kernel built at
-first use and cached under the pdserve cache dir, which walks the block tables instead.
+first use (or prebuilt at install: common/native_build.py), which walks the block tables instead.
 Prefill chunks in bf16 go through kernels/cpu_prefill_attention.py where the CPU has AVX512_BF16
 (torch's SDPA runs at a fifth of the dot instruction's speed there): a chunk with no cached history
 over the step's own key/value rows (not copied back out of paged memory), a chunk over cached
@@ -17,7 +17,6 @@ import torch
 
 from pdserve.engine.attention.backends.base import AttentionBackend
 from pdserve.engine.attention.metadata import AttentionMetadata
-from pdserve.common.paths import kernels_dir
 from pdserve.kernels import torch_ref
 from pdserve.kernels.cpu_attention import CpuDecodeAttention
 from pdserve.kernels.cpu_prefill_attention import CpuPrefillAttention
@@ -28,8 +27,9 @@ class CpuAttentionBackend(AttentionBackend):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
-        self.kernel = CpuDecodeAttention(kernels_dir())  # BuildError when no compiler works
-        self.prefill_kernel = CpuPrefillAttention(kernels_dir())
+        # BuildError where a library cannot be had (common/native_build.py): the selector falls back.
+        self.kernel = CpuDecodeAttention()
+        self.prefill_kernel = CpuPrefillAttention()
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
