@@ -14,7 +14,7 @@ that keeps the bytes), on one thread and on as many threads as the store's I/O p
 pipeline per layer on redis; the best of them is the ceiling. On redis that is done three ways:
 with the store's Python reply reader (kvstore.resp.get_into: values straight into the buffers),
 with plain redis-py pipelined GETs (values as fresh bytes objects, kept), and with the load's
-own compiled receiver (kernels/csrc/kv_recv.c: its windowed sends, no checksum, no gate, one
+own compiled receiver (kvstore/csrc/kv_recv.c: its windowed sends, no checksum, no gate, one
 buffer per value), so a better way of reading redis raises the ceiling as well as the load.
 Rounds alternate load and raw read, best of `repeats` each, so a load spike on a shared machine
 hits both. Also printed (info, not the ceiling): a raw read into one reused buffer, which keeps
@@ -118,7 +118,7 @@ def _raw_readers(store, items: list[tuple[int, str]], threads: int) -> dict[str,
                 kept[lo:lo + per_layer] = pipe.execute()
 
         reader = store.span_reader
-        if reader is not None:  # the load's own receiver (kernels/csrc/kv_recv.c) with no checksum or gate
+        if reader is not None:  # the load's own receiver (kvstore/csrc/kv_recv.c) with no checksum or gate
             payloads = [memoryview(bytearray(size - codec.HEADER_SIZE)) for size in sizes]
             heads = np.zeros(codec.HEADER_SIZE * len(names), np.uint8)
             packer = client.connection_pool.get_connection()

@@ -43,7 +43,7 @@ class DirectRows:
              half_bytes: int, compiled: Any = None) -> DirectRows:
         """slots: the slot of each row in [lo, hi) (rows counted from the first chunk's first token);
         row_bytes: one token's K (or V) bytes; half_bytes: the K half of one layer's cache; compiled: a
-        kernels.kv_read.KVReadLibrary, which makes the same pieces in C (a few microseconds; the numpy
+        kvstore.native_reader.KVReadLibrary, which makes the same pieces in C (a few microseconds; the numpy
         way below costs ~0.1 ms warm and ~0.25 ms with the caches cold after a load, time in which no
         read has started yet).
 

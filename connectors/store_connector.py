@@ -14,8 +14,6 @@ still in the background. Every store failure turns into "recompute" (loads) or a
 from __future__ import annotations
 
 import concurrent.futures
-import functools
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,12 +30,12 @@ from pdserve.connectors.direct_rows import DirectRows
 from pdserve.connectors.staging import HostChunks, make_kv_transfer
 from pdserve.engine.config import KVRole
 from pdserve.kvstore import CorruptObject, KVStore, NotFound, StoreTimeout, StoreUnavailable, open_store
+from pdserve.kvstore.native_reader import native_reader
 
 if TYPE_CHECKING:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.request import Request
 
-logger = logging.getLogger(__name__)
 _REASONS = ((StoreUnavailable, "unavailable"), (StoreTimeout, "timeout"), (CorruptObject, "corrupt"),
             (NotFound, "missing"))
 
@@ -82,7 +80,7 @@ class StoreConnector(ChunkedConnector):
         self._keys: dict[str, list[str]] = {}  # request id -> its prompt's chunk keys
         self._cache_bytes: list[memoryview] = []  # per layer, when loads read straight into the blocks
         self._row_bytes = self._half_bytes = 0  # the blocks' layout, when loads read straight into them
-        self._planner: Any = None  # kernels.kv_read.KVReadLibrary: DirectRows' plan in C
+        self._planner: Any = None  # kvstore.native_reader.KVReadLibrary: DirectRows' plan in C
         self._local = threading.local()  # per I/O thread: scratch memory of direct reads
 
     def keys_for(self, token_ids: list[int], cache_salt: str | None) -> list[str]:
@@ -127,9 +125,7 @@ class StoreConnector(ChunkedConnector):
             cache = self.kv_caches[0]
             self._row_bytes = cache[0, 0, 0].numel() * cache.element_size()  # one token's K (or V) row
             self._half_bytes = cache[0].numel() * cache.element_size()  # one layer's K half
-            self._planner = _span_reader()  # DirectRows' plan in C (None: in numpy)
-        if direct and hasattr(self.store, "span_reader") and self.store.span_reader is None:
-            self.store.span_reader = _span_reader()  # a layer's file reads and checksums in C (None: in Python)
+            self._planner = native_reader()  # DirectRows' plan in C (None: in numpy)
 
     def _start_loads(self, specs: list[LoadSpec]) -> list[InFlightLoad]:
         loads = []
@@ -318,21 +314,6 @@ class StoreConnector(ChunkedConnector):
 
     def shutdown(self) -> None:
         self.store.close()
-
-
-@functools.lru_cache(maxsize=1)
-def _span_reader() -> Any:
-    """The compiled file reader of direct loads (kernels/kv_read.py), built once per process; None
-    when no C compiler works (the store's Python path does the same)."""
-    from pdserve.common.paths import kernels_dir
-    from pdserve.common.native_build import BuildError
-    from pdserve.kernels.kv_read import KVReadLibrary
-
-    try:
-        return KVReadLibrary(kernels_dir())
-    except (BuildError, OSError, AttributeError) as exc:
-        logger.info("KV loads read files in Python (the compiled reader is unavailable: %s)", exc)
-        return None
 
 
 def _resolve(target: concurrent.futures.Future, source: concurrent.futures.Future) -> None:

@@ -85,9 +85,11 @@ import torch
 from pdserve.kvstore import codec
 from pdserve.kvstore.errors import CorruptObject, StoreError, StoreTimeout
 from pdserve.kvstore.gate import NO_GATE, WriteGate
-from pdserve.kvstore.spans import SpanTable, copy_into
+from pdserve.kvstore.native_reader import native_reader
+from pdserve.kvstore.spans import SpanReader, SpanTable, copy_into
 
 Buffer = bytes | bytearray | memoryview
+_UNSET: Any = object()
 
 
 @dataclass
@@ -152,6 +154,21 @@ class KVStore(ABC):
         self._lock = threading.Lock()
         self.io_threads = io_threads  # the I/O pool's threads: how many reads may run at once
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvstore-io")
+
+    _span_reader: Any = _UNSET
+
+    @property
+    def span_reader(self) -> SpanReader | None:
+        """The compiled reader of loads into spans (kvstore/native_reader.py), taken at the first load that
+        asks; None: the Python paths (PDSERVE_KERNELS=torch, or no library here). Tests and benchmarks
+        set it to choose a path."""
+        if self._span_reader is _UNSET:
+            self._span_reader = native_reader()
+        return self._span_reader
+
+    @span_reader.setter
+    def span_reader(self, reader: SpanReader | None) -> None:
+        self._span_reader = reader
 
     # ---- data path (needs a fingerprint) ----
     def lookup(self, keys: Sequence[str]) -> int:

@@ -33,8 +33,10 @@ from pdserve.kvstore.errors import CorruptObject
 MAGIC = b"PDKV"
 VERSION = 2
 HEADER_SIZE = 64
-_HEAD = struct.Struct("<4sHBB4I16sQQ")  # magic .. binding: the checksummed part (56 bytes)
+_HEAD = struct.Struct("<4sHBB4I16sQQ")  # magic .. binding: the checksummed part
 _SUM = struct.Struct("<Q")
+SUMMED = _HEAD.size  # header bytes under the checksum (56), which fills the rest of the header
+assert SUMMED + _SUM.size == HEADER_SIZE
 _BINDING_OFFSET = 48
 # torch warns once per process when a tensor aliases read-only bytes; decode() documents it.
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)

@@ -59,7 +59,6 @@ class FileSystemStore(FileReads, KVStore):
         self.max_bytes = max_bytes
         self.fsync = fsync
         self._nowait = hasattr(os, "RWF_NOWAIT")  # cleared the first time the filesystem refuses it
-        self.span_reader = None  # the connector's compiled reader (kvstore/fs_read.py: a layer in one call)
         self._objects_seen: dict[tuple, tuple[str, bytes]] = {}  # kvstore/fs_read.py, _layer_objects
         self._ledger = ChunkLedger(self._root, self._walk_committed, self._marker_size) if max_bytes is not None \
             else None

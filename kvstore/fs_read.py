@@ -6,7 +6,7 @@ gate (kvstore.gate), and nothing inside the gate waits for the medium: what the 
 read straight into the spans with RWF_NOWAIT; the rest, or everything on a filesystem without
 RWF_NOWAIT (NFS), is read into scratch memory outside the gate and copied in inside it.
 
-With the compiled reader (kernels/kv_read.py, `span_reader`) a whole layer is one call with the GIL
+With the compiled reader (kvstore/native_reader.py, `span_reader`) a whole layer is one call with the GIL
 released: opens and size checks, the page-cache reads of every object into its header and spans
 inside the gate, each hashed while in cache, and the header and digest compares. An object that
 is not plainly right there (not all in the page cache, damaged, of another chunk) comes back open
@@ -29,16 +29,13 @@ from pdserve.kvstore.spans import SpanReader, SpanTable, advance, copy_into
 
 logger = logging.getLogger(__name__)
 
-_ABANDONED = 1  # pd_kv_load: the gate was closed (kernels/csrc/kv_object.h, PD_ABANDONED)
-
-
 class FileReads:
     """Reads of a FileSystemStore's objects into caller spans (mixed into it: its root, fingerprint,
     _chunk_dir and _refresh)."""
 
     root: Path
     fingerprint: str | None
-    span_reader: SpanReader | None  # set by the connector when kernels/kv_read.py built: a layer in one C call
+    span_reader: SpanReader | None  # kvstore/native_reader.py where it is available: a layer in one C call
     _objects_seen: dict[tuple, tuple[str, bytes]]  # per (key, shape, dtype, fingerprint): (directory, header head)
     _nowait: bool  # whether the filesystem takes RWF_NOWAIT reads (cleared the first time it refuses one)
 
@@ -85,7 +82,7 @@ class FileReads:
         headers = np.empty(codec.HEADER_SIZE * len(items), np.uint8)
         loaded = reader.load(paths, table.desc, table.first, table.bases(), headers, expect,
                              gate.native(reader.gate_close))
-        if loaded.status == _ABANDONED:
+        if loaded.abandoned:
             raise LoadAbandoned("the load was abandoned; its destination is no longer written")
         if loaded.status == -errno.ENOENT:  # one is missing or of another size: nothing was read
             for path, fd, size, total, shape in zip(paths, loaded.fds.tolist(), loaded.sizes.tolist(), table.totals,
@@ -115,7 +112,7 @@ class FileReads:
 
     def _layer_objects(self, items: list[tuple[int, str]], shapes: list[tuple[int, ...]], dtype: torch.dtype
                        ) -> tuple[list[str], bytes]:
-        """Each object's path, and its expected header bytes [0, 56) back to back (codec.expected_header).
+        """Each object's path, and its expected header bytes [0, codec.SUMMED) back to back (codec.expected_header).
         A load asks for the same chunks layer after layer: each chunk's directory and its header up to the
         binding (the last 8 of those bytes, codec's layout) are kept from its first layer for the others,
         which only hash their binding (a few microseconds less per object, on every layer)."""

@@ -13,7 +13,7 @@ belong to another request. So the bytes of a read reach such memory only *inside
   nobody enters: `enter()` raises LoadAbandoned. After close() returns, nothing this load
   started writes into its destination again, however late its reads return.
 
-A compiled writer (kernels/csrc/kv_recv.c, redis loads) enters and leaves without the GIL: it
+A compiled writer (kvstore/csrc/kv_recv.c, redis loads) enters and leaves without the GIL: it
 shares two words with the gate (`native()`: [closed, inside], updated with atomics), and close()
 shuts those too and waits until no compiled writer is inside either.
 
@@ -74,7 +74,7 @@ class WriteGate:
     def native(self, close_words: Callable[[int], int]) -> int:
         """The address of the gate's [closed, inside] words for a compiled writer, which enters with an
         atomic inside += 1 followed by a check that closed is still 0, and leaves with inside -= 1.
-        `close_words(address)` sets closed atomically and returns inside (kernels/kv_read.py's
+        `close_words(address)` sets closed atomically and returns inside (kvstore/native_reader.py's
         gate_close). LoadAbandoned once the gate is closed."""
         with self._cond:
             if self._closed:

@@ -27,7 +27,7 @@ from pdserve.kvstore import codec, resp
 from pdserve.kvstore.base import Buffer, ChunkInfo, KVStore
 from pdserve.kvstore.errors import NotFound, StoreError, StoreTimeout, StoreUnavailable
 from pdserve.kvstore.gate import NO_GATE, WriteGate
-from pdserve.kvstore.spans import SpanReader, SpanTable
+from pdserve.kvstore.spans import SpanTable
 
 # Replies that mean "this shard cannot serve right now" (a cluster mid-failover): an outage, not a bug.
 _OUTAGE = (redis.ConnectionError, redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
@@ -50,7 +50,6 @@ class RedisStore(KVStore):
         self.ttl = ttl
         self.prefix = prefix
         self.max_connections = max_connections
-        self.span_reader: SpanReader | None = None  # set by the connector: loads hash in C (kernels/kv_read.py)
         self._client = self._connect()
 
     def _connect(self) -> Any:

@@ -24,8 +24,6 @@ import redis
 from pdserve.kvstore.gate import NO_GATE, LoadAbandoned, WriteGate
 from pdserve.kvstore.spans import SpanReader, SpanTable, advance, copy_into
 
-ABANDONED = 1  # kernels/csrc/kv_recv.c's PD_ABANDONED: the gate closed while the replies were read
-
 _LINE_READ = 4096  # framing reads: one line and the start of the value that follows it
 
 
@@ -183,10 +181,12 @@ def get_into(client: redis.Redis, names: list[str], views: list[list[memoryview]
 
 def get_table(client: redis.Redis, names: list[str], table: SpanTable, headers: np.ndarray, gate: WriteGate,
               reader: SpanReader) -> tuple[list[int | None], list[int]] | None:
-    """get_into for a layer's objects through the compiled receiver (kernels/csrc/kv_recv.c), which
-    sends the GETs as the replies come (a bounded window ahead, not all at once): object i's value lands in headers[64 i:64 i + 64] and its table spans, which are written only inside
-    `gate`, and is hashed as it lands. Returns (sizes, digests): digests[i] is the xxh3 of header
-    bytes [0, 56) and the spans of an object read whole (sizes[i] == 64 + its spans' bytes).
+    """get_into for a layer's objects through the compiled receiver (kvstore/csrc/kv_recv.c), which
+    sends the GETs as the replies come (a bounded window ahead, not all at once): object i's value lands
+    in its header (at headers[codec.HEADER_SIZE * i]) and its table spans, which are written only inside
+    `gate`, and is hashed as it lands. Returns (sizes, digests): digests[i] is the xxh3 of header bytes
+    [0, codec.SUMMED) and the spans of an object read whole (sizes[i] == codec.HEADER_SIZE + its spans'
+    bytes).
     None on a TLS connection (its bytes are not the socket's): the caller reads with get_into."""
     with _pooled(client) as conn:
         sock = conn._sock  # noqa: SLF001
@@ -197,7 +197,7 @@ def get_table(client: redis.Redis, names: list[str], table: SpanTable, headers: 
         commands = [b"".join(conn.pack_command("GET", name)) for name in names]
         got = reader.resp_get(sock.fileno(), commands, table.desc, table.first, table.bases(), headers,
                               gate.native(reader.gate_close), -1 if timeout is None else max(1, int(timeout * 1000)))
-        if got.status == ABANDONED:
+        if got.abandoned:  # the gate closed while the replies were read
             raise LoadAbandoned("the load was abandoned; its destination is no longer written")
         if got.status == -errno.ETIMEDOUT:
             raise socket.timeout("timed out")

@@ -4,7 +4,7 @@
 As memoryviews that is some 30 views per object that every read re-walks in Python; a
 `SpanTable` describes the same spans once, as (region, offset, nbytes) rows over a few writable
 regions (one layer's paged KV cache, the reading thread's scratch memory), so a compiled reader
-(`SpanReader`, kernels/kv_read.py) can take a whole layer's objects in one call. `views()` gives
+(`SpanReader`, kvstore/native_reader.py) can take a whole layer's objects in one call. `views()` gives
 the memoryviews for every other reader. The table is bounds-checked against its regions when made,
 so no piece can point outside them.
 """
@@ -47,22 +47,22 @@ def _check_regions(regions: list[memoryview]) -> None:
 
 class SpanReader(Protocol):
     """Reads of one layer's objects from files or redis replies, one call per step
-    (kernels/kv_read.KVReadLibrary)."""
+    (kvstore/native_reader.KVReadLibrary)."""
 
     def load(self, paths: list[str], desc: np.ndarray, first: np.ndarray, bases: np.ndarray, headers: np.ndarray,
              expect: bytes, gate: int) -> Any:
         """One layer's objects from files: opened, size-checked, read from the page cache only into headers
         and spans (inside the gate whose words are at `gate`), hashed, and headers and digests compared
-        with `expect`: kernels/kv_read.Loaded (what is not plainly right comes back open)."""
+        with `expect`: native_reader.Loaded (what is not plainly right comes back open)."""
 
     def hash(self, desc: np.ndarray, first: np.ndarray, bases: np.ndarray, headers: np.ndarray) -> np.ndarray:
-        """digests[i]: the xxh3 of header i's bytes [0, 56) and object i's spans, already filled."""
+        """digests[i]: the xxh3 of header i's bytes [0, codec.SUMMED) and object i's spans, already filled."""
 
     def resp_get(self, fd: int, commands: list[bytes], desc: np.ndarray, first: np.ndarray, bases: np.ndarray,
                  headers: np.ndarray, gate: int, timeout_ms: int) -> Any:
         """Pipelined GETs (`commands`, packed) sent on socket `fd` and their replies received into headers
         and spans (the spans only inside the gate whose words are at `gate`) and hashed:
-        kernels/kv_read.Replies."""
+        native_reader.Replies."""
 
     def gate_close(self, gate: int) -> int:
         """Shut a gate's compiled writers out (kvstore.gate.WriteGate.native); how many are still inside."""

@@ -19,7 +19,7 @@ import torch
 
 from pdserve.connectors.chunk_math import LoadPlan, chunk_bounds, slots_for
 from pdserve.connectors.direct_rows import DirectRows, cache_bytes
-from pdserve.kernels.kv_read import KVReadLibrary
+from pdserve.kvstore.native_reader import KVReadLibrary
 from pdserve.kvstore import CorruptObject, NotFound, open_store
 from pdserve.kvstore.filesystem import FileSystemStore
 from pdserve.kvstore.gate import LoadAbandoned, WriteGate
@@ -169,8 +169,8 @@ def loaded_store(request, tmp_path):
     store = open_test_store(url, 2)
     keys, layers = make_chunks(3 * CHUNK + 5, 2)
     write_all(store, keys, layers)
-    if request.param.endswith("-c") or request.param.startswith("file-c"):
-        store.span_reader = request.getfixturevalue("compiled_reader")
+    compiled = request.param.endswith("-c") or request.param.startswith("file-c")
+    store.span_reader = request.getfixturevalue("compiled_reader") if compiled else None  # else the Python path
     if request.param == "file-no-nowait":
         store._nowait = False  # noqa: SLF001 (as on NFS: every read goes through scratch memory)
     if request.param.endswith("cold"):  # the page cache dropped: RWF_NOWAIT finds nothing, the rest is read cold

@@ -234,3 +234,36 @@ def test_layer_objects_name_and_expect_what_the_codec_says(tmp_path):
                 assert expect == b"".join(codec.expected_header(fingerprint, dtype, shape, key=key, layer=layer)
                                           for (_, key), shape in zip(items, shapes))
     store.close()
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_a_store_reads_in_c_unless_torch_kernels_are_asked_for(tmp_path, monkeypatch, kernels):
+    """A store takes the process's compiled reader at its first load into spans (kvstore/native_reader.py:
+    nobody hands it one); under PDSERVE_KERNELS=torch it reads in Python. Either way the chunks land
+    whole and checked."""
+    import numpy as np
+
+    from pdserve.kvstore.gate import WriteGate
+    from pdserve.kvstore.native_reader import KVReadLibrary
+    from pdserve.kvstore.spans import SpanTable
+
+    monkeypatch.setenv("PDSERVE_KERNELS", kernels)
+    store = open_test_store(f"file://{tmp_path}", 2)
+    keys, layers = make_chunks(40, 2)
+    write_all(store, keys, layers)
+    lens = [layers[0][key].shape[1] for key in keys]
+    for layer in range(2):
+        staging = torch.zeros(2, sum(lens), *layers[0][keys[0]].shape[2:])
+        flat = memoryview(staging.view(torch.uint8).numpy()).cast("B")
+        half, row, rows, first = flat.nbytes // 2, flat.nbytes // (2 * sum(lens)), [], [0]
+        for start, n in zip(np.cumsum([0, *lens[:-1]]).tolist(), lens):
+            rows += [(0, start * row, n * row), (0, half + start * row, n * row)]
+            first.append(len(rows))
+        table = SpanTable([flat], np.array(rows, np.int64), np.array(first, np.int64))
+        store.get_layer_spans(layer, keys, table, lens, WriteGate())
+        assert torch.equal(staging, torch.cat([layers[layer][key] for key in keys], dim=1))
+    if kernels == "torch":
+        assert store.span_reader is None
+    else:
+        assert isinstance(store.span_reader, KVReadLibrary)
+    store.close()

@@ -13,7 +13,7 @@ import redis
 import torch
 import xxhash
 
-from pdserve.kernels.kv_read import KVReadLibrary
+from pdserve.kvstore.native_reader import KVReadLibrary
 from pdserve.kvstore import CorruptObject, StoreTimeout, StoreUnavailable, resp
 from pdserve.kvstore.gate import LoadAbandoned, WriteGate
 from pdserve.kvstore.spans import SpanTable
@@ -154,7 +154,7 @@ def test_node_start_up_check_warns_once_about_an_unbounded_store(redis_server, t
     assert len(warnings) == 1 and warnings[0].startswith(f"KV store {redis_server.url} is unbounded")
 
 
-# ---- the compiled receiver of loads (kernels/csrc/kv_recv.c through kvstore.resp.get_table) ----
+# ---- the compiled receiver of loads (kvstore/csrc/kv_recv.c through kvstore.resp.get_table) ----
 @pytest.fixture(scope="module")
 def compiled_reader(tmp_path_factory):
     return KVReadLibrary(tmp_path_factory.mktemp("kernels"))

@@ -1,13 +1,17 @@
-"""A KV load's file reads, redis receives and checksums, one layer's objects per call, in C (kernels/csrc/).
+"""A KV load's file reads, redis receives and checksums, one layer's objects per call, in C (kvstore/csrc/).
 
 Per object the Python path pays about as much in interpreter work (an open, a stat, a readv of
 some 30 block pieces, some 30 hash updates, under the GIL) as the kernel pays copying its half
 megabyte; the library does the syscalls, the xxh3 passes and the header compares of a whole
 layer in one call with the GIL released, so the store's I/O threads really run side by side.
-kvstore/fs_read.py uses it when the connector hands it one (`FileSystemStore.span_reader`). Redis loads receive a
-layer's GET replies with it (`RedisStore.span_reader`: kv_recv.c, framing, receives into the spans
-and hashing in one call, through the load's write gate); without a C compiler the Python paths
-do the same work.
+kvstore/fs_read.py reads with it (`FileSystemStore.span_reader`). Redis loads receive a layer's GET
+replies with it (`RedisStore.span_reader`: kv_recv.c, framing, receives into the spans and hashing in
+one call, through the load's write gate). A store takes `native_reader()` at its first load: None
+under PDSERVE_KERNELS=torch or where the library cannot be had (common/native_build.py's one rule),
+and then the Python paths do the same work.
+
+The object format's numbers are codec's (HEADER_SIZE, SUMMED) and the gate's result is ABANDONED
+here: each library's init receives them, so the C sources write none of them down.
 """
 from __future__ import annotations
 
@@ -20,12 +24,13 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from pdserve.common.native_build import load_library
+from pdserve.common.native_build import build_or_none, load_library
+from pdserve.kvstore.codec import HEADER_SIZE, SUMMED
 
 SOURCE = Path(__file__).with_name("csrc") / "kv_read.c"
 RECV_SOURCE = SOURCE.with_name("kv_recv.c")
-_ptr, _int = ctypes.c_void_p, ctypes.c_int
-SUMMED = 56  # header bytes under the checksum (kvstore/codec.py, kernels/csrc/kv_object.h)
+ABANDONED = 1  # a call's result (Loaded.status, Replies.status): the gate was closed, nothing more was written
+_ptr, _int, _i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 _ERROR_TEXT = 512  # bytes kept of a redis error reply
 # Reply bytes a redis load keeps requested ahead of its reader, per connection (kv_recv.c: more costs
 # redis-server fresh pages for its reply buffers on every load; less leaves it idle between replies).
@@ -37,8 +42,8 @@ class Loaded:
     """What pd_kv_load did with one layer's objects. status 0: read; fds[i] == -1 means object i
     is in its spans, checked; fds[i] >= 0 is its descriptor, left open for the caller to finish it
     (got[i] bytes of it were read, or -errno). -ENOENT: an object is missing (sizes[i] == -1, fds[i]
-    its -errno) or of another size (sizes[i]), nothing was read. PD_ABANDONED (1): the gate was
-    closed, nothing was read. Every descriptor not in fds is closed."""
+    its -errno) or of another size (sizes[i]), nothing was read. ABANDONED: the gate was closed,
+    nothing was read. Every descriptor not in fds is closed."""
 
     status: int
     fds: np.ndarray
@@ -46,10 +51,14 @@ class Loaded:
     got: np.ndarray
     digests: np.ndarray
 
+    @property
+    def abandoned(self) -> bool:
+        return self.status == ABANDONED
+
 
 @dataclass
 class Replies:
-    """What pd_resp_get read: status 0, 1 (the gate closed) or -errno; per object its value's size
+    """What pd_resp_get read: status 0, ABANDONED (the gate closed) or -errno; per object its value's size
     (-1: no such key, -2: an error reply), and its digest when it was read into its spans."""
 
     status: int
@@ -58,11 +67,15 @@ class Replies:
     error: str | None  # the first error reply's text
     extra: int  # bytes read past the last reply (0: the stream is clean)
 
+    @property
+    def abandoned(self) -> bool:
+        return self.status == ABANDONED
+
 
 class KVReadLibrary:
     """The compiled reader; construct once per process (it builds or loads the library)."""
 
-    def __init__(self, build_dir: Path) -> None:
+    def __init__(self, build_dir: Path | None = None) -> None:
         lib = load_library(SOURCE, build_dir)
         xxh = ctypes.CDLL(xxhash._xxhash.__file__)  # noqa: SLF001 (the module's own XXH3, already loaded)
         # XXH3_64bits_update_dispatch picks the widest vector unit this CPU has (AVX2 here: about twice
@@ -71,11 +84,12 @@ class KVReadLibrary:
             "XXH3_64bits_update"
         addresses = [ctypes.cast(getattr(xxh, name), _ptr).value for name in
                      ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset", update, "XXH3_64bits_digest")]
-        lib.pd_kv_init.argtypes = [_ptr] * 5
-        lib.pd_kv_init(*addresses)
         recv = load_library(RECV_SOURCE, build_dir)
-        recv.pd_recv_init.argtypes = [_ptr] * 5
-        recv.pd_recv_init(*addresses)
+        for init in (lib.pd_kv_init, recv.pd_recv_init):
+            init.argtypes = [_ptr] * 5 + [_i64, _i64, _int]
+            if init(*addresses, HEADER_SIZE, SUMMED, ABANDONED):
+                raise ValueError(f"{init.__name__}: the native readers take no object format with a "
+                                 f"{HEADER_SIZE}-byte header of which {SUMMED} bytes are checksummed")
         self._resp_get = recv.pd_resp_get
         self._resp_get.argtypes = [_int, _int, ctypes.c_char_p, _ptr, ctypes.c_int64, _ptr, _ptr, _ptr, _ptr, _ptr,
                                    _ptr, _ptr, _int, _ptr, _int, _ptr, _int]
@@ -97,11 +111,11 @@ class KVReadLibrary:
 
     def load(self, paths: list[str], desc: np.ndarray, first: np.ndarray, bases: np.ndarray, headers: np.ndarray,
              expect: bytes, gate: int) -> Loaded:
-        """One layer's objects (kernels/csrc/kv_read.c, pd_kv_load): each opened and its size checked, read
-        from the page cache only (never waiting for the medium) into its header (headers[64 i:64 i + 64])
-        and its spans, written only inside the gate whose words are at `gate` (0: none), hashed, and
-        its header bytes [0, 56) compared with expect[56 i:56 i + 56] and its digest with the one it
-        carries. An object that is not plainly right is left open for the caller (Loaded)."""
+        """One layer's objects (kvstore/csrc/kv_read.c, pd_kv_load): each opened and its size checked, read
+        from the page cache only (never waiting for the medium) into its header (HEADER_SIZE bytes at
+        headers[HEADER_SIZE * i]) and its spans, written only inside the gate whose words are at `gate`
+        (0: none), hashed, and its header bytes [0, SUMMED) compared with expect[SUMMED * i:SUMMED * (i + 1)]
+        and its digest with the one it carries. An object that is not plainly right is left open for the caller (Loaded)."""
         n = len(paths)
         if len(expect) != SUMMED * n:
             raise ValueError(f"{len(expect)} expected header bytes for {n} objects")
@@ -131,7 +145,7 @@ class KVReadLibrary:
         return desc[:n], first
 
     def hash(self, desc: np.ndarray, first: np.ndarray, bases: np.ndarray, headers: np.ndarray) -> np.ndarray:
-        """digests[i]: the xxh3 of header i's bytes [0, 56) and object i's spans (already filled)."""
+        """digests[i]: the xxh3 of header i's bytes [0, SUMMED) and object i's spans (already filled)."""
         n = len(first) - 1
         digests = np.empty(n, np.uint64)
         if self._hash(n, desc.ctypes.data, first.ctypes.data, bases.ctypes.data, headers.ctypes.data,
@@ -143,8 +157,8 @@ class KVReadLibrary:
                  headers: np.ndarray, gate: int, timeout_ms: int, window: int = WINDOW_BYTES, hash: bool = True
                  ) -> Replies:
         """Send `commands` (packed GETs, one per object) on socket `fd` as their replies come in, at most
-        `window` expected reply bytes ahead, and read the replies: object i's value, if it is 64 bytes
-        plus its spans, lands in headers[64 i:64 i + 64] and its spans (written only inside the gate
+        `window` expected reply bytes ahead, and read the replies: object i's value, if it is HEADER_SIZE
+        bytes plus its spans, lands in its header (at headers[HEADER_SIZE * i]) and its spans (written only inside the gate
         whose words are at address `gate`, 0: none) and is hashed. Each wait for redis lasts at most
         timeout_ms (-1: no limit) with no progress. hash=False: no digests (a raw read, for benchmarks)."""
         n = len(first) - 1
@@ -163,3 +177,8 @@ class KVReadLibrary:
     def gate_close(self, gate: int) -> int:
         """Shut the gate whose words are at `gate`; the compiled writers still inside (wait for 0)."""
         return self._gate_close(gate)
+
+
+def native_reader() -> KVReadLibrary | None:
+    """This process's compiled reader, or None (PDSERVE_KERNELS=torch, or no library: one warning)."""
+    return build_or_none("compiled KV reader", KVReadLibrary, "KV loads read and check objects in Python")

@@ -1,8 +1,8 @@
 /* The replies of a pipeline of redis GETs, received straight into a KV load's spans, with no GIL.
  *
- * Called through ctypes by kernels/kv_read.py for kvstore/redis_store.py's loads into paged KV
+ * Called through ctypes by kvstore/native_reader.py for kvstore/redis_store.py's loads into paged KV
  * blocks (kvstore/resp.py packs the GETs and hands one of redis-py's connected sockets here).
- * Each value of the expected size lands in its object's 64-byte header (ours) and its
+ * Each value of the expected size lands in its object's header (ours) and its
  * spans (the blocks), and is hashed (xxh3) right behind the receive, while it is in cache. The
  * framing lines pass through a small buffer of ours.
  *
@@ -30,9 +30,9 @@
 #define SLICE_MS 20   /* a wait checks the gate this often */
 #define LOWAT_CAP (256 << 10) /* a wait for a value's bytes wakes once this much (or all it needs) is in */
 
-int pd_recv_init(void *create, void *free_state, void *reset, void *update, void *digest) {
-    set_xxh3(create, free_state, reset, update, digest);
-    return 0;
+int pd_recv_init(void *create, void *free_state, void *reset, void *update, void *digest, int64_t header,
+                 int64_t summed, int abandoned_result) {
+    return set_object_format(create, free_state, reset, update, digest, header, summed, abandoned_result);
 }
 
 /* Shut the gate; returns the writers still inside (the caller waits until 0). */
@@ -81,12 +81,12 @@ static void set_lowat(stream_t *s, int want) {
     if (want != s->lowat && setsockopt(s->fd, SOL_SOCKET, SO_RCVLOWAT, &want, sizeof want) == 0) s->lowat = want;
 }
 
-/* Until fd has bytes (events POLLIN) or room to send (POLLOUT): 0, -ETIMEDOUT, PD_ABANDONED (the gate
+/* Until fd has bytes (events POLLIN) or room to send (POLLOUT): 0, -ETIMEDOUT, abandoned (the gate
  * closed meanwhile), -errno. */
 static int wait_for(stream_t *s, short events) {
     int waited = 0;
     for (;;) {
-        if (s->gate && __atomic_load_n(&s->gate[0], __ATOMIC_SEQ_CST)) return PD_ABANDONED;
+        if (s->gate && __atomic_load_n(&s->gate[0], __ATOMIC_SEQ_CST)) return abandoned;
         int slice = SLICE_MS;
         if (s->timeout_ms >= 0 && s->timeout_ms - waited < slice) slice = s->timeout_ms - waited;
         if (slice <= 0) return -ETIMEDOUT;
@@ -164,7 +164,7 @@ typedef struct {
 
 static uint8_t *dest_at(const dest_t *d, int64_t piece, int64_t *room) {
     if (piece < 0) {
-        *room = HEADER;
+        *room = header_size;
         return d->header;
     }
     const int64_t *p = d->desc + 3 * piece;
@@ -184,7 +184,7 @@ static void settle(dest_t *d) {
     }
 }
 
-/* Move the cursor over n bytes just written, hashing them (header bytes [SUMMED, HEADER) excepted). */
+/* Move the cursor over n bytes just written, hashing them (header bytes [summed_size, header_size) excepted). */
 static void advance_hash(dest_t *d, int64_t n, void *state) {
     while (n > 0) {
         settle(d);
@@ -195,16 +195,16 @@ static void advance_hash(dest_t *d, int64_t n, void *state) {
             ; /* a raw read (benchmarks/kv_load_only.py): no checksum */
         else if (d->piece >= 0)
             xxh_update(state, at + d->offset, (size_t)step);
-        else if (d->offset < SUMMED)
-            xxh_update(state, at + d->offset, (size_t)((d->offset + step < SUMMED ? d->offset + step : SUMMED) -
-                                                       d->offset));
+        else if (d->offset < summed_size)
+            xxh_update(state, at + d->offset,
+                       (size_t)((d->offset + step < summed_size ? d->offset + step : summed_size) - d->offset));
         if (step <= 0) return; /* n ran past the object: never, n is at most what it has left */
         d->offset += step;
         n -= step;
     }
 }
 
-/* Receive one value of `size` bytes into object i's header and pieces (size == 64 + their total). */
+/* Receive one value of `size` bytes into object i's header and pieces (size == header_size + their total). */
 static int recv_value(stream_t *s, dest_t *d, int64_t size, void *state) {
     int64_t left = size;
     int64_t last = d->first[d->i + 1];
@@ -212,7 +212,7 @@ static int recv_value(stream_t *s, dest_t *d, int64_t size, void *state) {
     if (state) xxh_reset(state);
     if (s->end > s->pos) { /* the start of the value came with its framing line */
         int64_t take = s->end - s->pos < left ? s->end - s->pos : left;
-        if (gate_enter(s->gate)) return PD_ABANDONED;
+        if (gate_enter(s->gate)) return abandoned;
         int64_t done = 0;
         while (done < take) {
             int64_t room;
@@ -247,7 +247,7 @@ static int recv_value(stream_t *s, dest_t *d, int64_t size, void *state) {
             iov[count++].iov_len = LINE_BUF;
         }
         struct msghdr msg = {.msg_iov = iov, .msg_iovlen = (size_t)count};
-        if (gate_enter(s->gate)) return PD_ABANDONED;
+        if (gate_enter(s->gate)) return abandoned;
         ssize_t r = recvmsg(s->fd, &msg, MSG_DONTWAIT);
         int err = errno;
         gate_leave(s->gate);
@@ -286,7 +286,7 @@ static int bulk_size(const char *line, int len, int64_t *size) {
 
 /* The value object i should be: its header and its spans. */
 static int64_t expected(int i, const int64_t *desc, const int64_t *first) {
-    int64_t total = HEADER;
+    int64_t total = header_size;
     for (int64_t k = first[i]; k < first[i + 1]; k++) total += desc[3 * k + 2];
     return total;
 }
@@ -295,12 +295,12 @@ static int64_t expected(int i, const int64_t *desc, const int64_t *first) {
  * go out as replies come in, keeping at most `window` expected reply bytes ahead of the reader
  * (at least one command): redis builds a pipeline's replies in memory before writing them, and a
  * few MiB of replies per connection cost it fresh pages for every load.
- * A value of exactly 64 + object i's span bytes lands in headers + 64 i and its spans, the spans
- * written only inside `gate` (NULL: the reader's own memory), and digests[i] = xxh3_64 of its
- * header bytes [0, 56) and spans (0 when `hash` is 0); a value of any other size is read past. sizes[i] = the value's
- * size, -1 no such key, -2 an error reply (the first one's text, NUL-terminated, in err). Each
+ * A value of exactly header_size + object i's span bytes lands in headers + header_size * i and its
+ * spans, the spans written only inside `gate` (NULL: the reader's own memory), and digests[i] =
+ * xxh3_64 of its header bytes [0, summed_size) and spans (0 when `hash` is 0); a value of any other
+ * size is read past. sizes[i] = the value's size, -1 no such key, -2 an error reply (the first one's text, NUL-terminated, in err). Each
  * wait is at most timeout_ms (< 0: no limit) with no progress.
- * Returns 0 (*extra: framing bytes read past the last reply, 0 on a clean stream), PD_ABANDONED
+ * Returns 0 (*extra: framing bytes read past the last reply, 0 on a clean stream), abandoned
  * (the gate closed), -ETIMEDOUT, -ECONNRESET (redis closed the connection), -EPROTO (not a GET
  * reply), -ENOMEM or another -errno. */
 int pd_resp_get(int fd, int n, const char *cmds, const int64_t *cmd_ends, int64_t window, const int64_t *desc,
@@ -351,7 +351,7 @@ int pd_resp_get(int fd, int n, const char *cmds, const int64_t *cmd_ends, int64_
         if (size < 0) continue;
         if (size == expected(i, desc, first)) {
             dest_t d = {.i = i, .piece = -1, .offset = 0, .desc = desc, .first = first, .bases = bases,
-                        .header = headers + (size_t)HEADER * i};
+                        .header = headers + (size_t)header_size * i};
             if ((rc = recv_value(s, &d, size, state))) break;
             digests[i] = state ? xxh_digest(state) : 0;
         } else if ((rc = skip(s, size))) {

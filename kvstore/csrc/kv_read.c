@@ -1,6 +1,6 @@
 /* A KV load's file reads and checksums, one layer's objects per call, with no GIL.
  *
- * Called through ctypes by kernels/kv_read.py (the GIL is released during each call) for
+ * Called through ctypes by kvstore/native_reader.py (the GIL is released during each call) for
  * kvstore/fs_read.py's loads into paged KV blocks. pd_kv_load does a whole layer: the opens and
  * size checks (which may wait for the medium) outside the load's write gate (kvstore/gate.py),
  * then inside it page-cache reads only (RWF_NOWAIT: never waiting for the medium) into each
@@ -9,9 +9,10 @@
  * slower path that finishes it or says what is wrong. pd_kv_hash is the xxh3 of objects some other
  * reader put in their spans (redis).
  * Spans are described, not passed as pointers: piece k of object i (k in [first[i], first[i+1]))
- * is desc[3k..3k+2] = (region, offset, nbytes), at bases[region] + offset; object i's 64-byte
- * header lands at headers + 64 i. xxh3 is the xxhash module's own (its exported XXH3 functions,
- * handed over once by pd_kv_init), so the digest is the one kvstore/codec.py checks.
+ * is desc[3k..3k+2] = (region, offset, nbytes), at bases[region] + offset; object i's header
+ * lands at headers + header_size * i. xxh3 is the xxhash module's own (its exported XXH3 functions,
+ * handed over once by pd_kv_init with the object format's sizes), so the digest is the one
+ * kvstore/codec.py checks.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -25,9 +26,9 @@
 
 #include "kv_object.h"
 
-int pd_kv_init(void *create, void *free_state, void *reset, void *update, void *digest) {
-    set_xxh3(create, free_state, reset, update, digest);
-    return 0;
+int pd_kv_init(void *create, void *free_state, void *reset, void *update, void *digest, int64_t header,
+               int64_t summed, int abandoned_result) {
+    return set_object_format(create, free_state, reset, update, digest, header, summed, abandoned_result);
 }
 
 /* One prefetch-for-write per 4 KiB page of an object's spans, just before the read that fills them.
@@ -47,8 +48,8 @@ static void warm_spans(const struct iovec *iov, int count) {
 static int object_iov(int i, const int64_t *desc, const int64_t *first, const uint64_t *bases, uint8_t *headers,
                       struct iovec *iov) {
     int count = 0;
-    iov[count].iov_base = headers + (size_t)HEADER * i;
-    iov[count++].iov_len = HEADER;
+    iov[count].iov_base = headers + (size_t)header_size * i;
+    iov[count++].iov_len = header_size;
     for (int64_t k = first[i]; k < first[i + 1] && count < MAX_IOV; k++) {
         iov[count].iov_base = (void *)(uintptr_t)(bases[desc[3 * k]] + (uint64_t)desc[3 * k + 1]);
         iov[count++].iov_len = (size_t)desc[3 * k + 2];
@@ -56,11 +57,11 @@ static int object_iov(int i, const int64_t *desc, const int64_t *first, const ui
     return count;
 }
 
-/* xxh3_64 over object i's header bytes [0, SUMMED) and its spans, with `state` reused. */
+/* xxh3_64 over object i's header bytes [0, summed_size) and its spans, with `state` reused. */
 static uint64_t hash_object(void *state, int i, const int64_t *desc, const int64_t *first, const uint64_t *bases,
                             const uint8_t *headers) {
     xxh_reset(state);
-    xxh_update(state, headers + (size_t)HEADER * i, SUMMED);
+    xxh_update(state, headers + (size_t)header_size * i, summed_size);
     for (int64_t k = first[i]; k < first[i + 1]; k++)
         xxh_update(state, (const void *)(uintptr_t)(bases[desc[3 * k]] + (uint64_t)desc[3 * k + 1]),
                    (size_t)desc[3 * k + 2]);
@@ -105,17 +106,17 @@ static void close_all(int n, int64_t *fds) {
  *  2. inside the gate (gate: its words, kvstore/gate.py; NULL: none), every object from the page cache
  *     into its header and spans, hashed while it is in cache. got[i] = the bytes read or -errno,
  *     digests[i] = the xxh3 of header bytes [0, 56) and spans of an object read whole.
- *     A closed gate: nothing is read, all are closed, returns PD_ABANDONED.
+ *     A closed gate: nothing is read, all are closed, returns abandoned.
  *  3. an object read whole whose header bytes [0, 56) are expect[56 i, 56 i + 56) and whose digest
  *     is the one its header carries is closed (fds[i] = -1). Any other keeps its descriptor open in
  *     fds[i] for the caller, which finishes it (the part not in the page cache) or says what is wrong.
- * Returns 0, -ENOENT, PD_ABANDONED, or -ENOMEM (no hash state; all closed). */
+ * Returns 0, -ENOENT, abandoned, or -ENOMEM (no hash state; all closed). */
 int pd_kv_load(int n, const char *paths, const int64_t *desc, const int64_t *first, const uint64_t *bases,
                uint8_t *headers, const uint8_t *expect, int64_t *gate, int64_t *fds, int64_t *sizes, int64_t *got,
                uint64_t *digests) {
     int refused = 0;
     for (int i = 0; i < n; i++, paths += strlen(paths) + 1) {
-        int64_t want = HEADER;
+        int64_t want = header_size;
         for (int64_t k = first[i]; k < first[i + 1]; k++) want += desc[3 * k + 2];
         struct stat st;
         int fd = open(paths, O_RDONLY | O_CLOEXEC);
@@ -148,7 +149,7 @@ int pd_kv_load(int n, const char *paths, const int64_t *desc, const int64_t *fir
     if (gate_enter(gate)) {
         xxh_free(state);
         close_all(n, fds);
-        return PD_ABANDONED;
+        return abandoned;
     }
     struct iovec iov[MAX_IOV];
     for (int i = 0; i < n; i++) {
@@ -163,10 +164,11 @@ int pd_kv_load(int n, const char *paths, const int64_t *desc, const int64_t *fir
     gate_leave(gate);
     xxh_free(state);
     for (int i = 0; i < n; i++) {
-        const uint8_t *header = headers + (size_t)HEADER * i;
+        const uint8_t *header = headers + (size_t)header_size * i;
         uint64_t carried = 0; /* little endian, as the codec writes it */
-        for (int b = HEADER - 1; b >= SUMMED; b--) carried = carried << 8 | header[b];
-        if (got[i] == sizes[i] && carried == digests[i] && !memcmp(header, expect + (size_t)SUMMED * i, SUMMED)) {
+        for (int b = header_size - 1; b >= summed_size; b--) carried = carried << 8 | header[b];
+        if (got[i] == sizes[i] && carried == digests[i] &&
+            !memcmp(header, expect + (size_t)summed_size * i, (size_t)summed_size)) {
             close((int)fds[i]);
             fds[i] = -1;
         }
@@ -174,7 +176,7 @@ int pd_kv_load(int n, const char *paths, const int64_t *desc, const int64_t *fir
     return 0;
 }
 
-/* digests[i] = xxh3_64 over object i's header bytes [0, 56) and its spans (already read, by anyone). */
+/* digests[i] = xxh3_64 over object i's header bytes [0, summed_size) and its spans (already read, by anyone). */
 int pd_kv_hash(int n, const int64_t *desc, const int64_t *first, const uint64_t *bases, const uint8_t *headers,
                uint64_t *digests) {
     void *state = xxh_create();
