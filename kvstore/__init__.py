@@ -14,7 +14,8 @@ from typing import Any, Callable
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from pdserve.common.units import parse_bytes
-from pdserve.kvstore.base import ChunkInfo, KVStore, StoreStats, Usage, VerifyReport
+from pdserve.kvstore.base import KVStore
+from pdserve.kvstore.records import ChunkInfo, StoreStats, Usage, VerifyReport
 from pdserve.kvstore.errors import CorruptObject, NotFound, StoreError, StoreTimeout, StoreUnavailable
 
 __all__ = ["open_store", "SCHEMES", "KVStore", "ChunkInfo", "StoreStats", "Usage", "VerifyReport",

@@ -33,11 +33,12 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
-from pdserve.kvstore.base import Buffer, ChunkInfo, KVStore
+from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import NotFound, StoreError, StoreTimeout, StoreUnavailable
 from pdserve.kvstore import fs_ledger
 from pdserve.kvstore.fs_ledger import ChunkLedger
 from pdserve.kvstore.fs_read import FileReads, read_file
+from pdserve.kvstore.records import Buffer, ChunkInfo
 from pdserve.kvstore.spans import advance
 
 logger = logging.getLogger(__name__)

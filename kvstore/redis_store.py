@@ -24,9 +24,10 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pdserve.kvstore import codec, resp
-from pdserve.kvstore.base import Buffer, ChunkInfo, KVStore
+from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import NotFound, StoreError, StoreTimeout, StoreUnavailable
 from pdserve.kvstore.gate import NO_GATE, WriteGate
+from pdserve.kvstore.records import Buffer, ChunkInfo
 from pdserve.kvstore.spans import SpanTable
 
 # Replies that mean "this shard cannot serve right now" (a cluster mid-failover): an outage, not a bug.

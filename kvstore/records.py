@@ -1,0 +1,49 @@
+"""What a KV store returns besides tensors: its counters, usage per fingerprint, chunk listings, verify reports."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+Buffer = bytes | bytearray | memoryview  # an object's raw bytes as a backend returns them
+
+
+@dataclass
+class StoreStats:
+    """This process's counters since the store was opened."""
+
+    lookups: int = 0
+    lookup_chunks: int = 0
+    hit_chunks: int = 0
+    objects_written: int = 0
+    bytes_written: int = 0
+    write_seconds: float = 0.0
+    objects_read: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    chunks_committed: int = 0
+    chunks_deleted: int = 0
+    errors: int = 0
+
+
+@dataclass
+class Usage:
+    """What one model fingerprint occupies in the backend."""
+
+    chunks: int = 0  # committed chunks
+    objects: int = 0  # layer objects (committed or not)
+    bytes: int = 0  # bytes of layer objects
+
+
+@dataclass
+class ChunkInfo:
+    fingerprint: str
+    key: str
+    committed: bool
+    objects: int  # layer objects present
+    bytes: int
+
+
+@dataclass
+class VerifyReport:
+    objects: int = 0
+    bytes: int = 0
+    corrupt: list[str] = field(default_factory=list)  # "<name>: <reason>" per bad object
