@@ -174,7 +174,7 @@ def load_library(source: Path, build_dir: Path | None = None, extra_flags: tuple
         if not path.exists():
             started = time.perf_counter()
             _compile(cc, r.source, flags, path)
-            how = f"built with {cc} in {time.perf_counter() - started:.1f} s"
+            how = f"built from {r.source} with {cc} in {time.perf_counter() - started:.1f} s"
     except BuildError as exc:
         found = _find_prebuilt(r, extra_flags, prebuilt_kernels_dir() if prebuilt_dir is None else prebuilt_dir)
         if found is None:

@@ -115,7 +115,8 @@ class KVReadLibrary:
         from the page cache only (never waiting for the medium) into its header (HEADER_SIZE bytes at
         headers[HEADER_SIZE * i]) and its spans, written only inside the gate whose words are at `gate`
         (0: none), hashed, and its header bytes [0, SUMMED) compared with expect[SUMMED * i:SUMMED * (i + 1)]
-        and its digest with the one it carries. An object that is not plainly right is left open for the caller (Loaded)."""
+        and its digest with the one it carries. An object that is not plainly right is left open for the
+        caller (Loaded)."""
         n = len(paths)
         if len(expect) != SUMMED * n:
             raise ValueError(f"{len(expect)} expected header bytes for {n} objects")
@@ -158,8 +159,8 @@ class KVReadLibrary:
                  ) -> Replies:
         """Send `commands` (packed GETs, one per object) on socket `fd` as their replies come in, at most
         `window` expected reply bytes ahead, and read the replies: object i's value, if it is HEADER_SIZE
-        bytes plus its spans, lands in its header (at headers[HEADER_SIZE * i]) and its spans (written only inside the gate
-        whose words are at address `gate`, 0: none) and is hashed. Each wait for redis lasts at most
+        bytes plus its spans, lands in its header (at headers[HEADER_SIZE * i]) and its spans (written only
+        inside the gate whose words are at address `gate`, 0: none) and is hashed. Each wait for redis lasts at most
         timeout_ms (-1: no limit) with no progress. hash=False: no digests (a raw read, for benchmarks)."""
         n = len(first) - 1
         if len(commands) != n:

@@ -212,7 +212,8 @@ def test_a_source_carries_its_recipe(tmp_path):
     """The files a source includes are part of its build's key (a changed header rebuilds), and its
     PD_CFLAGS line adds flags."""
     src, header = tmp_path / "one.c", tmp_path / "answer.h"
-    src.write_text('/* PD_CFLAGS: -DPD_BASE=40 */\n#include "answer.h"\nint pd_answer(void) { return PD_BASE + ANSWER; }\n')
+    src.write_text('/* PD_CFLAGS: -DPD_BASE=40 */\n#include "answer.h"\n'
+                   'int pd_answer(void) { return PD_BASE + ANSWER; }\n')
     header.write_text("#define ANSWER 2\n")
     build = tmp_path / "build"
     assert load_library(src, build).pd_answer() == 42
