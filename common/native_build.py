@@ -192,11 +192,16 @@ def _prebuilt_path(r: Recipe, target: Target, extra_flags: tuple[str, ...], dire
     return directory / f"{r.source.stem}-{target.name}-{_key(*r.texts, *flags)}.so"
 
 
-def _find_prebuilt(r: Recipe, extra_flags: tuple[str, ...], directory: Path) -> tuple[Path, str] | None:
+def runnable_targets() -> tuple[Target, ...]:
+    """The levels of TARGETS this CPU runs, widest first."""
     cpu = _cpu_flags()
-    for target in TARGETS:
+    return tuple(target for target in TARGETS if target.needs <= cpu)
+
+
+def _find_prebuilt(r: Recipe, extra_flags: tuple[str, ...], directory: Path) -> tuple[Path, str] | None:
+    for target in runnable_targets():
         path = _prebuilt_path(r, target, extra_flags, directory)
-        if target.needs <= cpu and path.exists():
+        if path.exists():
             return path, f"prebuilt for {target.name}"
     return None
 
@@ -262,12 +267,13 @@ def _compile(cc: str, source: Path, flags: tuple[str, ...], target: Path) -> Non
             os.unlink(tmp)
 
 
-def prebuild(dest: Path | None = None, only: list[Path] | None = None, jobs: int | None = None) -> list[Path]:
-    """Build every source (or those in `only`) for every target into `dest` (default
-    prebuilt_kernels_dir()); BuildError without a compiler or when a build fails."""
+def prebuild(dest: Path | None = None, only: list[Path] | None = None, targets: tuple[Target, ...] = TARGETS,
+             jobs: int | None = None) -> list[Path]:
+    """Build every source (or those in `only`) for each target into `dest` (default prebuilt_kernels_dir());
+    BuildError without a compiler or when a build fails."""
     cc, _ = _compiler()
     dest = prebuilt_kernels_dir() if dest is None else dest
-    work = [(recipe(source), target) for source in (sources() if only is None else only) for target in TARGETS]
+    work = [(recipe(source), target) for source in (sources() if only is None else only) for target in targets]
 
     def one(item: tuple[Recipe, Target]) -> Path:
         r, target = item
@@ -287,16 +293,23 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"build every source for {', '.join(t.name for t in TARGETS) or 'no target'} "
                              f"into --dest (needs a C compiler)")
     parser.add_argument("--dest", type=Path, default=None, help=f"default {prebuilt_kernels_dir()}")
+    parser.add_argument("--target", action="append", choices=[t.name for t in TARGETS], default=None,
+                        help="only this level (repeatable; default all)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if args.prebuild:
         try:
-            paths = prebuild(args.dest)
+            chosen = tuple(t for t in TARGETS if args.target is None or t.name in args.target)
+            paths = prebuild(args.dest, targets=chosen)
         except BuildError as exc:
             print(f"prebuild failed: {exc}", file=sys.stderr)
             return 1
         print(f"{len(paths)} libraries in {args.dest or prebuilt_kernels_dir()}")
         return 0
+    try:  # the libraries take OpenMP from the libgomp.so.1 torch ships (an image has no other): load it first
+        import torch  # noqa: F401
+    except ImportError:
+        pass
     missing = 0
     for source in sources():
         try:

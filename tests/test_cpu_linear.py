@@ -225,7 +225,7 @@ def test_a_source_carries_its_recipe(tmp_path):
 def test_without_a_compiler_the_library_prebuilt_for_this_cpu_loads(tmp_path, monkeypatch):
     """What an image without a compiler runs: the libraries `--prebuild` made for every x86-64 level; of
     those this CPU runs, the widest. A changed source finds none (the prebuilt key is its text and flags)."""
-    from pdserve.common.native_build import TARGETS, _cpu_flags, loaded_libraries, prebuild
+    from pdserve.common.native_build import TARGETS, loaded_libraries, prebuild, runnable_targets
 
     src = tmp_path / "pd_prebuilt_probe.c"
     src.write_text("int pd_answer(void) { return 42; }\n")
@@ -233,7 +233,7 @@ def test_without_a_compiler_the_library_prebuilt_for_this_cpu_loads(tmp_path, mo
     assert len(prebuild(prebuilt, [src])) == len(TARGETS) >= 4
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     assert load_library(src, tmp_path / "cache", prebuilt_dir=prebuilt).pd_answer() == 42
-    widest = next(t for t in TARGETS if t.needs <= _cpu_flags())
+    widest = runnable_targets()[0]
     assert loaded_libraries()["pd_prebuilt_probe"].startswith(f"prebuilt for {widest.name}: {prebuilt}/")
     assert not (tmp_path / "cache").exists()
     src.write_text("int pd_answer(void) { return 43; }\n")

@@ -9,7 +9,8 @@ PDSERVE_CACHE_DIR, so `import pdserve` can only find the installed copy, and the
 from the installed sources. What is checked: site-packages gained `pdserve` alone (and its
 dist-info); `pd-serve` answers a completion; `pd-prefill` + `pd-decode` + `pd-proxy` over a file store
 answer the same text with the prompt's KV loaded from the store; the offline `LLM` gives the same
-tokens as Hugging Face; and every one of them ran the compiled paths (the attention backend, the block
+tokens as Hugging Face, also with no compiler and only the libraries `--prebuild` left in the venv (the
+container image's way); and every one of them ran the compiled paths (the attention backend, the block
 ops, the store's native reader) with no fallback warning.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.common.native_build import runnable_targets
 from pdserve.deploy.processes import REPO, SHARED_CORES_ENV, free_port
 from tests.connector_helpers import hf_greedy
 
@@ -51,8 +53,9 @@ class Install:
     def bin(self, name: str) -> str:
         return str(self.venv / "bin" / name)
 
-    def run(self, argv: list[str], timeout_s: float = 300.0) -> str:
-        proc = subprocess.run(argv, cwd=self.root, env=self.env, capture_output=True, text=True, timeout=timeout_s)
+    def run(self, argv: list[str], timeout_s: float = 300.0, env: dict[str, str] | None = None) -> str:
+        proc = subprocess.run(argv, cwd=self.root, env={**self.env, **(env or {})}, capture_output=True, text=True,
+                              timeout=timeout_s)
         assert proc.returncode == 0, \
             f"{argv[0]} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         return proc.stdout
@@ -167,8 +170,7 @@ def test_site_packages_gains_pdserve_alone_and_imports_come_from_it(installed):
     assert out[2] == f"{package}/engine/__init__.py" and out[3] == f"{package}/kvstore/__init__.py"
 
 
-@pytest.fixture(scope="module")
-def offline(installed) -> dict:
+def _offline(installed: Install, **env: str) -> dict:
     """The offline API's greedy answer to PROMPT in the new venv, its attention backend and its libraries."""
     script = f"""
 import json
@@ -180,7 +182,12 @@ out = llm.generate([{PROMPT!r}], SamplingParams(max_tokens={MAX_TOKENS}, tempera
 print(json.dumps(dict(prompt=out.prompt_token_ids, tokens=out.outputs[0].token_ids, text=out.outputs[0].text,
                       backend=llm.engine.model_runner.attn_backend.name, libraries=loaded_libraries())))
 """
-    return json.loads(installed.run([installed.bin("python"), "-c", script]).splitlines()[-1])
+    return json.loads(installed.run([installed.bin("python"), "-c", script], env=env).splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def offline(installed) -> dict:
+    return _offline(installed)
 
 
 def test_offline_api_matches_hf_with_compiled_kernels(installed, offline):
@@ -190,6 +197,19 @@ def test_offline_api_matches_hf_with_compiled_kernels(installed, offline):
     for entry in offline["libraries"].values():  # the run's first engine: built here, from the installed sources
         assert entry.startswith(f"built from {installed.site}/pdserve/") and \
             f": {installed.root.parent}/cache/kernels/" in entry, entry
+
+
+def test_without_a_compiler_the_libraries_prebuilt_at_install_serve(installed, offline):
+    """What the container image does: `--prebuild` into the installation (<venv>/share/pdserve/kernels; one
+    level here, this CPU's widest, to keep it short), then an engine with no working compiler and an empty
+    cache loads those and still equals HF token for token."""
+    widest = runnable_targets()[0].name
+    installed.run([installed.bin("python"), "-m", "pdserve.common.native_build", "--prebuild", "--target", widest])
+    got = _offline(installed, CC="/bin/false", PDSERVE_CACHE_DIR=str(installed.root / "empty-cache"))
+    assert got["tokens"] == offline["tokens"] and got["backend"] == "cpu"
+    assert {"cpu_decode_attention", "cpu_block_ops"} <= set(got["libraries"]), got["libraries"]
+    for entry in got["libraries"].values():
+        assert entry.startswith(f"prebuilt for {widest}: {installed.venv}/share/pdserve/kernels/"), entry
 
 
 def test_pd_serve_answers_with_compiled_kernels(installed, offline):
