@@ -259,6 +259,7 @@ def _compile(cc: str, source: Path, flags: tuple[str, ...], target: Path) -> Non
                               timeout=_COMPILE_TIMEOUT_S)
         if proc.returncode != 0:
             raise BuildError(f"{cc} failed on {source.name}: {proc.stderr.strip()[-2000:]}")
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep a prebuilt library from an image's unprivileged user
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as exc:
         raise BuildError(f"{cc} failed on {source.name}: {exc}") from None

@@ -230,7 +230,9 @@ def test_without_a_compiler_the_library_prebuilt_for_this_cpu_loads(tmp_path, mo
     src = tmp_path / "pd_prebuilt_probe.c"
     src.write_text("int pd_answer(void) { return 42; }\n")
     prebuilt = tmp_path / "prebuilt"
-    assert len(prebuild(prebuilt, [src])) == len(TARGETS) >= 4
+    built = prebuild(prebuilt, [src])
+    assert len(built) == len(TARGETS) >= 4
+    assert all(path.stat().st_mode & 0o777 == 0o644 for path in built)  # an image's unprivileged user reads them
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     assert load_library(src, tmp_path / "cache", prebuilt_dir=prebuilt).pd_answer() == 42
     widest = runnable_targets()[0]

@@ -1,5 +1,6 @@
 """deploy/Dockerfile builds with podman and its image serves: the entry points installed in it start,
-load the built-in model and answer a request.
+load the built-in model and answer a request, on the compiled CPU kernels its build stage prebuilt
+(the image itself has no C compiler).
 
 No container registry is reachable here, so the Dockerfile's BASE is a Debian bookworm root file
 system made with debootstrap from the Debian mirror apt uses (python3 3.11 + venv, like the default
@@ -10,6 +11,7 @@ cannot raise resource limits (no CAP_SYS_RESOURCE), so they get limits below the
 """
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tempfile
@@ -19,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.common.native_build import sources
 from pdserve.deploy.processes import REPO, free_port
 
 BASE = "localhost/pdserve-base:bookworm"
@@ -79,6 +82,14 @@ def test_podman_builds_the_image_and_it_serves():
     for command in ("pd-prefill", "pd-decode", "pd-proxy", "pd-kvstore"):
         out = _run(PODMAN + ["run", "--rm", *LIMITS, IMAGE, command, "--help"], 120).stdout
         assert f"usage: {command}" in out
+    compilers = _run(PODMAN + ["run", "--rm", *LIMITS, IMAGE, "python", "-c",
+                               "import shutil; print([shutil.which(c) for c in ('cc', 'gcc', 'clang')])"], 120).stdout
+    assert compilers.strip() == "[None, None, None]"
+    # Every C source of the checkout (kernels/csrc, kvstore/csrc) loads there, prebuilt for this host's CPU.
+    loads = _run(PODMAN + ["run", "--rm", *LIMITS, IMAGE, "python", "-m", "pdserve.common.native_build"], 120).stdout
+    for source in sources():
+        where = rf"^{source.stem}: prebuilt for x86-64\S*: /opt/pdserve/share/pdserve/kernels/"
+        assert re.search(where, loads, re.M), loads
     port = free_port()
     name = f"pdserve-test-{port}"
     _run(PODMAN + ["run", "-d", "--name", name, "--network", "host", *LIMITS, IMAGE, "pd-serve", "--host",
@@ -98,6 +109,11 @@ def test_podman_builds_the_image_and_it_serves():
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                        json={"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        logs = subprocess.run(PODMAN + ["logs", name], capture_output=True, text=True, timeout=60)
+        log = logs.stdout + logs.stderr
+        assert "attention backend: cpu on cpu" in log and "unavailable (" not in log, log[-3000:]
+        for library in ("cpu_decode_attention", "cpu_block_ops"):  # the serving engine's compiled paths
+            assert re.search(rf"compiled {library}: prebuilt for x86-64", log), log[-3000:]
         user = _run(PODMAN + ["exec", name, "id", "-u"], 30).stdout.strip()
         assert user == "10001"  # not root
     finally:
