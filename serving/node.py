@@ -20,6 +20,7 @@ from pdserve.protos import pdserve_pb2_grpc as pb_grpc
 from pdserve.serving.auth import GrpcSecurity, add_node_security_args, http_api_key_middleware, node_interceptors, node_security
 from pdserve.serving.cli import ArgumentParser, add_engine_args, add_log_file, add_server_args
 from pdserve.serving.errors import StartupError
+from pdserve.serving.kv_transfer_flag import apply_kv_transfer_config, check_connector_store, parse_kv_transfer_config
 from pdserve.serving.node_grpc import NodeServicer
 from pdserve.serving.node_http import add_generate_route
 from pdserve.serving.server import run_node, serve
@@ -57,10 +58,15 @@ def build_parser(role: NodeRole) -> ArgumentParser:
     g.add_argument("--lmcache-config", default=None, help="LMCache YAML config (instead of --kv-store)")
     g.add_argument("--chunk-size", type=int, default=None, help="tokens per stored chunk (default 256)")
     g.add_argument("--kv-role", choices=[*(r.value for r in KVRole), "producer", "consumer", "both"],
-                   default=role.kv_role, help=f"KV connector role, vLLM's kv_role (default {role.kv_role}; "
+                   default=None, help=f"KV connector role, vLLM's kv_role (default {role.kv_role}; "
                    "producer, consumer and both are accepted too)")
     g.add_argument("--kv-load-timeout", dest="load_timeout_s", type=float, default=None,
                    help="seconds to wait for the store before recomputing (default 10)")
+    g.add_argument("--kv-transfer-config", type=parse_kv_transfer_config, default=None,
+                   help="vLLM's KV transfer JSON instead of the flags above, e.g. '{\"kv_connector\": "
+                   "\"StoreConnector\", \"kv_role\": \"kv_producer\", \"kv_connector_extra_config\": "
+                   "{\"kv_store\": \"redis://host:6379/0\"}}' (connectors: StoreConnector, "
+                   "SharedStorageConnector, LMCacheConnectorV1; docs/configuration.md)")
     g.add_argument("--log-file", default=None, help="also write the log here (for pd-kv-hits)")
     add_node_security_args(parser)
     add_engine_args(parser)
@@ -116,6 +122,9 @@ async def serve_with_grpc(server: Any, servicer: NodeServicer, sock: socket.sock
 def node_main(role: NodeRole, argv: list[str] | None = None) -> int:
     parser = build_parser(role)
     args = parser.parse_args(argv)
+    connector = apply_kv_transfer_config(parser, args)
+    if args.kv_role is None:
+        args.kv_role = role.kv_role
     if args.kv_store is None and args.lmcache_config is None:
         args.kv_store = default_kv_store()
 
@@ -132,7 +141,14 @@ def node_main(role: NodeRole, argv: list[str] | None = None) -> int:
             except OSError as e:
                 raise StartupError(f"cannot write log file {args.log_file}: {e.strerror or e}") from None
         if args.model is not None:
-            check_model_dir(args.model)  # cheap checks first: the store check imports torch
+            check_model_dir(args.model)  # cheap checks first: the store checks import torch
+        if connector is not None:
+            from pdserve.connectors.factory import LMCACHE_SCHEMES
+
+            try:
+                check_connector_store(connector, args.kv_store, args.lmcache_config, LMCACHE_SCHEMES)
+            except ValueError as e:
+                raise StartupError(str(e)) from None
         if args.kv_store:
             check_store(args.kv_store)
         if args.lmcache_config and not os.access(args.lmcache_config, os.R_OK):
