@@ -6,7 +6,7 @@ SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test test-gpu gpu-deps check-kernels serve bench-pd bench-vllm install redis-server container-tools test-tools protos clean
+.PHONY: test test-quick test-gpu gpu-deps check-kernels serve bench-pd bench-vllm install redis-server container-tools test-tools promtool protos clean
 
 install: $(STAMP)
 
@@ -26,13 +26,24 @@ container-tools:
 	@command -v podman >/dev/null && command -v runc >/dev/null && command -v debootstrap >/dev/null || \
 	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq podman runc debootstrap; }
 
-# Headless Chromium (the proxy status page test) and promtool (PromQL of the Grafana dashboard).
-test-tools:
-	@command -v chromium >/dev/null && command -v promtool >/dev/null || { $(SUDO) apt-get update -qq && \
-	  $(SUDO) apt-get install -y -qq --no-install-recommends chromium prometheus; }
+# promtool (PromQL of the Grafana dashboard) and headless Chromium (the proxy status page test).
+promtool:
+	@command -v promtool >/dev/null || { $(SUDO) apt-get update -qq && \
+	  $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; }
 
+test-tools: promtool
+	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
+	  $(SUDO) apt-get install -y -qq --no-install-recommends chromium; }
+
+# The contract CI runs: every test.
 test: install redis-server container-tools test-tools
 	$(PY) -m pytest -q tests
+
+# The inner loop: no container build, no browser, no network namespaces, none of the minutes-long
+# cluster suites (pytest markers, registered in pyproject.toml; a new slow test file carries its marker).
+QUICK_MARKERS := not container and not browser and not netns and not slow
+test-quick: install redis-server promtool
+	$(PY) -m pytest -q -m "$(QUICK_MARKERS)" tests
 
 # The GPU suite (tests_gpu/, never collected by `make test`): needs a CUDA device and runs with that
 # machine's own CUDA torch (GPU_PY), installing nothing. What that Python lacks comes from GPU_DEPS,

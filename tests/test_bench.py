@@ -15,6 +15,8 @@ from pdserve.bench import cli, plots, schema, stats
 from tests.cluster_helpers import start_cluster
 from tests.utils import console_script
 
+pytestmark = pytest.mark.slow
+
 BASE = ["--no-progress", "--ignore-eos", "--no-plots"]
 
 

@@ -16,7 +16,7 @@ from tests.chaos_helpers import (LOAD_TIMEOUT_S, STALL_S, ChaosCluster, Tally, f
                                  wait_tokens)
 from tests.cluster_helpers import log_lines, status
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 N = 6  # concurrent streams per scenario
 BODIES = request_bodies(N, seed=7)

@@ -14,6 +14,8 @@ import pytest
 from tests.cluster_helpers import client, extra_proxy, log_lines, routed, start_cluster, status, wait_until
 from tests.test_generate import hf_greedy, random_prompt
 
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 8
 PREFIXES = [random_prompt(160, seed=900 + i) for i in range(8)]
 PROMPTS = [p + random_prompt(4 + j, seed=1000 + 10 * i + j) for i, p in enumerate(PREFIXES) for j in range(8)]

@@ -17,10 +17,13 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from pdserve.deploy.local_cluster import resolve_model
 from pdserve.engine.real_model import SMOLLM2, find_source
 from tests.cluster_helpers import client
+
+pytestmark = pytest.mark.slow
 
 
 def _lines(proc: subprocess.Popen) -> queue.Queue:

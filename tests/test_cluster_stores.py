@@ -13,6 +13,8 @@ from tests.serve_helpers import ServerProcess
 from tests.test_generate import hf_greedy, random_prompt
 from tests.test_serve_errors import BAD_CHATS, BAD_COMPLETIONS
 
+pytestmark = pytest.mark.slow
+
 MAX_TOKENS = 10
 PROMPTS = [random_prompt(n, seed=700 + n) for n in (40, 150, 300)]
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours. " * 4}]

@@ -16,6 +16,8 @@ from tests.cluster_helpers import NODE_ARGS, status, wait_until
 from tests.connector_helpers import hf_greedy
 from tests.tls_helpers import Pki, make_pki
 
+pytestmark = pytest.mark.slow
+
 KEY = "s3cret-node-key"
 
 

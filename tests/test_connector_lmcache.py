@@ -16,7 +16,7 @@ from tests.connector_helpers import (GREEDY, LENGTHS, LOOKUP_RE, PARTIAL_CASES, 
                                      prompt_tokens_computed, token_ids)
 from tests.utils import free_port, wait_for_port
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -190,6 +190,7 @@ def test_build_is_cached_per_source(tmp_path):
     assert len(list(build.glob("*.so"))) == 2
 
 
+@pytest.mark.slow
 def test_benchmark_script_runs():
     """benchmarks/linear_kernels.py at a toy size (its figures mean nothing here): both tables come out."""
     import subprocess

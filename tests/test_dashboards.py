@@ -19,6 +19,8 @@ from pdserve.deploy.processes import HOST, Child, free_port, python_module
 from tests.browser import Browser
 from tests.cluster_helpers import client, start_cluster, wait_until
 
+pytestmark = pytest.mark.slow
+
 _SUFFIXES = ("_total", "_bucket", "_count", "_sum", "_created")
 
 
@@ -154,6 +156,7 @@ async def _browse(cluster, down_proxy_url: str, down_address: str) -> tuple[list
         await browser.close()
 
 
+@pytest.mark.browser
 def test_status_page_in_chromium(cluster):
     down_address = f"{HOST}:{free_port()}"  # nothing listens there
     port = free_port()

@@ -23,7 +23,7 @@ from pdserve.serving import wire
 from tests.cluster_helpers import MAX_MODEL_LEN, NODE_ARGS, extra_proxy, log_lines, status, wait_until
 from tests.test_generate import hf_greedy, random_prompt
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 KEY = "node-secret"
 PROMPT = random_prompt(40, seed=4242)

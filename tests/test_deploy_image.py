@@ -24,6 +24,8 @@ import pytest
 from pdserve.common.native_build import sources
 from pdserve.deploy.processes import REPO, free_port
 
+pytestmark = pytest.mark.container
+
 BASE = "localhost/pdserve-base:bookworm"
 IMAGE = "localhost/pdserve:test"
 PODMAN = ["podman", "--runtime", "runc"]

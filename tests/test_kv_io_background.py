@@ -17,7 +17,7 @@ from pdserve.serving import LLM, SamplingParams
 from pdserve.engine.request import RequestStatus
 from tests.connector_helpers import ENGINE_KW, FALLBACK_RE, GREEDY, PREFILL, capture, lines, mono_engine, prompt
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 STREAM = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 MAX_STEP_S = 0.5  # a tiny-model step takes milliseconds; the store delays below are seconds

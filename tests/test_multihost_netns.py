@@ -28,6 +28,8 @@ from tests.connector_helpers import hf_greedy
 from tests.netns_helpers import NetnsLab
 from tests.tls_helpers import make_pki
 
+pytestmark = pytest.mark.netns
+
 HOSTS = ["proxy", "prefill0", "prefill1", "decode0", "decode1", "redis", "lmcache"]
 KEY = "node-key-across-hosts"
 STREAM_TOKENS = 200

@@ -83,6 +83,7 @@ def run_offline(script: str, env: dict[str, str]) -> subprocess.CompletedProcess
                           env={**os.environ, "PYTHONPATH": os.getcwd(), **env})
 
 
+@pytest.mark.slow
 def test_offline_api_prints_its_log_lines_kv_transfer_included(tiny_llama, tmp_path):
     store = (tmp_path / "store").as_uri()
     script = f"""

@@ -27,6 +27,8 @@ from tests.serve_helpers import ServerProcess
 from tests.test_generate import hf_greedy, random_prompt
 from tests.test_penalties import reference_penalties
 
+pytestmark = pytest.mark.slow
+
 PROMPTS = [random_prompt(n, seed=900 + n) for n in (20, 37)]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4},
                                            "size": {"type": "integer", "minimum": 0, "maximum": 9}},

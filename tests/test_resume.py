@@ -12,6 +12,8 @@ from pdserve.engine import SamplingParams
 from pdserve.engine.outputs import Resume
 from tests.connector_helpers import mono_engine, prompt
 
+pytestmark = pytest.mark.slow
+
 CASES = {
     "greedy": SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
     "seeded": SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True, logprobs=True),

@@ -170,6 +170,7 @@ def test_seeded_sampling_is_reproducible(client, model_name):
     assert a == b and a != c
 
 
+@pytest.mark.slow
 def test_32_concurrent_streams_get_their_own_output(tiny_llama, server, client, model_name):
     rng = random.Random(5)
     prompts = [random_prompt(rng.randrange(1, 200), seed=1000 + i) for i in range(32)]

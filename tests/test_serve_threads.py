@@ -18,6 +18,8 @@ import pytest
 
 from tests.serve_helpers import ServerProcess
 
+pytestmark = pytest.mark.slow
+
 TOKENS = 48
 
 

@@ -45,6 +45,7 @@ def test_json_schema_output_validates(llm):
             jsonschema.validate(json.loads(out.text), SCHEMA)
 
 
+@pytest.mark.slow
 def test_json_whitespace_is_capped(llm):
     """This model emits whitespace wherever it may: capped per gap, it still closes the object."""
     out = llm.generate(PROMPTS[0], params(0.0, 400, json=SCHEMA))[0]
