@@ -80,7 +80,7 @@ def _options(config: Any) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"unsupported key {unknown[0]!r} (pdserve reads {', '.join(TOP_LEVEL_KEYS)})")
     name = config.get("kv_connector")
-    if name not in CONNECTORS:
+    if not isinstance(name, str) or name not in CONNECTORS:
         raise ValueError(f"unsupported kv_connector {name!r}: pdserve has {', '.join(CONNECTORS)}")
     extra = config.get("kv_connector_extra_config") or {}
     if not isinstance(extra, dict):
@@ -124,7 +124,8 @@ def apply_kv_transfer_config(parser: argparse.ArgumentParser, args: argparse.Nam
     connector = options.pop("kv_connector", None)
     for dest, value in options.items():
         if getattr(args, dest) is not None:
-            parser.error(f"argument --kv-transfer-config: {dest} is also given as {FLAGS[dest]}; give it once")
+            parser.error(f"argument --kv-transfer-config: {FLAGS[dest]} is given both in the JSON and as a flag; "
+                         "give it once")
         setattr(args, dest, value)
     return connector
 

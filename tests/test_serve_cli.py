@@ -91,6 +91,7 @@ def _config(connector: str, role: str | None = None, **extra) -> str:
     ("pd-prefill", "{kv_connector: StoreConnector}", "not valid JSON"),
     ("pd-prefill", '["StoreConnector"]', "expected a JSON object, got list"),
     ("pd-prefill", json.dumps({"kv_role": "kv_producer"}), "unsupported kv_connector None"),
+    ("pd-prefill", json.dumps({"kv_connector": ["StoreConnector"]}), "unsupported kv_connector ['StoreConnector']"),
     ("pd-prefill", json.dumps({"kv_connector": "StoreConnector", "kv_ip": "10.0.0.1"}),
      "unsupported key 'kv_ip' (pdserve reads kv_connector, kv_role, kv_connector_extra_config)"),
     ("pd-decode", _config("StoreConnector", shared_storage_path="/tmp"),
@@ -115,7 +116,7 @@ def test_a_setting_given_in_the_json_and_as_a_flag_is_an_error(flag, value):
     rc, lines = _node("pd-decode", "--kv-transfer-config",
                       _config("StoreConnector", "kv_consumer", kv_store="file:///tmp/kv", chunk_size=32), flag, value)
     assert rc == 2 and len(lines) == 1, lines
-    assert f"is also given as {flag}; give it once" in lines[0], lines
+    assert f"--kv-transfer-config: {flag} is given both in the JSON and as a flag; give it once" in lines[0], lines
 
 
 @pytest.mark.parametrize("value,args,env,message", [
@@ -151,13 +152,14 @@ def _log_line(server: ServerProcess, pattern: str, timeout_s: float = 10.0) -> r
 
 def test_kv_transfer_config_runs_a_prefill_and_a_decode_node(tiny_llama, tmp_path):
     """vLLM-style JSON alone configures both nodes: the prefill node (vLLM's SharedStorageConnector, its
-    directory as a file store, chunks of 32) saves, the decode node (StoreConnector on the same store) finds
-    the prefix chunk by chunk: a prompt sharing its first 70 tokens hits 64 of them, two whole chunks."""
+    directory as a file store, chunks of 32) saves; the decode node (StoreConnector on the same store, and
+    kv_both instead of its default kv_consumer) finds the prefix chunk by chunk (a prompt sharing its first
+    70 tokens hits 64 of them, two whole chunks) and saves the rest of its prompt."""
     store = tmp_path / "kv"
     common = ["--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-memory", "16MiB",
               "--max-model-len", "256", "--shutdown-timeout", "1"]
     prefill_config = _config("SharedStorageConnector", "kv_producer", shared_storage_path=str(store), chunk_size=32)
-    decode_config = _config("StoreConnector", "kv_consumer", kv_store=store.as_uri(), chunk_size=32)
+    decode_config = _config("StoreConnector", "kv_both", kv_store=store.as_uri(), chunk_size=32)
     first = list(range(5, 105))
     second = first[:70] + [7] * 30
     with ServerProcess(*common, "--grpc-port", "0", "--kv-transfer-config", prefill_config,
@@ -167,8 +169,7 @@ def test_kv_transfer_config_runs_a_prefill_and_a_decode_node(tiny_llama, tmp_pat
         status, _, body = prefill.request("POST", "/v1/completions", {"prompt": first, "max_tokens": 1},
                                           {"X-Request-Id": "first"})
         assert status == 200, body
-        stored = _log_line(prefill, r"Reqid: first, Stored (\d+) tokens \[0, 100\) of 100")
-        assert stored.group(1) == "100"
+        _log_line(prefill, r"Reqid: first, Stored 100 tokens \[0, 100\) of 100")
         assert any(store.rglob("*")), "the SharedStorageConnector directory holds no objects"
 
         status, _, body = decode.request("POST", "/v1/completions", {"prompt": second, "max_tokens": 4},
@@ -176,3 +177,4 @@ def test_kv_transfer_config_runs_a_prefill_and_a_decode_node(tiny_llama, tmp_pat
         assert status == 200, body
         _log_line(decode, r"Reqid: second, Total tokens 100, Local computed tokens: 0, KV hit tokens: 64, "
                           r"need to load: 64")
+        _log_line(decode, r"Reqid: second, Stored 36 tokens \[64, 100\) of 100 \(skip_leading_tokens=64\)")
