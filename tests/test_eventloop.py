@@ -44,6 +44,7 @@ def test_processes_refuse_an_unknown_loop_in_one_line(prog, args):
     assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: PDSERVE_EVENT_LOOP must be one of"), proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["uvloop", "asyncio"])
 def test_pd_serve_runs_on_the_chosen_loop(tiny_llama, monkeypatch, kind):
     """Nodes and pd-serve share run_node: uvloop's extension is loaded in the serving process only when

@@ -11,6 +11,8 @@ from pdserve.engine.sampling_params import StructuredOutputsParams
 from pdserve.engine.structured_output import check_structured_outputs
 from pdserve.serving import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow
+
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string", "maxLength": 4}, "size": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -45,7 +47,6 @@ def test_json_schema_output_validates(llm):
             jsonschema.validate(json.loads(out.text), SCHEMA)
 
 
-@pytest.mark.slow
 def test_json_whitespace_is_capped(llm):
     """This model emits whitespace wherever it may: capped per gap, it still closes the object."""
     out = llm.generate(PROMPTS[0], params(0.0, 400, json=SCHEMA))[0]
