@@ -184,6 +184,7 @@ def test_redis_stopped_between_prefill_and_decode(redis_pair, redis_module, mono
     assert consumer.generate([full], GREEDY)[0].num_cached_tokens == 299
 
 
+@pytest.mark.slow
 def test_frozen_redis_hits_the_load_deadline(redis_pair, redis_module, mono, caplog):
     """Redis stops answering after the lookup: the load gives up at load_timeout_s and recomputes."""
     producer, consumer = redis_pair

@@ -112,6 +112,7 @@ def test_unreachable_cluster_is_unavailable_and_bad_urls_are_value_errors():
             open_store(bad)
 
 
+@pytest.mark.slow
 def test_master_failover_is_a_fallback_then_hits_resume():
     cluster = RedisClusterServer(masters=3, replicas=1, node_timeout_ms=500)
     cluster.start()

@@ -48,6 +48,7 @@ def test_object_under_another_chunks_key_is_a_corrupt_fallback(tiny_llama, tmp_p
         consumer.engine.shutdown()
 
 
+@pytest.mark.slow
 def test_cluster_handoff_is_exact_through_a_master_failover(tiny_llama, caplog):
     cluster = RedisClusterServer(masters=3, replicas=1, node_timeout_ms=500)
     cluster.start()

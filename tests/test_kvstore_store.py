@@ -183,6 +183,7 @@ def test_foreign_model_or_dtype_is_corrupt_not_garbage(url):
         assert wrong_dtype.stats().errors == 1
 
 
+@pytest.mark.slow
 def test_concurrent_writer_processes_leave_a_valid_store(process_url):
     url = process_url
     keys, layers = make_chunks(100, LAYERS)  # what the writer processes write

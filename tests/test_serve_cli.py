@@ -11,6 +11,9 @@ import time
 
 import pytest
 
+from pdserve.decode_node.__main__ import ROLE as DECODE
+from pdserve.prefill_node.__main__ import ROLE as PREFILL
+from pdserve.serving.node import node_main
 from tests.serve_helpers import PD_SERVE, ServerProcess
 from tests.utils import console_script, free_port
 
@@ -77,6 +80,16 @@ def _node(prog: str, *args: str, env: dict[str, str] | None = None) -> tuple[int
     return proc.returncode, proc.stderr.strip().splitlines()
 
 
+def _usage_error(capsys, prog: str, *argv: str) -> list[str]:
+    """A node command line that parsing refuses, run in this process (parsing fails before anything
+    starts, and a subprocess would spend a second importing to show the same): exit 2, stderr's lines."""
+    role = {"pd-prefill": PREFILL, "pd-decode": DECODE}[prog]
+    with pytest.raises(SystemExit) as exit_info:
+        node_main(role, ["--port", "0", "--grpc-port", "0", *argv])
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()
+
+
 def _config(connector: str, role: str | None = None, **extra) -> str:
     config: dict = {"kv_connector": connector, "kv_connector_extra_config": extra}
     if role is not None:
@@ -104,18 +117,18 @@ def _config(connector: str, role: str | None = None, **extra) -> str:
     ("pd-decode", _config("LMCacheConnectorV1", "kv_consumer"),
      "LMCacheConnectorV1 needs kv_connector_extra_config.kv_store (lm://host:port)"),
 ])
-def test_bad_kv_transfer_config_is_one_line_exit_2(prog, value, fragment):
-    rc, lines = _node(prog, "--kv-transfer-config", value)
-    assert rc == 2 and len(lines) == 1, lines
+def test_bad_kv_transfer_config_is_one_line_exit_2(capsys, prog, value, fragment):
+    lines = _usage_error(capsys, prog, "--kv-transfer-config", value)
+    assert len(lines) == 1, lines
     assert lines[0].startswith(f"{prog}: error: argument --kv-transfer-config: ") and fragment in lines[0], lines
 
 
 @pytest.mark.parametrize("flag,value", [("--kv-role", "kv_both"), ("--chunk-size", "64"),
                                         ("--kv-store", "file:///tmp/other")])
-def test_a_setting_given_in_the_json_and_as_a_flag_is_an_error(flag, value):
-    rc, lines = _node("pd-decode", "--kv-transfer-config",
-                      _config("StoreConnector", "kv_consumer", kv_store="file:///tmp/kv", chunk_size=32), flag, value)
-    assert rc == 2 and len(lines) == 1, lines
+def test_a_setting_given_in_the_json_and_as_a_flag_is_an_error(capsys, flag, value):
+    lines = _usage_error(capsys, "pd-decode", "--kv-transfer-config",
+                         _config("StoreConnector", "kv_consumer", kv_store="file:///tmp/kv", chunk_size=32), flag, value)
+    assert len(lines) == 1, lines
     assert f"--kv-transfer-config: {flag} is given both in the JSON and as a flag; give it once" in lines[0], lines
 
 
