@@ -42,8 +42,8 @@ test-tools: promtool
 test: install redis-server container-tools test-tools
 	$(PY) -m pytest -q tests
 
-# The inner loop: no container build, no browser, no network namespaces, none of the minutes-long
-# cluster suites (pytest markers, registered in pyproject.toml; a new slow test file carries its marker).
+# The inner loop: no container build, no browser, no network namespaces, none of the slow cluster suites
+# or tests (pytest markers, registered in pyproject.toml; a new test that takes seconds carries `slow`).
 QUICK_MARKERS := not container and not browser and not netns and not slow
 test-quick: install redis-server promtool
 	$(PY) -m pytest -q -m "$(QUICK_MARKERS)" tests
