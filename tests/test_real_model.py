@@ -19,6 +19,8 @@ from pdserve.engine.tokenizer import load_tokenizer
 from tests.real_model_helpers import CONVERSATIONS, MAX_TOKENS, chat_ids, near_ties
 from tests.test_models import hf_logits, step
 
+pytestmark = pytest.mark.slow  # makes the real model once per machine, then runs it in fp32
+
 
 def _make_model(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([*console_script("pd-make-model"), *args], capture_output=True, text=True, timeout=300,

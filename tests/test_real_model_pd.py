@@ -10,6 +10,8 @@ from pdserve.engine.tokenizer import load_tokenizer
 from tests.cluster_helpers import CHUNK_SIZE, client, kv_hits, start_cluster
 from tests.real_model_helpers import CONVERSATIONS, MAX_TOKENS, chat_ids, near_ties
 
+pytestmark = pytest.mark.slow  # P/D clusters on the real model
+
 # fp32 KV of this model is 45 KiB a token: 192 MiB holds about 4,300 tokens, so the 1,200-token prompt fits.
 NODE_ARGS = ["--dtype", "float32", "--kv-cache-memory", "192MiB", "--max-model-len", "2048",
              "--chunk-size", str(CHUNK_SIZE), "--shutdown-timeout", "1"]

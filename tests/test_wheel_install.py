@@ -34,6 +34,8 @@ from pdserve.common.native_build import runnable_targets
 from pdserve.deploy.processes import REPO, SHARED_CORES_ENV, free_port
 from tests.connector_helpers import hf_greedy
 
+pytestmark = pytest.mark.slow  # builds a wheel and a venv, then starts servers from it
+
 PROMPT = "The wheel under test, installed outside the checkout, " * 6  # 330 byte tokens: two KV chunks
 MAX_TOKENS = 8
 STARTUP_S = 180.0  # a first start builds the kernels
