@@ -64,6 +64,9 @@ gpu-deps: install redis-server
 check-kernels: install
 	env -u TRITON_INTERPRET $(PY) -m pdserve.kernels.compile_check
 
+# The P/D cluster on localhost (deploy/local_cluster.py; ARGS go to it). Keep the recipe one plain command:
+# make then runs the launcher itself, with no shell between, and the launcher stops every child when make
+# alone is sent SIGINT, which make does not pass on (deploy/parent_watch.py).
 serve: install
 	$(PY) -m pdserve.deploy.local_cluster $(ARGS)
 

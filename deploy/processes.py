@@ -21,6 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.deploy.listeners import owns_port
 from pdserve.proxy.router import DEFAULT_POLICY
 
 HOST = "127.0.0.1"
@@ -94,6 +95,7 @@ class Child:
     argv: list[str]
     log_dir: Path
     env: dict[str, str] | None = None
+    ports: list[int] = field(default_factory=list)  # where it listens: checked before "ready"
     proc: subprocess.Popen | None = None
     _terminated: bool = False
 
@@ -135,6 +137,17 @@ class Child:
             self.proc.kill()
             self.proc.wait()
 
+    def listen_ports(self) -> list[int]:
+        """The ports this child was given to listen on (a Node: HTTP and gRPC)."""
+        return list(self.ports)
+
+    def not_listening(self) -> list[int]:
+        """Those of its ports this child does not hold a listening socket on (yet, or because another
+        process has them); [] when the system cannot tell (deploy/listeners.py)."""
+        if not self.alive:
+            return self.listen_ports()
+        return [p for p in self.listen_ports() if owns_port(self.proc.pid, p) is False]
+
     def tail(self, lines: int = 15) -> str:
         try:
             return "\n".join(self.out_path.read_text(errors="replace").splitlines()[-lines:])
@@ -151,6 +164,13 @@ class Node(Child):
     @property
     def log_file(self) -> Path:
         return self.log_dir / f"{self.name}.log"
+
+    def listen_ports(self) -> list[int]:
+        return [self.http_port, self.grpc_port]
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{HOST}:{self.http_port}"
 
     @property
     def grpc_address(self) -> str:
@@ -207,7 +227,8 @@ class LocalCluster:
         self.proxy = Child("proxy", python_module(
             "pdserve.proxy", "--host", HOST, "--port", str(self.proxy_port), "--policy", spec.policy,
             "--prefill", ",".join(n.grpc_address for n in self.prefill),
-            "--decode", ",".join(n.grpc_address for n in self.decode), *spec.proxy_args), spec.log_dir, spec.env)
+            "--decode", ",".join(n.grpc_address for n in self.decode), *spec.proxy_args), spec.log_dir, spec.env,
+            ports=[self.proxy_port])
 
     def _store_server(self) -> str:
         port = free_port()
@@ -217,11 +238,11 @@ class LocalCluster:
                 raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
             argv = [exe, "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no",
                     "--maxmemory", self.spec.redis_maxmemory, "--maxmemory-policy", "allkeys-lru"]
-            self.store_server = Child("redis", argv, self.spec.log_dir)
+            self.store_server = Child("redis", argv, self.spec.log_dir, ports=[port])
             return f"redis://{HOST}:{port}/0"
         if self.spec.store == "lmcache":
             self.store_server = Child("lmcache", python_module("lmcache.v1.server", HOST, str(port), "cpu"),
-                                      self.spec.log_dir)
+                                      self.spec.log_dir, ports=[port])
             return f"lm://{HOST}:{port}"
         store_dir = self.spec.log_dir / "kvstore"
         return store_dir.resolve().as_uri()
@@ -267,18 +288,46 @@ class LocalCluster:
             return None
 
     def wait_healthy(self, num_prefill: int, num_decode: int, timeout_s: float = 60.0) -> dict:
-        """Until the proxy reports this many healthy prefill and decode nodes; raises if a child died."""
+        """Until the proxy reports this many healthy prefill and decode nodes, and every child still running
+        listens on the ports it was given (an answer from another process on one of them does not count);
+        raises if a child died or the deadline passed."""
         deadline = time.monotonic() + timeout_s
+        status = None
         while time.monotonic() < deadline:
             failed = [c for c in self.children if c.proc is not None and (c.proc.poll() or 0) > 0]
             if failed:  # exited on its own with an error (a node we killed has a negative status)
                 raise RuntimeError(f"{failed[0].name} exited with {failed[0].proc.returncode}:\n{failed[0].tail()}")
             status = self.status()
             if status and sum(n["healthy"] for n in status["prefill"]) == num_prefill \
-                    and sum(n["healthy"] for n in status["decode"]) == num_decode:
+                    and sum(n["healthy"] for n in status["decode"]) == num_decode \
+                    and not self.not_listening() and self._nodes_answer():
                 return status
             time.sleep(0.2)
-        raise RuntimeError(f"cluster not healthy after {timeout_s:.0f}s: {self.status()}")
+        missing = self.not_listening()
+        where = "; ".join(f"{name} does not listen on {', '.join(f'{HOST}:{p}' for p in ports)}"
+                          for name, ports in missing.items())
+        raise RuntimeError(f"cluster not healthy after {timeout_s:.0f}s: " + (where or f"proxy status {status}"))
+
+    def not_listening(self) -> dict[str, list[int]]:
+        """{child: its ports it holds no listening socket on}, over the children still running."""
+        out = {}
+        for child in self.children:
+            if child.alive and (ports := child.not_listening()):
+                out[child.name] = ports
+        return out
+
+    def _nodes_answer(self) -> bool:
+        """Every running node's HTTP port answers /health (the proxy's check covers gRPC only)."""
+        for node in [*self.prefill, *self.decode]:
+            if not node.alive:
+                continue
+            try:
+                with urllib.request.urlopen(node.http_url + "/health", timeout=2) as r:
+                    if r.status != 200:
+                        return False
+            except (urllib.error.URLError, OSError):
+                return False
+        return True
 
     def stop(self) -> dict[str, int | None]:
         """Stop the proxy first (no new requests), then the nodes, then the store server."""

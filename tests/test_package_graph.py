@@ -24,7 +24,7 @@ ALLOWED = {
     "proxy": {"common", "protos", "serving"},
     "prefill_node": {"serving"},
     "decode_node": {"serving"},
-    "deploy": {"engine", "proxy"},
+    "deploy": {"common", "engine", "proxy"},
     "bench": {"deploy", "engine"},
 }
 PACKAGES = set(ALLOWED) | {"tests", "benchmarks"}
