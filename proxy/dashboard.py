@@ -1,9 +1,15 @@
-"""The proxy's status page (`/dashboard`, and `/`): every node with its health, load and cache hit rate.
+"""The proxy's status page (`/dashboard`, and `/`): every node with its health, load, cache and KV-store
+figures and latencies, and the cluster's throughput and store hit rate over ten minutes.
 
 One self-contained HTML page (no external scripts, styles or fonts: it works on an air-gapped
 cluster) that polls the proxy's `/status` JSON every second and redraws. Node fields are written
 with textContent, never as HTML, so an error message from a node cannot inject markup. The page
 counts its successful refreshes in `body[data-updates]` (the browser test watches it).
+
+Whose numbers: health, in flight and routed are this proxy's own; the KV-store columns, TTFT and
+ITL come from each node's /metrics, sampled by the proxy (proxy/node_figures.py says how); the
+cluster cards add up the decode nodes' samples of each tick (the sparklines: one point per tick,
+ten minutes).
 """
 from __future__ import annotations
 
@@ -35,26 +41,48 @@ PAGE = """<!doctype html>
   .err { color: #b3261e; font-size: .85em; }
   .bar { display: inline-block; width: 5em; height: .7em; background: #e4e7ec; margin-right: .4em; }
   .bar > span { display: block; height: 100%; background: #3b6fd6; }
+  .card small { display: block; color: #5b6475; font-size: .8em; max-width: 16em; }
+  .spark { display: block; margin-top: .3em; }
+  .spark polyline { fill: none; stroke: #3b6fd6; stroke-width: 1.5; }
+  .spark rect { fill: #eef1f5; }
+  .note { color: #5b6475; font-size: .85em; margin: .4em 0 0; }
 </style>
 </head>
 <body data-updates="0">
 <h1>pdserve proxy</h1>
 <div id="meta">policy <span id="policy">-</span> &middot; <span id="state">connecting&hellip;</span></div>
 <div class="cards">
-  <div class="card">prefill nodes healthy<b id="prefill-healthy">-</b></div>
-  <div class="card">decode nodes healthy<b id="decode-healthy">-</b></div>
-  <div class="card">requests in flight<b id="in-flight">-</b></div>
-  <div class="card">requests routed<b id="routed">-</b></div>
+  <div class="card">prefill nodes healthy<b id="prefill-healthy">-</b><small>by this proxy's health checks</small></div>
+  <div class="card">decode nodes healthy<b id="decode-healthy">-</b><small>by this proxy's health checks</small></div>
+  <div class="card">requests in flight<b id="in-flight">-</b><small>this proxy's open calls, all nodes</small></div>
+  <div class="card">requests routed<b id="routed">-</b><small>by this proxy to decode nodes since it started,
+    retries included</small></div>
+  <div class="card">output tokens/s<b id="throughput">-</b><small>decode nodes, last minute; line: last 10 minutes
+    </small><svg id="throughput-spark" class="spark" width="180" height="36"></svg></div>
+  <div class="card">KV-store hit rate<b id="store-hit-rate">-</b><small>decode nodes' store lookups (hit tokens /
+    prompt tokens), last minute; line: last 10 minutes</small>
+    <svg id="hit-rate-spark" class="spark" width="180" height="36"></svg></div>
 </div>
 <h2>Prefill nodes</h2>
 <table id="prefill"><thead></thead><tbody></tbody></table>
 <h2>Decode nodes</h2>
 <table id="decode"><thead></thead><tbody></tbody></table>
+<p class="note">In flight and routed: this proxy's counts. KV usage and prefix-cache hit rate: the node's last
+health probe. KV-store columns: the node's own counters since it started (its /metrics, read by this proxy every
+few seconds). TTFT and ITL: measured by the node over the last minute, from a request's arrival at that node (a
+decode node's TTFT leaves out the prefill).</p>
 <script>
 "use strict";
 const REFRESH_MS = __REFRESH_MS__;
-const COLUMNS = ["node", "health", "in flight", "routed", "running", "waiting", "KV usage", "prefix-cache hit rate"];
-const pct = (x) => (x === null || x === undefined) ? "-" : (100 * x).toFixed(1) + "%";
+const COLUMNS = ["node", "health", "in flight", "routed", "running", "waiting", "KV usage", "prefix-cache hit rate",
+                 "KV-store hit rate", "store loads", "fallbacks", "save failures", "TTFT p50 / p99 (ms)",
+                 "ITL p50 / p99 (ms)"];
+const WINDOW_S = 60, HISTORY_S = 600;
+const missing = (x) => x === null || x === undefined;
+const pct = (x) => missing(x) ? "-" : (100 * x).toFixed(1) + "%";
+const ms = (x) => missing(x) ? "-" : (x >= 100 ? x.toFixed(0) : x.toFixed(1));
+const pair = (d) => (!d || (missing(d.p50) && missing(d.p99))) ? "-" : ms(d.p50) + " / " + ms(d.p99);
+const count = (store, key) => store ? String(store[key]) : "-";
 
 function cell(row, text, cls) {
   const td = row.insertCell();
@@ -99,9 +127,72 @@ function drawRole(role, nodes) {
     bar.appendChild(fill);
     kv.append(bar, pct(n.kv_usage));
     cell(row, pct(n.prefix_cache_hit_rate));
+    const m = n.metrics, store = m ? m.store : null;
+    cell(row, store ? pct(store.hit_rate) : "-");
+    for (const key of ["loads", "fallbacks", "save_failures"]) cell(row, count(store, key));
+    cell(row, m ? pair(m.latency.ttft_ms) : "-");
+    cell(row, m ? pair(m.latency.itl_ms) : "-");
   }
   document.getElementById(role + "-healthy").textContent =
     nodes.filter((n) => n.healthy).length + " / " + nodes.length;
+}
+
+// The decode nodes' history summed per tick (the proxy samples every node at one time per tick).
+function clusterTicks(nodes) {
+  const ticks = new Map();
+  for (const n of nodes) {
+    const h = n.metrics && n.metrics.history;
+    if (!h) continue;
+    h.t.forEach((t, i) => {
+      const e = ticks.get(t) || {t: t, seconds: 0, tokens: 0, hits: 0, lookups: 0};
+      e.seconds = Math.max(e.seconds, h.seconds[i]);
+      e.tokens += h.output_tokens[i];
+      e.hits += h.store_hit_tokens[i];
+      e.lookups += h.store_lookup_tokens[i];
+      ticks.set(t, e);
+    });
+  }
+  return Array.from(ticks.values()).sort((a, b) => a.t - b.t);
+}
+
+function spark(id, points, top, now) {
+  const svg = document.getElementById(id);
+  const w = Number(svg.getAttribute("width")), h = Number(svg.getAttribute("height"));
+  const NS = "http://www.w3.org/2000/svg";
+  svg.replaceChildren();
+  const bg = document.createElementNS(NS, "rect");
+  bg.setAttribute("width", w);
+  bg.setAttribute("height", h);
+  svg.appendChild(bg);
+  let run = [];
+  const flush = () => {
+    if (run.length) {
+      const line = document.createElementNS(NS, "polyline");
+      line.setAttribute("points", (run.length === 1 ? [run[0], run[0]] : run).join(" "));
+      svg.appendChild(line);
+    }
+    run = [];
+  };
+  for (const [t, v] of points) {
+    if (missing(v)) { flush(); continue; }
+    const x = Math.max(0, w - (now - t) / HISTORY_S * w), y = h - 2 - (h - 4) * Math.min(1, v / (top || 1));
+    run.push(x.toFixed(1) + "," + y.toFixed(1));
+  }
+  flush();
+  svg.dataset.points = String(points.filter(([, v]) => !missing(v)).length);
+}
+
+function drawCluster(decode) {
+  const ticks = clusterTicks(decode);
+  const now = ticks.length ? ticks[ticks.length - 1].t : 0;
+  const recent = ticks.filter((e) => now - e.t < WINDOW_S);
+  const sum = (key) => recent.reduce((s, e) => s + e[key], 0);
+  const seconds = sum("seconds"), lookups = sum("lookups");
+  document.getElementById("throughput").textContent = seconds ? (sum("tokens") / seconds).toFixed(1) : "-";
+  document.getElementById("store-hit-rate").textContent = lookups ? pct(sum("hits") / lookups) : "-";
+  const rates = ticks.map((e) => [e.t, e.seconds ? e.tokens / e.seconds : null]);
+  spark("throughput-spark", rates, Math.max(1, ...rates.map(([, v]) => v || 0)), now);
+  spark("hit-rate-spark", ticks.map((e) => [e.t, e.lookups ? e.hits / e.lookups : null]), 1, now);
 }
 
 function draw(status) {
@@ -111,6 +202,7 @@ function draw(status) {
   const all = status.prefill.concat(status.decode);
   document.getElementById("in-flight").textContent = String(all.reduce((s, n) => s + n.in_flight, 0));
   document.getElementById("routed").textContent = String(status.decode.reduce((s, n) => s + n.routed, 0));
+  drawCluster(status.decode);
 }
 
 function setState(text, down) {

@@ -2,20 +2,24 @@
 
 A node is healthy once its `Health` RPC answers; any failed periodic check, or an
 UNAVAILABLE from a request's own RPC, takes it out at once. Stats from the same probe
-feed the least-loaded policy.
+feed the least-loaded policy. Every SAMPLE_S the monitor also reads each healthy node's
+/metrics on its HTTP port for the status page (proxy/node_figures.py); routing never uses them.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
+import aiohttp
 import grpc
 
 from pdserve.protos import KEEPALIVE_CLIENT_OPTIONS, MESSAGE_LIMITS
 from pdserve.protos import pdserve_pb2 as pb
 from pdserve.protos import pdserve_pb2_grpc as pb_grpc
 from pdserve.proxy.http_generate import FrameCall, HttpGenerate, http_base
+from pdserve.proxy.node_figures import SAMPLE_S, NodeFigures, parse
 from pdserve.serving.auth import GrpcSecurity, node_channel
 
 logger = logging.getLogger(__name__)
@@ -79,6 +83,12 @@ class Node:
         self.last_error: str | None = None
         self.model_names: list[str] = []
         self.max_model_len = 0
+        self.http_port = 0  # where the node serves HTTP (/metrics, and Generate), from its Health answer
+        self.figures = NodeFigures()
+
+    @property
+    def metrics_url(self) -> str | None:
+        return http_base(self.address, self.http_port) + "/metrics" if self.http_port else None
 
     def connect(self) -> None:
         """Open the channel; inside the running event loop, which grpc.aio binds it to."""
@@ -142,6 +152,7 @@ class Node:
         if self.http is not None:
             await self._check_http(health.http_port, timeout_s)
         self.model_names, self.max_model_len = list(health.served_model_names), health.max_model_len
+        self.http_port = health.http_port
         self.load.num_running, self.load.num_waiting = stats.num_running, stats.num_waiting
         self.load.num_free_blocks, self.load.num_total_blocks = stats.num_free_blocks, stats.num_total_blocks
         self.load.kv_usage = stats.kv_usage
@@ -157,7 +168,25 @@ class Node:
                 "waiting": self.load.num_waiting, "free_blocks": self.load.num_free_blocks,
                 "total_blocks": self.load.num_total_blocks, "kv_usage": round(self.load.kv_usage, 4),
                 "prefix_cache_hit_rate": _round(self.load.prefix_cache_hit_rate), "last_error": self.last_error,
-                "generate_over": self.http_url or "grpc"}
+                "generate_over": self.http_url or "grpc", "metrics_url": self.metrics_url,
+                "metrics": self.figures.status()}
+
+    async def sample_metrics(self, http: aiohttp.ClientSession, tick: float, timeout_s: float) -> None:
+        """One /metrics sample for the status page; a failure is noted on the figures, never raised."""
+        url = self.metrics_url
+        if url is None:
+            return
+        try:
+            async with http.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                if resp.status != 200:
+                    raise aiohttp.ClientError(f"HTTP {resp.status}")
+                self.figures.add(parse(await resp.text(), tick))
+            self.figures.last_error = None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            if self.figures.last_error is None:
+                logger.info("%s node %s: no metrics sample from %s (%s)", self.role, self.address, url,
+                            str(e) or type(e).__name__)
+            self.figures.last_error = str(e) or type(e).__name__
 
     async def close(self) -> None:
         if self.channel is not None:
@@ -165,13 +194,17 @@ class Node:
 
 
 class HealthMonitor:
-    """Probes every node each `interval_s` in the background."""
+    """Probes every node each `interval_s` in the background, and samples the healthy nodes' /metrics each
+    `sample_s` for the status page."""
 
-    def __init__(self, nodes: list[Node], interval_s: float = 1.0, timeout_s: float = 1.0) -> None:
+    def __init__(self, nodes: list[Node], interval_s: float = 1.0, timeout_s: float = 1.0,
+                 sample_s: float = SAMPLE_S) -> None:
         self.nodes = nodes
         self.interval_s = interval_s
         self.timeout_s = timeout_s
+        self.sample_s = sample_s
         self._task: asyncio.Task | None = None
+        self._sampler: asyncio.Task | None = None
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(node) for node in self.nodes))
@@ -189,10 +222,23 @@ class HealthMonitor:
             await asyncio.sleep(self.interval_s)
             await self.check_all()
 
+    async def _sample(self) -> None:
+        loop = asyncio.get_running_loop()
+        async with aiohttp.ClientSession() as http:
+            next_tick = loop.time()
+            while True:
+                tick = time.time()  # one time for every node of the tick: the page sums them per tick
+                await asyncio.gather(*(n.sample_metrics(http, tick, self.sample_s / 2)
+                                       for n in self.nodes if n.healthy))
+                next_tick += self.sample_s
+                await asyncio.sleep(max(0.0, next_tick - loop.time()))
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
+        self._sampler = asyncio.create_task(self._sample())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._sampler):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)

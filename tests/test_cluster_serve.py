@@ -126,6 +126,7 @@ def test_local_cluster_from_fresh_cache_serves_and_stops_cleanly(tmp_path, smoll
     assert stopped == "proxy (exit 0), prefill0 (exit 0), decode0 (exit 0)"
 
 
+@pytest.mark.slow
 def test_the_tiny_model_is_one_flag_away(tmp_path, monkeypatch):
     """`make serve ARGS="--model tiny"`: the random-weight model, made in the cache, served under its
     directory's name."""

@@ -1,5 +1,6 @@
 """What operators look at: the Grafana dashboard (deploy/grafana/pdserve.json) against a live cluster's
-/metrics, and the proxy's status page in a real headless Chromium."""
+/metrics, and the proxy's status page in a real headless Chromium: its node table, and its KV-store,
+latency and throughput panels against the numbers the live nodes export."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.deploy.grafana_dashboard import DASHBOARD_PATH, build, queried_metrics
 from pdserve.deploy.processes import HOST, Child, free_port, python_module
+from pdserve.proxy import node_figures
 from tests.browser import Browser
 from tests.cluster_helpers import client, start_cluster, wait_until
 
@@ -185,3 +187,157 @@ def _decode_health(url: str) -> list[bool] | None:
         return [n["healthy"] for n in httpx.get(url + "/status", timeout=2).json()["decode"]]
     except (httpx.HTTPError, ValueError):
         return None
+
+
+# ------------------------------------------------------------------ status page: the nodes' own figures
+
+def _oracle_quantile(q: float, text: str, name: str) -> float | None:
+    """histogram_quantile(q, name) over one node's whole histogram, written out here as the test's oracle."""
+    buckets: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name + "_bucket":
+                buckets[float(s.labels["le"])] = buckets.get(float(s.labels["le"]), 0.0) + s.value
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]]
+    if total == 0:
+        return None
+    rank, prev_bound, prev_count = q * total, 0.0, 0.0
+    for b in bounds:
+        if buckets[b] >= rank:
+            if b == float("inf"):
+                return prev_bound
+            return prev_bound + (b - prev_bound) * (rank - prev_count) / (buckets[b] - prev_count)
+        prev_bound, prev_count = b, buckets[b]
+    return prev_bound
+
+
+def _node_numbers(http_url: str) -> dict[str, object]:
+    """What the page must show for one node, from the node's own /metrics."""
+    text = httpx.get(http_url + "/metrics", timeout=10).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            values[s.name] = values.get(s.name, 0.0) + s.value
+    lookups = values["pdserve_kv_lookup_tokens_total"]
+
+    def pair(name: str) -> str:
+        p50, p99 = (_oracle_quantile(q, text, name) for q in (0.5, 0.99))
+        if p50 is None:
+            return "-"
+        return " / ".join(f"{v * 1e3:.0f}" if v * 1e3 >= 100 else f"{v * 1e3:.1f}" for v in (p50, p99))
+
+    return {"store hit rate": f"{100 * values['pdserve_kv_hit_tokens_total'] / lookups:.1f}%" if lookups else "-",
+            "loads": str(int(values["pdserve_kv_load_seconds_count"])),
+            "fallbacks": str(int(values.get("pdserve_kv_fallbacks_total", 0))),
+            "save failures": str(int(values.get("pdserve_kv_save_failures_total", 0))),
+            "ttft": pair("pdserve_time_to_first_token_seconds"), "itl": pair("pdserve_inter_token_latency_seconds")}
+
+
+_NEW_COLUMNS = ("store hit rate", "loads", "fallbacks", "save failures", "ttft", "itl")  # cells 8..13
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tiny_llama, tmp_path_factory):
+    c = start_cluster(tiny_llama, tmp_path_factory.mktemp("dashboards-redis"), store="redis")
+    yield c
+    c.stop()
+
+
+def _sampled(url: str, predicate) -> bool:
+    status = httpx.get(url + "/status", timeout=5).json()
+    return all(n["metrics"] is not None for n in status["prefill"] + status["decode"]) and predicate(status)
+
+
+async def _panels(url: str) -> tuple[list[str], dict[str, list[list[str]]], dict[str, str], list[str]]:
+    browser = await Browser(1400, 900).start()
+    try:
+        await browser.goto(url + "/dashboard")
+        await browser.wait_for("Number(document.body.dataset.updates) >= 1")
+        rows = {role: await browser.eval(_rows(role)) for role in ("prefill", "decode")}
+        header = await browser.eval("Array.from(document.querySelectorAll('#decode thead th')).map(h => h.textContent)")
+        cards = await browser.eval("Object.fromEntries(Array.from(document.querySelectorAll('.card')).map(c => "
+                                   "[c.firstChild.textContent.trim(), c.innerText]))")
+        cards["throughput points"] = await browser.eval("document.getElementById('throughput-spark').dataset.points")
+        cards["hit-rate points"] = await browser.eval("document.getElementById('hit-rate-spark').dataset.points")
+        cards["throughput"] = await browser.eval("document.getElementById('throughput').textContent")
+        cards["hit rate"] = await browser.eval("document.getElementById('store-hit-rate').textContent")
+        return header, rows, cards, browser.errors
+    finally:
+        await browser.close()
+
+
+@pytest.mark.browser
+def test_status_page_panels_show_the_live_nodes_numbers(redis_cluster):
+    """Real traffic through a redis-store cluster: two requests whose KV goes through the store, then
+    redis-server dies and a third request's save fails on the prefill node and its lookup falls back on the
+    decode node. The page's KV-store, TTFT and ITL cells equal what each node's own /metrics says; the
+    cards show the decode nodes' throughput and store hit rate with a ten-minute sparkline, and say whose
+    numbers they are."""
+    c = redis_cluster
+    for i in range(2):
+        complete(c.url, f"Request {i} of the dashboard test reads and writes the KV store. " * 12, max_tokens=8)
+    c.store_server.kill()
+    complete(c.url, "After the store died this request recomputes its prompt. " * 12, max_tokens=8)
+    decode_fallbacks = lambda st: st["decode"][0]["metrics"]["store"]["fallbacks"] >= 1  # noqa: E731
+    prefill_failures = lambda st: st["prefill"][0]["metrics"]["store"]["save_failures"] >= 1  # noqa: E731
+    wait_until(lambda: _sampled(c.url, lambda st: decode_fallbacks(st) and prefill_failures(st)),
+               "the proxy's sample of the failures", 3 * node_figures.SAMPLE_S + 10)
+    header, rows, cards, errors = asyncio.run(_panels(c.url))
+    assert errors == [], errors
+    assert header[8:] == ["KV-store hit rate", "store loads", "fallbacks", "save failures", "TTFT p50 / p99 (ms)",
+                          "ITL p50 / p99 (ms)"]
+    for role, nodes in (("prefill", c.prefill), ("decode", c.decode)):
+        for row, node in zip(rows[role], nodes, strict=True):
+            want = _node_numbers(node.http_url)
+            assert dict(zip(_NEW_COLUMNS, row[8:])) == want, (role, row)
+    decode, prefill = rows["decode"][0], rows["prefill"][0]
+    assert int(decode[9]) >= 2 and int(decode[10]) >= 1 and int(prefill[11]) >= 1  # loads, fallback, save failure
+    assert decode[12] != "-" and decode[13] != "-"  # the decode node measured TTFT and ITL
+    # The cluster cards: the decode nodes' last minute, and a line over ten minutes.
+    assert float(cards["throughput"]) > 0 and cards["hit rate"].endswith("%")
+    assert int(cards["throughput points"]) >= 1 and int(cards["hit-rate points"]) >= 1
+    assert "by this proxy to decode nodes" in cards["requests routed"]
+    assert "decode nodes" in cards["output tokens/s"] and "decode nodes" in cards["KV-store hit rate"]
+
+
+def test_figures_from_a_real_histogram():
+    """NodeFigures on prometheus_client's own exposition: windows, restarts and the quantile rule."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    def node() -> tuple:
+        r = CollectorRegistry()
+        ttft = Histogram("pdserve_time_to_first_token_seconds", "", ["model_name"], buckets=(0.01, 0.1, 1.0),
+                         registry=r).labels("m")
+        hits = Counter("pdserve_kv_hit_tokens", "", registry=r)
+        lookups = Counter("pdserve_kv_lookup_tokens", "", registry=r)
+        return r, ttft, hits, lookups
+
+    r, ttft, hits, lookups = node()
+    figures = node_figures.NodeFigures()
+    created = node_figures.parse(generate_latest(r).decode(), 0.0).created
+    t0 = created + 1.0
+    figures.add(node_figures.parse(generate_latest(r).decode(), t0))
+    assert figures.samples[0].t == created  # a node started within the history counts from its start
+    for v in (0.005, 0.05, 0.05, 0.5):
+        ttft.observe(v)
+    hits.inc(300)
+    lookups.inc(400)
+    figures.add(node_figures.parse(generate_latest(r).decode(), t0 + 5))
+    st = figures.status()
+    assert st["store"]["hit_rate"] == 0.75 and st["store"]["lookup_tokens"] == 400
+    # rank 2 of 4 lies in (0.01, 0.1] holding 2: 0.01 + 0.09 * (2 - 1) / 2
+    assert st["latency"]["ttft_ms"]["p50"] == pytest.approx(55.0)
+    assert st["history"]["output_tokens"][-1] == 4 and st["history"]["store_hit_tokens"][-1] == 300
+    # A minute later only the newer observations count.
+    figures.add(node_figures.parse(generate_latest(r).decode(), t0 + 65))
+    ttft.observe(2.0)  # beyond the last finite bound: reported as that bound
+    figures.add(node_figures.parse(generate_latest(r).decode(), t0 + 70))
+    st = figures.status()
+    assert st["latency"]["ttft_ms"] == {"p50": 1000.0, "p99": 1000.0}
+    # The node restarts: its counters start again from 0 and count as the increase.
+    r, ttft, hits, lookups = node()
+    lookups.inc(10)
+    figures.add(node_figures.parse(generate_latest(r).decode(), t0 + 75))
+    assert figures.status()["history"]["store_lookup_tokens"][-1] == 10
+    assert figures.status()["store"]["lookup_tokens"] == 10
