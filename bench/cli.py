@@ -23,8 +23,9 @@ from urllib.parse import urlparse
 import aiohttp
 
 from pdserve.bench import report, schema, scrape, stats, workloads
-from pdserve.bench.client import RequestOptions
+from pdserve.bench.client import RequestOptions, server_root
 from pdserve.bench.runner import LoadConfig, Runner
+from pdserve.bench.server_tokenizer import ServerTokenizer
 
 WORKLOADS = ("multi-round-qa", "long-doc-qa", "random", "replay")
 
@@ -68,8 +69,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="model name (default: the first one /v1/models lists)")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default $OPENAI_API_KEY")
     g.add_argument("--tokenizer", default=None,
-                   help="model directory whose tokenizer sizes the prompts exactly (default: ~4 chars per token)")
-    g.add_argument("--chars-per-token", type=_positive_float, default=4.0, help=argparse.SUPPRESS)
+                   help="the served model's directory: its tokenizer sizes the prompts (default: the server's "
+                        "/tokenize and /detokenize)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens (vLLM/pdserve extension)")
     g.add_argument("--no-token-ids", dest="token_ids", action="store_false",
@@ -174,12 +175,13 @@ def run(args: argparse.Namespace) -> int:
     base_url = normalize_base_url(args.base_url)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.model or asyncio.run(_first_model(base_url, headers))
-    tokenizer = None
     if args.tokenizer:
         from pdserve.engine.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer)
-    workload = make_workload(args, workloads.TextMaker(args.seed, tokenizer, args.chars_per_token))
+    else:  # asked only when a workload needs a length: a replay of fixed prompts never calls it
+        tokenizer = ServerTokenizer(server_root(base_url), model, headers, timeout_s=min(60.0, args.request_timeout))
+    workload = make_workload(args, workloads.TextMaker(args.seed, tokenizer))
     if args.api == "chat" and any(t.token_ids is not None for s in workload.sessions for t in s.turns):
         raise ValueError("the trace gives prompts as token ids: use --api completions")
     opts = RequestOptions(api=args.api, model=model, temperature=args.temperature, ignore_eos=args.ignore_eos,
@@ -235,7 +237,7 @@ def compare(args: argparse.Namespace) -> int:
         if labels.count(r["label"]) > 1:
             r["label"] = f"{r['label']} ({args.results[i].stem})"
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    captions = sorted({report.describe(r) for r in results})
+    captions = report.captions(results)
     md = "\n".join(captions) + "\n\n" + report.markdown_table(results) + "\n"
     (args.output_dir / "compare.md").write_text(md)
     print("\n".join(captions) + "\n\n" + report.text_table(results))

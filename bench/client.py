@@ -56,6 +56,12 @@ class RequestRecord:
         return out
 
 
+def server_root(base_url: str) -> str:
+    """`http://h:p/v1` -> `http://h:p`: where a server's /tokenize, /detokenize and /metrics live."""
+    root = base_url.rstrip("/")
+    return root[:-3] if root.endswith("/v1") else root
+
+
 def build_body(session: Session, turn: Turn, opts: RequestOptions) -> tuple[str, dict[str, Any]]:
     """(path, JSON body) of the turn's streaming request."""
     body: dict[str, Any] = {"model": opts.model, "max_tokens": turn.max_tokens, "temperature": opts.temperature,

@@ -92,3 +92,14 @@ def describe(result: dict[str, Any]) -> str:
     w, load = result["workload"], result["load"]
     params = ", ".join(f"{k}={v}" for k, v in w["params"].items())
     return f"{w['name']} ({params}); {load['pacing']}; {result['endpoint']['api']} API"
+
+
+def captions(results: list[dict[str, Any]]) -> list[str]:
+    """What ran, one line per distinct workload and pacing: the line alone when every run shares it, else
+    prefixed with the labels of the runs that did."""
+    groups: dict[str, list[str]] = {}
+    for r in results:
+        groups.setdefault(describe(r), []).append(r["label"])
+    if len(groups) == 1:
+        return list(groups)
+    return [f"{', '.join(labels)}: {line}" for line, labels in groups.items()]

@@ -26,7 +26,7 @@ from pdserve.bench.client import RequestOptions, RequestRecord, send
 from pdserve.bench.workloads import Session, Turn, Workload
 
 TIMELINE_METRICS = (scrape.KV_HIT_TOKENS, scrape.KV_LOADED_TOKENS, scrape.KV_LOOKUPS, scrape.PREFIX_HITS,
-                    scrape.PREFIX_QUERIES)
+                    scrape.PREFIX_QUERIES, scrape.PROMPT_COMPUTED)
 
 
 @dataclass

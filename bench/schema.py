@@ -103,7 +103,8 @@ SCHEMA: dict[str, Any] = {
                 "before": _COUNTERS, "after": _COUNTERS, "delta": _COUNTERS,
                 "timeline": {"type": "array", "items": {"type": "object", "required": ["t"],
                                                         "additionalProperties": {"type": "number"}},
-                             "description": "KV counters sampled during the run; t: seconds since the start"}}}]},
+                             "description": "KV-store, prefix-cache and prompt-computed counters sampled during the "
+                                            "run; t: seconds since the start"}}}]},
     },
 }
 

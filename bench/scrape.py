@@ -12,6 +12,8 @@ import logging
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.bench.client import server_root
+
 logger = logging.getLogger(__name__)
 
 # What the summary and the time plot read (all summed over the nodes scraped).
@@ -37,8 +39,7 @@ def parse_counters(text: str, prefix: str = "pdserve_") -> dict[str, float]:
 
 def metrics_url(base_url: str) -> str:
     """The /metrics URL beside an OpenAI base URL (`http://h:p/v1` -> `http://h:p/metrics`)."""
-    root = base_url.rstrip("/")
-    return (root[:-3] if root.endswith("/v1") else root) + "/metrics"
+    return server_root(base_url) + "/metrics"
 
 
 class Scraper:

@@ -132,13 +132,60 @@ def throughput_series(requests: list[dict[str, Any]], bin_s: float | None = None
     return (edges[:-1] + edges[1:]) / 2, counts / width
 
 
-def hit_rate_series(requests: list[dict[str, Any]], bin_s: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(bin centres s, cached / prompt tokens of the requests finishing in each bin; NaN where none)."""
-    done = [r for r in requests if r["ok"] and r["cached_tokens"] is not None and r["prompt_tokens"]]
+# Where prompt tokens came from. From pdserve's counters, summed over the nodes scraped, the three are disjoint
+# per node: its local prefix-cache hits, what it loaded from the KV store, what it ran through the model. On P/D
+# each prompt is served twice (by its prefill node, then by its decode node), so the three add up to about twice
+# the prompt tokens; the decode node's share is why the per-request `cached_tokens` is ~100% there.
+LOCAL, STORE, COMPUTED = "local prefix cache", "KV store", "computed"
+# Without counters (another server), the client's view: usage's cached_tokens and the rest.
+CACHED_USAGE, COMPUTED_USAGE = "cached (usage)", "computed (prompt - cached)"
+
+
+def _tier_metrics() -> dict[str, str]:
+    from pdserve.bench.scrape import KV_LOADED_TOKENS, PREFIX_HITS, PROMPT_COMPUTED
+
+    return {LOCAL: PREFIX_HITS, STORE: KV_LOADED_TOKENS, COMPUTED: PROMPT_COMPUTED}
+
+
+def prompt_sources(result: dict[str, Any]) -> dict[str, float] | None:
+    """{tier: prompt tokens} over the run: the nodes' counters when scraped, else usage; None without either."""
+    metrics = result.get("metrics")
+    if metrics and metrics.get("delta"):
+        got = {tier: metrics["delta"].get(name) for tier, name in _tier_metrics().items()}
+        if any(v is not None for v in got.values()):
+            return {tier: v or 0.0 for tier, v in got.items()}
+    s = result["summary"]
+    if s["cached_tokens"] is None:
+        return None
+    return {CACHED_USAGE: float(s["cached_tokens"]), COMPUTED_USAGE: float(s["prompt_tokens"] - s["cached_tokens"])}
+
+
+def prompt_source_series(result: dict[str, Any], bin_s: float | None = None
+                         ) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
+    """(interval edges s, {tier: prompt tokens/s in each interval}): between the counter samples of the run
+    (before, every --metrics-interval, after), else the requests' usage binned by finish time; None without
+    either."""
+    metrics = result.get("metrics")
+    if metrics and metrics.get("delta"):
+        names = _tier_metrics()
+        points = [{"t": 0.0, **metrics["before"]}, *metrics["timeline"]]
+        end = run_window(result["requests"])[1]  # `after` was read once the last response had finished
+        if end > points[-1]["t"]:
+            points.append({"t": end, **metrics["after"]})
+        if any(name in p for p in points for name in names.values()):
+            edges = np.array([p["t"] for p in points])
+            width = np.maximum(np.diff(edges), 1e-9)
+            series = {}
+            for tier, name in names.items():
+                values = np.array([p.get(name, np.nan) for p in points], dtype=float)
+                series[tier] = np.nan_to_num(np.maximum(np.diff(values), 0.0) / width)
+            return edges, series
+    done = [r for r in result["requests"] if r["ok"] and r["cached_tokens"] is not None and r["prompt_tokens"]]
+    if not done:
+        return None
     finish = np.array([r["start"] + r["e2e"] for r in done])
-    edges = _bins(float(finish.max()) if finish.size else 0.0, bin_s)
-    cached, _ = np.histogram(finish, bins=edges, weights=[r["cached_tokens"] for r in done] or None)
-    prompt, _ = np.histogram(finish, bins=edges, weights=[r["prompt_tokens"] for r in done] or None)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        rate = np.where(prompt > 0, cached / np.maximum(prompt, 1), np.nan)
-    return (edges[:-1] + edges[1:]) / 2, rate
+    edges = _bins(float(finish.max()), bin_s)
+    width = edges[1] - edges[0]
+    cached, _ = np.histogram(finish, bins=edges, weights=[r["cached_tokens"] for r in done])
+    prompt, _ = np.histogram(finish, bins=edges, weights=[r["prompt_tokens"] for r in done])
+    return edges, {CACHED_USAGE: cached / width, COMPUTED_USAGE: (prompt - cached) / width}

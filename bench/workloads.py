@@ -2,8 +2,8 @@
 
 A session is a conversation sent one turn after another (a turn waits for the previous
 answer, which becomes part of its prompt); single-request workloads are sessions of one
-turn. Lengths are in tokens when a tokenizer is given (`--tokenizer`), otherwise estimated
-at `chars_per_token` characters per token: the server's `usage` reports the true counts.
+turn. Lengths are in the served model's tokens: the tokenizer is the model's own
+(`--tokenizer`) or the server's /tokenize (bench/server_tokenizer.py), never a guess.
 """
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ _WORDS = (
 
 
 class TextMaker:
-    """Seeded filler text of a given length in tokens (exact with a tokenizer, else estimated)."""
+    """Seeded filler text of an exact length in tokens of `tokenizer` (anything with the `encode(text,
+    add_special_tokens=False)` and `decode(ids)` of a Hugging Face tokenizer)."""
 
-    def __init__(self, seed: int, tokenizer: Any = None, chars_per_token: float = 4.0) -> None:
+    def __init__(self, seed: int, tokenizer: Any) -> None:
         self.rng = random.Random(seed)
         self.tokenizer = tokenizer
-        self.chars_per_token = chars_per_token
 
     def _words(self, num_chars: int) -> str:
         out: list[str] = []
@@ -43,8 +43,6 @@ class TextMaker:
     def text(self, num_tokens: int) -> str:
         if num_tokens <= 0:
             return ""
-        if self.tokenizer is None:
-            return self._words(int(num_tokens * self.chars_per_token))[: int(num_tokens * self.chars_per_token)]
         ids: list[int] = []
         budget = num_tokens * 2
         while len(ids) < num_tokens:  # words are at least one token each: overshoot, then cut exactly
@@ -53,8 +51,6 @@ class TextMaker:
         return self.tokenizer.decode(ids[:num_tokens])
 
     def count(self, text: str) -> int:
-        if self.tokenizer is None:
-            return max(1, round(len(text) / self.chars_per_token))
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -1,17 +1,20 @@
 """`pd-bench` against a live P/D cluster (real nodes, proxy, file store): every workload, the pacing
-modes, the JSON schema, the plots and `compare`; the SLO goodput arithmetic on a hand-made trace."""
+modes, prompts sized by the server's /tokenize or --tokenizer (never a guess), the JSON schema, the
+plots (prompt tokens by source) and `compare`; the SLO goodput arithmetic on a hand-made trace."""
 from __future__ import annotations
 
 import json
 import struct
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import jsonschema
 import pytest
 
-from pdserve.bench import cli, plots, schema, stats
+from pdserve.bench import cli, plots, report, schema, stats
 from tests.cluster_helpers import start_cluster
 from tests.utils import console_script
 
@@ -34,10 +37,11 @@ def runs(tmp_path_factory) -> Path:
 
 
 def bench(cluster, tiny_llama, out: Path, *args: str) -> dict:
+    """One run; sized with the model's own tokenizer, or with the server's when `tiny_llama` is None."""
     metrics = [a for n in cluster.prefill + cluster.decode
                for a in ("--metrics-url", f"http://127.0.0.1:{n.http_port}/metrics")]
-    argv = [*args, *BASE, "--base-url", cluster.url, "--tokenizer", str(tiny_llama), "--output-dir", str(out),
-            *metrics]
+    tokenizer = ["--tokenizer", str(tiny_llama)] if tiny_llama is not None else []
+    argv = [*args, *BASE, "--base-url", cluster.url, *tokenizer, "--output-dir", str(out), *metrics]
     assert cli.main(argv) == 0
     label = argv[argv.index("--label") + 1]
     result = json.loads((out / f"{label}.json").read_text())
@@ -83,6 +87,17 @@ def test_multi_round_qa(cluster, tiny_llama, runs):
     assert kv["store_lookups"] == 9 and kv["store_hit_tokens"] == delta["pdserve_kv_hit_tokens_total"] > 0
     assert 0 < kv["prompt_tokens_computed"] < s["prompt_tokens"]  # the shared prefix is computed once
     assert len(res["metrics"]["urls"]) == 2
+    # Where the prompt tokens came from: on P/D each prompt is served by its prefill node (local prefix cache
+    # or computed) and again by its decode node (local, store or computed): twice the prompt tokens in all,
+    # the store's share real, not the flat 100% the per-request cached_tokens shows.
+    sources = stats.prompt_sources(res)
+    assert list(sources) == [stats.LOCAL, stats.STORE, stats.COMPUTED]
+    assert sum(sources.values()) == 2 * s["prompt_tokens"]
+    assert sources[stats.STORE] == kv["store_loaded_tokens"] > 0 and sources[stats.LOCAL] > 0
+    assert s["cached_fraction"] > 0.9 and sources[stats.STORE] / sum(sources.values()) < 0.6
+    edges, series = stats.prompt_source_series(res)
+    assert list(series) == list(sources) and len(edges) - 1 - len(res["metrics"]["timeline"]) in (0, 1)
+    assert all((v >= 0).all() for v in series.values()) and series[stats.STORE].max() > 0
 
 
 def test_long_doc_qa_concurrency(cluster, tiny_llama, runs):
@@ -110,6 +125,52 @@ def test_random_qps_completions(cluster, tiny_llama, runs):
     for i, t in enumerate(sorted(starts)):  # uniform arrivals 100 ms apart
         assert t >= i * 0.1 - 0.01
     assert res["endpoint"]["api"] == "completions" and res["workload"]["params"]["input_len"] == 40
+
+
+def test_prompts_sized_by_the_servers_tokenizer(cluster, runs):
+    """No --tokenizer: pd-bench asks the proxy's /tokenize and /detokenize, so 40 tokens are 40 tokens of the
+    served model (the byte-level test model: a characters-per-token guess would have sent 160)."""
+    res = bench(cluster, None, runs, "random", "--num-requests", "3", "--input-len", "40", "--output-len", "3",
+                "--api", "completions", "--label", "rnd-server-tok")
+    assert [r["prompt_tokens"] for r in res["requests"]] == [40, 40, 40]
+    res = bench(cluster, None, runs, "long-doc-qa", "--documents", "1", "--doc-len", "200", "--questions", "2",
+                "--question-len", "8", "--answer-len", "3", "--label", "ldqa-server-tok")
+    docs = len("Document 0: ") + 200 + len("\n\nQuestion 1: ") + 8
+    assert all(r["ok"] and r["prompt_tokens"] > docs for r in res["requests"])  # plus the chat template
+
+
+class _NoTokenize(BaseHTTPRequestHandler):
+    """A server with /v1/models but no /tokenize (not every OpenAI-compatible server has it)."""
+
+    def _send(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._send(200, {"data": [{"id": "m"}]}) if self.path == "/v1/models" else self._send(404, {})
+
+    def do_POST(self) -> None:
+        self._send(404, {"error": {"message": "not found"}})
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_no_tokenizer_anywhere_is_an_error_not_a_guess(tmp_path, capsys):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _NoTokenize)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        code = cli.main(["random", "--num-requests", "1", "--base-url", f"http://127.0.0.1:{server.server_port}",
+                         "--output-dir", str(tmp_path), *BASE, "--metrics-url", "none"])
+    finally:
+        server.shutdown()
+    err = capsys.readouterr().err
+    assert code == 2 and "has no /tokenize" in err and "--tokenizer" in err, err
+    assert not list(tmp_path.iterdir())  # nothing was sent or written
 
 
 def test_replay_trace(cluster, tiny_llama, runs, tmp_path):
@@ -151,6 +212,17 @@ def test_compare_and_plots(runs, tmp_path):
         path = out / f"compare-{name}.png"
         assert path.stat().st_size > 10_000 and png_size(path) == plots.PLOT_SIZE
     assert png_size(out / "compare-overview.png") == plots.OVERVIEW_SIZE
+    # Every run's workload is named, with the labels of the runs that ran it (not the first run's alone).
+    results = [schema.load(f) for f in files]
+    captions = md.split("\n\n")[0].splitlines()
+    assert captions == report.captions(results) and len(captions) == 4
+    for line, r in zip(captions, results):
+        assert line == f"{r['label']}: {report.describe(r)}"
+    twins = [results[2], {**results[2], "label": "rnd-again"}]  # one workload, two runs: one caption
+    assert report.captions(twins) == [report.describe(results[2])]
+    other = {**results[2], "label": "rnd-40", "workload": {"name": "random", "params": {"input_len": 41}}}
+    assert report.captions([results[2], other]) == [f"rnd: {report.describe(results[2])}",
+                                                     f"rnd-40: {report.describe(other)}"]
 
 
 def test_make_bench_pd_pipeline(tiny_llama, tmp_path):
