@@ -1,9 +1,9 @@
 """Deploy files as command lines for one host: what deploy.rehearsal runs.
 
-Every container command line in `deploy/compose.yaml` or `deploy/kubernetes/*.yaml` becomes a
-Step with the flags it is written with, translated only where one host differs from many
-containers: a service name (and 0.0.0.0) becomes 127.0.0.1, each declared container port a free
-local port, each volume mount a local directory, and a console script (pd-prefill, ...) this
+Every container command line in `deploy/compose.yaml` or `deploy/kubernetes/` (what its
+kustomization deploys) becomes a Step with the flags it is written with, translated only where one
+host differs from many containers: a service name (and 0.0.0.0) becomes 127.0.0.1, each declared
+container port a free local port, each volume mount a local directory, and a console script (pd-prefill, ...) this
 checkout's entry point. Compose variables (${VAR:-default}) and Kubernetes $(VAR) references
 (env, envFrom, ConfigMaps) are expanded as the real tools would. A command line that addresses a
 port no service declares, or listens on one its own container does not declare, is an error: that
@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from pdserve.deploy import kustomize
 from pdserve.deploy.processes import HOST, REPO, console_script, free_port
 from pdserve.deploy.rehearsal import Probe, Step
 
@@ -171,6 +172,10 @@ def expand(text: str, env: dict[str, str]) -> str:
 
 
 def load_kubernetes(path: Path) -> list[dict]:
+    """A directory with a kustomization.yaml: what `kubectl apply -k` creates (deploy/kustomize.py);
+    else every manifest of the directory, or the one file."""
+    if path.is_dir() and (path / kustomize.FILE).is_file():
+        return kustomize.build(path)
     files = sorted(path.glob("*.yaml")) if path.is_dir() else [path]
     return [doc for f in files for doc in yaml.safe_load_all(f.read_text()) if doc]
 

@@ -1,10 +1,12 @@
-"""The deploy files must not rot: deploy/compose.yaml and deploy/kubernetes/*.yaml validate offline
-against the compose spec and the Kubernetes schemas, the flags every node must agree on agree, and
-every command line in them runs here (deploy.rehearsal: same flags, local ports) until the file's own
-health checks pass and a request through the proxy comes back exact, its KV handed over in Redis."""
+"""The deploy files must not rot: deploy/compose.yaml and deploy/kubernetes/ (what its kustomization
+deploys) validate offline against the compose spec and the Kubernetes schemas, the kustomization is the
+one place that names the image, the flags every node must agree on agree, and every command line in them
+runs here (deploy.rehearsal: same flags, local ports) until the file's own health checks pass and a
+request through the proxy comes back exact, its KV handed over in Redis."""
 from __future__ import annotations
 
 import copy
+import shutil
 import subprocess
 import sys
 import time
@@ -15,6 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from pdserve.deploy import kustomize
 from pdserve.deploy.manifests import DeployFileError, compose_steps, kubernetes_steps, load_kubernetes
 from pdserve.deploy.processes import REPO
 from pdserve.deploy.rehearsal import Rehearsal
@@ -53,6 +56,60 @@ def test_kubernetes_manifests_validate_against_the_kubernetes_schemas():
     broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["paht"] = "/health"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, version, strict=True)
+
+
+def _pdserve_containers(docs: list[dict]) -> list[dict]:
+    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    return [c for p in pods for c in p.get("initContainers", []) + p["containers"] if c["command"][0] != "redis-server"]
+
+
+def test_the_kustomization_is_the_one_image_setting(tmp_path):
+    """`kubectl apply -k deploy/kubernetes/` deploys every manifest there, and the image every pdserve container
+    runs is named once, in kustomization.yaml: the manifests say just `pdserve`. Pointing the kustomization at
+    a registry moves every pdserve container there and nothing else."""
+    k = kustomize.load(KUBERNETES)
+    assert sorted(k["resources"]) == sorted(p.name for p in KUBERNETES.glob("*.yaml") if p.name != kustomize.FILE)
+    assert [i["name"] for i in k["images"]] == ["pdserve"]
+    raw = [doc for name in k["resources"] for doc in yaml.safe_load_all((KUBERNETES / name).read_text()) if doc]
+    assert {c["image"] for c in _pdserve_containers(raw)} == {"pdserve"}  # no tag or registry in a manifest
+    image = f"{k['images'][0]['newName']}:{k['images'][0]['newTag']}"
+    assert {c["image"] for c in _pdserve_containers(load_kubernetes(KUBERNETES))} == {image}
+    # An operator's registry: copy the directory, change the kustomization only.
+    mine = tmp_path / "kubernetes"
+    shutil.copytree(KUBERNETES, mine)
+    edited = yaml.safe_load((mine / kustomize.FILE).read_text())
+    edited["images"][0].update(newName="registry.example.com:5000/team/pdserve", newTag="0.1.1")
+    (mine / kustomize.FILE).write_text(yaml.safe_dump(edited))
+    docs = load_kubernetes(mine)
+    assert {c["image"] for c in _pdserve_containers(docs)} == {"registry.example.com:5000/team/pdserve:0.1.1"}
+    assert len(_pdserve_containers(docs)) == 5  # prefill and decode (each with its init container), proxy
+    redis = next(d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == "pdserve-redis")
+    assert redis["spec"]["template"]["spec"]["containers"][0]["image"] == "redis:7"
+    for doc in docs:
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+
+
+@pytest.mark.parametrize("change,error", [
+    ({"namespace": "prod"}, "not understood here"),  # kustomize would apply it; the rehearsal would not
+    ({"resources": ["prefill.yaml", "nope.yaml"]}, "'nope.yaml' is not a file"),
+    ({"images": [{"name": "pdserve", "newTagg": "1"}]}, "an images entry needs name and only"),
+    ({"kind": "Deployment"}, "not a kustomize.config.k8s.io/v1beta1 Kustomization"),
+])
+def test_a_kustomization_it_cannot_follow_is_an_error(tmp_path, change, error):
+    mine = tmp_path / "kubernetes"
+    shutil.copytree(KUBERNETES, mine)
+    doc = {**yaml.safe_load((mine / kustomize.FILE).read_text()), **change}
+    (mine / kustomize.FILE).write_text(yaml.safe_dump(doc))
+    with pytest.raises(kustomize.KustomizationError, match=error):
+        load_kubernetes(mine)
+
+
+@pytest.mark.parametrize("image,want", [
+    ("pdserve", ("pdserve", None, None)), ("pdserve:0.1.0", ("pdserve", "0.1.0", None)),
+    ("reg:5000/team/pdserve:1", ("reg:5000/team/pdserve", "1", None)),
+    ("reg:5000/pdserve@sha256:ab", ("reg:5000/pdserve", None, "sha256:ab"))])
+def test_image_references_split_as_kustomize_reads_them(image, want):
+    assert kustomize.split_image(image) == want
 
 
 def _flags(argv: list[str]) -> dict[str, str | None]:
