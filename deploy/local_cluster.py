@@ -38,6 +38,16 @@ DEFAULT_STORE_MAX_BYTES = "4GiB"
 KEEP_RUN_LOGS = 5  # `serve-*` log directories under $PDSERVE_CACHE_DIR/logs, this run's included
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {text!r}")
+    return port
+
+
 def _byte_size(text: str) -> str:
     try:
         parse_bytes(text)
@@ -59,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"a model directory, or a preset made on first use: {', '.join(PRESET_MODELS)} "
                         f"(default {DEFAULT_MODEL}: SmolLM2-135M-Instruct)")
-    p.add_argument("--port", type=int, default=8000, help="proxy port (default 8000; 0: any free port)")
+    p.add_argument("--port", type=_port, default=8000, help="proxy port (default 8000; 0: any free port)")
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICIES)
     p.add_argument("--log-dir", default=None,
                    help=f"where logs go (default: a new directory under $PDSERVE_CACHE_DIR/logs; the last "
@@ -174,8 +184,9 @@ class _StopOnSignal:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.port and (why := port_in_use(HOST, args.port)):  # before anything starts, model making included
-        print(f"local_cluster: error: cannot listen on {HOST}:{args.port} ({why}): another process has it; stop "
-              f"it or choose another port (make serve ARGS=\"--port N\")", file=sys.stderr, flush=True)
+        whose = "another process has it; stop it or " if "in use" in why else ""
+        print(f"local_cluster: error: cannot listen on {HOST}:{args.port} ({why}): {whose}choose another port "
+              f"(make serve ARGS=\"--port N\")", file=sys.stderr, flush=True)
         return 1
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     stop = _StopOnSignal()
