@@ -6,6 +6,7 @@ thread for the servers.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import ModelRunnerOutput
 from pdserve.engine.structured_output import StructuredOutputManager
+from pdserve.engine.token_masks import bad_words_token_ids
 from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -143,6 +145,12 @@ class LLMEngine:
         out_of_vocab = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
         if out_of_vocab:
             raise ValueError(f"logit_bias token id {out_of_vocab[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if any(t >= self.vocab_size for t in params.allowed_token_ids or []):
+            raise ValueError(f"allowed_token_ids holds token id {max(params.allowed_token_ids)}, outside the "
+                             f"vocabulary [0, {self.vocab_size})")
+        if params.bad_words and params.bad_words_token_ids is None:  # once, with this engine's tokenizer
+            params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(
+                self.tokenizer, params.bad_words, self.vocab_size))
         grammar = params.structured_outputs
         if grammar is not None:
             self.structured_output.compile(grammar)  # ValueError for an invalid spec, before anything is queued

@@ -2,10 +2,11 @@
 
     1. structured outputs: tokens the request's grammar forbids -> -inf   (engine.structured_output)
     2. min_tokens: EOS and stop_token_ids -> -inf until min_tokens were generated
-    3. logit_bias: add each request's bias to its tokens
-    4. penalties: repetition, frequency, presence                           (engine.penalties)
+    3. bad_words, allowed_token_ids: banned tokens -> -inf                  (engine.token_masks)
+    4. logit_bias: add each request's bias to its tokens
+    5. penalties: repetition, frequency, presence                           (engine.penalties)
 
-All four change the argmax, so greedy requests see them too. Each step only the rows that ask
+All five change the argmax, so greedy requests see them too. Each step only the rows that ask
 pay anything, and each stage is a handful of batched tensor ops on the logits' device. The
 caller's tensor is never modified: logprobs are reported under the raw logits (vLLM's default
 `raw_logprobs`), so a processed copy is returned when anything applies.
@@ -19,6 +20,7 @@ import torch
 from pdserve.engine.penalties import apply_penalties
 from pdserve.engine.request import Request
 from pdserve.engine.structured_output import apply_grammar_bitmask
+from pdserve.engine.token_masks import apply_token_masks, has_token_masks
 
 
 def _index(rows: list[int], cols: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,18 +63,22 @@ def apply_logit_bias(logits: torch.Tensor, requests: Sequence[Request]) -> None:
 
 
 def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """`logits` [batch, vocab] after grammar masks, min_tokens, logit_bias and penalties (a copy if changed)."""
+    """`logits` [batch, vocab] after grammar masks, min_tokens, token masks, logit_bias and penalties (a copy
+    if changed)."""
     grammar = any(r.grammar is not None for r in requests)
     min_tokens = any(r.sampling_params.min_tokens > r.num_output_tokens for r in requests)
+    masks = any(has_token_masks(r) for r in requests)
     bias = any(r.sampling_params.logit_bias for r in requests)
     penalised = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
-    if not (grammar or min_tokens or bias or penalised):
+    if not (grammar or min_tokens or masks or bias or penalised):
         return logits
     logits = logits.clone()
     if grammar:
         apply_grammar_bitmask(logits, requests)
     if min_tokens:
         apply_min_tokens(logits, requests)
+    if masks:
+        apply_token_masks(logits, requests)
     if bias:
         apply_logit_bias(logits, requests)
     if penalised:

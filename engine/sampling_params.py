@@ -129,6 +129,10 @@ class SamplingParams:
     top_logprobs: int = 0  # also report this many most likely tokens per position (implies logprobs)
     prompt_logprobs: int | None = None  # per prompt token: its logprob, rank, and this many top tokens
     structured_outputs: StructuredOutputsParams | None = None
+    bad_words: list[str] = field(default_factory=list)  # words the output may not contain (vLLM's rule)
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    # bad_words as token sequences: derived by the engine with its tokenizer (engine/token_masks.py)
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -175,6 +179,12 @@ class SamplingParams:
                                                  or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
                              f"got {self.prompt_logprobs!r}")
+        self.bad_words = list(self.bad_words or [])
+        if any(not isinstance(w, str) or not w for w in self.bad_words):
+            raise ValueError("bad_words must be a list of non-empty strings")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or any(
+                not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
+            raise ValueError("allowed_token_ids must be a non-empty list of non-negative token ids")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -194,7 +204,8 @@ class SamplingParams:
         (decode samples the real ones), so nothing that shapes the output is worth doing there."""
         return dataclasses.replace(self, n=1, max_tokens=1, min_tokens=0, structured_outputs=None,
                                    prompt_logprobs=None, logprobs=False, top_logprobs=0, presence_penalty=0.0,
-                                   frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None)
+                                   frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, bad_words=[],
+                                   bad_words_token_ids=None, allowed_token_ids=None)
 
     def for_choice(self, index: int) -> SamplingParams:
         """The params of choice `index` of an n > 1 request: n=1 and, when seeded, seed + index (as vLLM)."""

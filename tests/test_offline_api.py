@@ -101,3 +101,34 @@ LLM({str(tiny_llama)!r}, kv_store={store!r}, kv_role="consumer", chunk_size=16).
     quiet = run_offline(script.split("LLM(")[0] + f"LLM({str(tiny_llama)!r}).generate([prompt], p)",
                         {"PDSERVE_CONFIGURE_LOGGING": "0"})
     assert quiet.returncode == 0 and "Reqid" not in quiet.stdout + quiet.stderr
+
+
+def test_bad_words_and_allowed_token_ids(llm):
+    """vLLM's rules: a bad word's last token is banned where the output ends with its other tokens (the word
+    as written and with a leading space); allowed_token_ids bans every other token."""
+    from pdserve.engine.token_masks import bad_words_token_ids, banned_tokens
+
+    tokenizer = llm.engine.tokenizer
+    words = bad_words_token_ids(tokenizer, ["ab"], llm.engine.vocab_size)
+    # byte tokens: " ab" is one token longer, so not a second spelling of the same word (vLLM's rule)
+    assert words == [tokenizer.encode("ab", add_special_tokens=False)]
+    assert banned_tokens(words, tokenizer.encode("xa", add_special_tokens=False)) == {words[0][-1]}
+    assert banned_tokens(words, []) == set()
+    params = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+    free = llm.generate(["Tell me"], SamplingParams(**params))[0]
+    i = adjacent_letters(free.token_ids)
+    banned = llm.generate(["Tell me"], SamplingParams(bad_words=[tokenizer.decode(free.token_ids[i:i + 2])],
+                                                      **params))[0]
+    assert banned.token_ids[:i + 1] == free.token_ids[:i + 1] and banned.token_ids[i + 1] != free.token_ids[i + 1]
+    allowed = llm.generate(["Tell me"], SamplingParams(allowed_token_ids=[70, 71], **params))[0]
+    assert set(allowed.token_ids) <= {70, 71}
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate(["x"], SamplingParams(allowed_token_ids=[10**6]))
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=[""])
+
+
+def adjacent_letters(token_ids: list[int]) -> int:
+    """Where two byte tokens of visible ASCII characters follow each other (a two-character word of the ByT5
+    vocabulary)."""
+    return next(i for i in range(len(token_ids) - 1) if all(36 <= t < 130 for t in token_ids[i:i + 2]))
