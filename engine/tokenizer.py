@@ -40,24 +40,42 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
     return transformers.AutoTokenizer.from_pretrained(str(root), local_files_only=True)
 
 
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+def encode_prompt(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of a plain-text prompt.
 
-    Special tokens are added only when the tokenizer has a BOS token: Llama-style tokenizers
-    then get their BOS, while tokenizers that would *append* EOS (ByT5) do not end every
-    prompt with end-of-sequence.
+    Special tokens are added (unless `add_special_tokens` is false) only when the tokenizer has a
+    BOS token: Llama-style tokenizers then get their BOS, while tokenizers that would *append*
+    EOS (ByT5) do not end every prompt with end-of-sequence.
     """
-    return tokenizer.encode(text, add_special_tokens=tokenizer.bos_token is not None)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens and tokenizer.bos_token is not None)
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]],
-                        add_generation_prompt: bool = True) -> list[int]:
-    """Render chat messages with the tokenizer's chat template and tokenize them."""
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                        continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+                        add_special_tokens: bool = False) -> list[int]:
+    """Render chat messages with the tokenizer's chat template and tokenize them (vLLM's options).
+
+    `continue_final_message` leaves the last message open for the model to continue;
+    `chat_template_kwargs` are extra template variables (e.g. enable_thinking); `add_special_tokens`
+    puts the BOS in front unless the template already starts with it. A conversation the template
+    refuses (its own raise_exception, an unknown role) is a ValueError with the template's message.
+    """
+    import jinja2
+
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use the completions API with a plain prompt")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
+                                             **(chat_template_kwargs or {}))
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the chat template refused these messages: {e}") from None
     # The template already contains whatever BOS the model wants.
-    return tokenizer.encode(text, add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    bos = tokenizer.bos_token_id
+    if add_special_tokens and bos is not None and ids[:1] != [bos]:
+        ids = [bos] + ids
+    return ids
 
 
 class IncrementalDetokenizer:

@@ -9,7 +9,7 @@ from pdserve.proxy.app import Proxy, ProxyConfig
 from pdserve.proxy.decode_stream import Deadlines
 from pdserve.proxy.router import DEFAULT_POLICY, POLICIES
 from pdserve.serving.auth import add_proxy_security_args, proxy_security
-from pdserve.serving.cli import ArgumentParser, add_log_file, setup_logging
+from pdserve.serving.cli import ArgumentParser, add_log_file, add_response_args, setup_logging
 from pdserve.serving.errors import StartupError
 from pdserve.serving.http import listen_socket, serve_app
 
@@ -57,6 +57,7 @@ def build_parser() -> ArgumentParser:
                         "HTTP port when it answers there and no --grpc-tls-* is given (less CPU per request than "
                         "gRPC), else gRPC; grpc: always gRPC")
     add_proxy_security_args(p)
+    add_response_args(p)
     p.add_argument("--log-file", default=None, help="also write the log here")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                          local_prefill_threshold=args.local_prefill_threshold, api_key=args.api_key,
                          health_interval_s=args.health_interval, grpc_security=security,
                          deadlines=deadlines, prefill_timeout_s=args.prefill_timeout,
-                         decode_transport=args.decode_transport)
+                         decode_transport=args.decode_transport,
+                         return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     try:
         eventloop.loop_kind()
     except ValueError as e:

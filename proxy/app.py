@@ -53,6 +53,7 @@ class ProxyConfig:
     deadlines: Deadlines = field(default_factory=Deadlines)  # every decode call's
     prefill_timeout_s: float = 120.0  # one Prefill call; a node that leaves rotation meanwhile is given up at once
     decode_transport: str = "auto"  # auto: Generate over decode nodes' HTTP ports where they answer; grpc: never
+    return_tokens_as_token_ids: bool = False  # vLLM's --return-tokens-as-token-ids: the field's default
 
 
 def _client_error(e: grpc.aio.AioRpcError) -> oai.APIError | None:
@@ -177,15 +178,16 @@ class Proxy:
         return await self._generate(request, oai.CHAT)
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
-        rid = request["request_id"]
         t0 = time.perf_counter()
-        req = oai.parse_request(kind, await request.read(), check_grammar=False)  # nodes check grammars
+        req = oai.parse_request(kind, await request.read(), check_grammar=False,  # nodes check grammars
+                                return_tokens_as_token_ids=self.config.return_tokens_as_token_ids)
+        rid = request["request_id"] = oai.request_id_of(req, request.headers.get("X-Request-Id"),
+                                                        request["request_id"])
         names, max_model_len = self._model_names()
         model = oai.check_model(req.model, names)
         oai.check_prompt_size(req, max_model_len)  # before any node tokenizes a hopeless prompt
         subs = req.per_prompt()  # each prompt of a batch: its own Prefill + Generate, all at once
-        prompt_ids: dict[int, list[int]] = {}  # known once prefilled (return_token_ids reports them)
-        streams = [self._one_prompt(sub_request_id(rid, p, len(subs)), sub, max_model_len, prompt_ids, p)
+        streams = [self._one_prompt(sub_request_id(rid, p, len(subs)), sub, max_model_len)
                    for p, sub in enumerate(subs)]
         builder = ResponseBuilder(req, rid, model)
         assembler = Assembler(req, len(subs))
@@ -197,8 +199,7 @@ class Proxy:
             async for p, d in outputs:
                 assembler.add(self._choice_output(subs, p, d))
         usage = assembler.usage()
-        response = web.json_response(builder.response(assembler.all(), usage, prompt_ids.get(0) if len(subs) == 1 else None),
-                                     headers={"X-Request-Id": rid})
+        response = web.json_response(builder.response(assembler.all(), usage), headers={"X-Request-Id": rid})
         with contextlib.suppress(ConnectionResetError):  # a client gone meanwhile (aiohttp ignores it too)
             await response.prepare(request)  # sent before the log line: the client need not wait for it
             await response.write_eof()
@@ -213,7 +214,7 @@ class Proxy:
         prompt_tokens = (usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]) if usage else None
         return ChoiceOutput(p, delta_from_pb(d, sub.logprobs), lambda: text,
                             lambda: positions_from_pb(d.prompt_logprobs), usage if d.finish_reason else None,
-                            prompt_tokens)
+                            prompt_tokens, list(d.prompt_token_ids) if d.prompt_token_ids else None)
 
     async def _stream(self, request: web.Request, builder: ResponseBuilder, assembler: Assembler,
                       subs: list[oai.GenerationRequest], first: tuple[int, pb.GenerateDelta],
@@ -221,7 +222,7 @@ class Proxy:
         rid = request["request_id"]
         sse = SSEStream(builder, assembler.choice_usage)
         d = assembler.delta(self._choice_output(subs, *first))  # before start: the prompt's counts
-        await sse.start(request, rid)
+        await sse.start(request, rid, d.prompt_token_ids)
         n = 0
         try:
             await sse.delta(d)
@@ -238,15 +239,14 @@ class Proxy:
                     assembler.finish_reason, (time.perf_counter() - t0) * 1e3)
         return response
 
-    async def _one_prompt(self, rid: str, req: oai.GenerationRequest, max_model_len: int,
-                          prompt_ids: dict[int, list[int]], p: int) -> AsyncIterator[pb.GenerateDelta]:
+    async def _one_prompt(self, rid: str, req: oai.GenerationRequest,
+                          max_model_len: int) -> AsyncIterator[pb.GenerateDelta]:
         """One prompt's deltas: Prefill on a prefill node (or not), then Generate on a decode node."""
         prompt = prompt_to_pb(req)
         token_ids = await self._prefill(rid, req, prompt)
         if token_ids is not None:  # the same 400 as pd-serve before any decoding starts
             req.sampling_params(len(token_ids), max_model_len)
             prompt = token_ids_to_pb(token_ids)
-            prompt_ids[p] = token_ids
         async with contextlib.aclosing(self._decode(rid, req, prompt)) as deltas:
             async for d in deltas:
                 yield d

@@ -83,21 +83,25 @@ def prompt_positions(prompt_ids: list[int], prompt_logprobs: list[dict[int, Any]
 
 
 def first_delta(req: GenerationRequest, d: Delta, prompt_text: Callable[[], str],
-                positions: Callable[[], list[PromptPosition] | None]) -> Delta:
+                positions: Callable[[], list[PromptPosition] | None],
+                prompt_token_ids: list[int] | None = None) -> Delta:
     """A choice's first delta with what comes before its output: the echoed prompt (completions:
-    the prompt text, and with logprobs its token logprobs; chat: vLLM's echo of a trailing
-    assistant message) and vLLM's prompt_logprobs."""
+    the prompt text, and with logprobs its token logprobs; chat: vLLM's echo of the last message
+    when the answer continues its role), vLLM's prompt_logprobs and the prompt's token ids."""
     wanted = req.prompt_logprobs is not None or (req.echo and req.logprobs and req.kind != CHAT)
     prompt = positions() if wanted else None
     if req.echo:
         if req.kind == CHAT:
             last = req.messages[-1] if req.messages else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == req.chat_template.response_role(req.messages):
                 d = Delta(last["content"], tokens=[] if d.tokens is not None else None) + d
         else:
-            d = echo_delta(prompt_text(), prompt if req.logprobs else None, req.top_logprobs) + d
+            d = echo_delta(prompt_text(), prompt if req.logprobs else None, req.top_logprobs,
+                           req.return_tokens_as_token_ids) + d
     if req.prompt_logprobs is not None and prompt is not None:
         d.prompt_logprobs = prompt_logprobs_json(prompt, req.prompt_logprobs)
+    if req.return_token_ids:
+        d.prompt_token_ids = prompt_token_ids
     return d
 
 
@@ -111,6 +115,7 @@ class ChoiceOutput:
     positions: Callable[[], list[PromptPosition] | None]  # the prompt's logprobs (asked for with the first output)
     usage: dict[str, Any] | None = None  # the choice's usage (responses.usage_dict), once it finished
     prompt_tokens: tuple[int, int] | None = None  # (prompt tokens, cached) when known before the finish
+    prompt_token_ids: list[int] | None = None  # known on the first output (return_token_ids reports them)
 
 
 class Assembler:
@@ -135,7 +140,7 @@ class Assembler:
             self._prompts.setdefault(out.prompt_index, out.prompt_tokens)
         if d.index not in self._started:
             self._started.add(d.index)
-            d = first_delta(self.req, d, out.prompt_text, out.positions)
+            d = first_delta(self.req, d, out.prompt_text, out.positions, out.prompt_token_ids)
         if d.finish_reason:
             self.finish_reason = d.finish_reason
         if out.usage is not None:  # the final word on its prompt's counts

@@ -115,6 +115,15 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int = 8000) -
                    help="seconds in-flight requests may finish after SIGINT/SIGTERM (default 5)")
     g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="log level (default INFO)")
+    add_response_args(parser)
+    return parser
+
+
+def add_response_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """vLLM's options for how answers look, shared by the nodes and pd-proxy (which formats the P/D answers)."""
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="name logprob tokens 'token_id:N' unless a request's return_tokens_as_token_ids says "
+                             "otherwise (vLLM's flag)")
     return parser
 
 

@@ -139,7 +139,7 @@ class NodeServicer(pb_grpc.PDNodeServicer):
                 open_choices -= out.finished
                 yield wire.delta_to_pb(self.server.output_delta(req, out),
                                        self.server.usage(out) if out.finished or first else None, positions,
-                                       text), not open_choices
+                                       text, ids if first and req.return_token_ids else None), not open_choices
                 if not open_choices:  # the status goes out now, not after one more turn of the engine's stream
                     return
 

@@ -2,7 +2,9 @@
 
 The node server and the routing proxy must accept exactly the same API, so the rules live here
 once, as pure functions over JSON-decoded values (no HTTP library inside; responses.py formats
-the answers, sse.py puts chunks on the wire, errors.py maps errors between transports).
+the answers, sse.py puts chunks on the wire, errors.py maps errors between transports). The
+field readers and the error type are in protocol_fields.py, the chat fields in protocol_chat.py,
+the prompt's tokenization options in protocol_prompt.py; the one table of supported fields is here.
 """
 from __future__ import annotations
 
@@ -13,7 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.sampling_params import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams, parse_logit_bias
-from pdserve.serving.limits import check_prompt_chars, decode_json
+from pdserve.serving.limits import check_prompt_chars
+from pdserve.serving.protocol_chat import (CHAT_TEMPLATE_FIELDS, ChatTemplateOptions, parse_chat_template_options,
+                                           parse_messages)
+from pdserve.serving.protocol_fields import (MAX_COUNT, APIError, bad_request, bool_field, decode_json_body,  # noqa: F401
+                                             error_body, float_field, int_field, is_int, model_not_found,
+                                             service_unavailable, str_field, string_list, token_list)
+from pdserve.serving.protocol_prompt import PROMPT_FIELDS, PromptOptions, parse_prompt_options
 from pdserve.serving.structured_outputs import FIELDS as STRUCTURED_OUTPUT_FIELDS
 from pdserve.serving.structured_outputs import parse_structured_outputs
 
@@ -22,17 +30,19 @@ COMPLETION, CHAT = "completion", "chat"
 REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")
 # The one list of request fields this server honours: OpenAI's and vLLM's names and meanings.
 # Any other field is a 400 naming it (never silently ignored), except the OpenAI fields below
-# at the value that means "off". tests/test_openai_params.py walks the `openai` client's
+# at the value that means "off". tests/test_openai_api.py walks the `openai` client's
 # create() parameters against these tables.
 _SAMPLING_FIELDS = (
     "model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos",
     "include_stop_str_in_output", "skip_special_tokens", "logprobs", "prompt_logprobs", "echo", "stream",
-    "stream_options", "user", "cache_salt", "return_token_ids", *STRUCTURED_OUTPUT_FIELDS)
+    "stream_options", "user", "cache_salt", "return_token_ids", "return_tokens_as_token_ids", "bad_words", "allowed_token_ids", "priority",
+    "request_id",
+    *PROMPT_FIELDS, *STRUCTURED_OUTPUT_FIELDS)
 SUPPORTED_PARAMETERS: dict[str, frozenset[str]] = {
     COMPLETION: frozenset(_SAMPLING_FIELDS + ("prompt",)),
-    CHAT: frozenset(_SAMPLING_FIELDS + ("messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt",
-                                        "safety_identifier")),
+    CHAT: frozenset(_SAMPLING_FIELDS + ("messages", "max_completion_tokens", "top_logprobs", "safety_identifier",
+                                        *CHAT_TEMPLATE_FIELDS)),
 }
 # OpenAI fields for features this server does not have, accepted only at their "off" values.
 NEUTRAL_PARAMETERS: dict[str, tuple[Any, ...]] = {
@@ -41,101 +51,9 @@ NEUTRAL_PARAMETERS: dict[str, tuple[Any, ...]] = {
     "modalities": (["text"],), "service_tier": ("auto", "default"), "audio": (), "prediction": (),
     "reasoning_effort": (), "verbosity": (), "web_search_options": (), "moderation": (), "prompt_cache_key": (),
     "prompt_cache_options": (), "prompt_cache_retention": (),
+    "logprob_token_ids": (),  # vLLM's: logprobs of chosen token ids (docs/vllm-compat.md says why not here)
 }
-_CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
-MAX_COUNT = 2**31 - 1  # the largest max_tokens, top_k, ... the gRPC wire (int32/uint32) and the engine take
-
-
-class APIError(Exception):
-    """An error the client caused or must be told about; `body()` is OpenAI's error shape."""
-
-    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
-def model_not_found(name: str) -> APIError:
-    return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
-
-
-def service_unavailable(message: str, code: str) -> APIError:
-    return APIError(503, message, type="service_unavailable_error", code=code)
-
-
-# ---------------------------------------------------------------- request parsing
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool))
-
-
-def _int(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_int(v):
-        raise bad_request(f"{name} must be an integer, got {json.dumps(v)}", name)
-    hi = MAX_COUNT if hi is None else hi  # every integer field is bounded: none reaches the engine unchecked
-    if (lo is not None and v < lo) or v > hi:
-        bounds = f"<= {hi}" if lo is None else f"in [{lo}, {hi}]"
-        raise bad_request(f"{name} must be {bounds}, got {v}", name)
-    return v
-
-
-def _float(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_number(v):
-        raise bad_request(f"{name} must be a number, got {json.dumps(v)}", name)
-    if v > hi or v < lo or (lo_open and v == lo):
-        raise bad_request(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", name)
-    return float(v)
-
-
-def _bool(body: dict, name: str, default: bool = False) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad_request(f"{name} must be a boolean, got {json.dumps(v)}", name)
-    return v
-
-
-def _str(body: dict, name: str, max_len: int = 4096) -> str | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, str) or len(v) > max_len:
-        raise bad_request(f"{name} must be a string of at most {max_len} characters", name)
-    return v
-
-
-def _token_ids(v: Any, name: str) -> list[int] | None:
-    if isinstance(v, list) and v and all(_is_int(t) for t in v):
-        if any(t < 0 for t in v):
-            raise bad_request(f"{name} token ids must be non-negative integers", name)
-        return list(v)
-    return None
+MAX_N = 128
 
 
 MAX_BATCHED_PROMPTS = 1024
@@ -146,10 +64,12 @@ def _one_prompt(p: Any) -> str | list[int]:
         if not p:
             raise bad_request("prompt must not be empty", "prompt")
         return p
-    ids = _token_ids(p, "prompt")
+    ids = list(p) if isinstance(p, list) and p and all(is_int(t) for t in p) else None
     if ids is None:
         raise bad_request("prompt must be a non-empty string, a non-empty list of token ids, or a list of those",
                           "prompt")
+    if any(t < 0 for t in ids):
+        raise bad_request("prompt token ids must be non-negative integers", "prompt")
     return ids
 
 
@@ -163,40 +83,6 @@ def _parse_prompts(body: dict) -> list[str | list[int]]:
             raise bad_request(f"at most {MAX_BATCHED_PROMPTS} prompts per request, got {len(p)}", "prompt")
         return [_one_prompt(x) for x in p]
     return [_one_prompt(p)]
-
-
-def _content_text(content: Any, i: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(c, dict) and c.get("type") == "text"
-                                         and isinstance(c.get("text"), str) for c in content):
-        return "".join(c["text"] for c in content)
-    raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
-
-
-def parse_messages(body: dict) -> list[dict[str, str]]:
-    msgs = body.get("messages")
-    if msgs is None:
-        raise bad_request("messages is required", "messages", "missing_required_parameter")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad_request("messages must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in _CHAT_ROLES:
-            raise bad_request(f"messages[{i}] must be an object with a role in {', '.join(_CHAT_ROLES)}",
-                              "messages")
-        for key, value in m.items():  # tool_calls, audio, ...: refused, not dropped
-            if key not in ("role", "content", "name") and value not in (None, [], ""):
-                raise bad_request(f"messages[{i}].{key} is not supported by this server", "messages",
-                                  "unsupported_parameter")
-        message = {"role": m["role"], "content": _content_text(m.get("content", ""), i)}
-        name = m.get("name")
-        if name not in (None, ""):  # OpenAI's participant name: the chat template may render it
-            if not isinstance(name, str):
-                raise bad_request(f"messages[{i}].name must be a string", "messages")
-            message["name"] = name
-        out.append(message)
-    return out
 
 
 def _parse_stop(body: dict) -> list[str]:
@@ -225,13 +111,17 @@ class GenerationRequest:
     logprobs: bool = False
     top_logprobs: int = 0  # most likely tokens reported per position
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N" (vLLM's field and server flag)
     user: str | None = None
     cache_salt: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields except max_tokens
     # Completions with a list of prompts: every prompt (`prompt` is then the first); see per_prompt().
     prompts: list[str | list[int]] | None = None
     echo: bool = False  # completions: prompt (+ its logprobs) before the output; chat: vLLM's echo
-    add_generation_prompt: bool = True  # chat
+    chat_template: ChatTemplateOptions = ChatTemplateOptions()  # chat: how the template renders the messages
+    prompt_options: PromptOptions = PromptOptions()  # add_special_tokens, truncation
+    request_id: str | None = None  # vLLM's body field: the request id when no X-Request-Id header names one
+    priority: int = 0  # vLLM's field: accepted; this server schedules first come, first served
     # prompt_logprobs the client asked for (vLLM's field; `sampling` may ask more, for echo)
     prompt_logprobs: int | None = None
     structured_field: str | None = None  # the field structured outputs came from (errors name it)
@@ -250,10 +140,10 @@ class GenerationRequest:
     def sampling_params(self, prompt_len: int, max_model_len: int, vocab_size: int | None = None) -> SamplingParams:
         """Resolve max_tokens against the context and build the engine's params (400 on misfit);
         with `vocab_size` (nodes know it, the proxy does not) logit_bias ids are checked too."""
-        bias = self.sampling.get("logit_bias") or {}
-        if vocab_size is not None and any(t >= vocab_size for t in bias):
-            raise bad_request(f"logit_bias token id {max(bias)} is outside the vocabulary [0, {vocab_size})",
-                              "logit_bias")
+        for name, ids in (("logit_bias", self.sampling.get("logit_bias")),
+                          ("allowed_token_ids", self.sampling.get("allowed_token_ids"))):
+            if vocab_size is not None and ids and max(ids) >= vocab_size:
+                raise bad_request(f"{name} token id {max(ids)} is outside the vocabulary [0, {vocab_size})", name)
         room = max_model_len - prompt_len
         if room < 1 or (self.max_tokens is not None and self.max_tokens > room):
             asked = "" if self.max_tokens is None else f" + {self.max_tokens} max_tokens"
@@ -270,7 +160,10 @@ class GenerationRequest:
 
 
 def check_prompt_size(req: GenerationRequest, max_model_len: int) -> None:
-    """400 for a text prompt too long to fit the context whatever it tokenizes to, before tokenizing it."""
+    """400 for a text prompt too long to fit the context whatever it tokenizes to, before tokenizing it
+    (unless it is to be truncated)."""
+    if req.prompt_options.truncate_prompt_tokens is not None:
+        return
     if req.kind == CHAT:
         size, param = sum(len(m["content"]) for m in req.messages), "messages"
     else:
@@ -281,71 +174,59 @@ def check_prompt_size(req: GenerationRequest, max_model_len: int) -> None:
         raise bad_request(str(e), param, "context_length_exceeded") from None
 
 
-def decode_json_body(raw: bytes | str | Any) -> dict[str, Any]:
-    """A request body as a JSON object (raw bytes/text, or already decoded); 400 otherwise."""
-    if isinstance(raw, (bytes, str)):
-        try:
-            body = decode_json(raw)  # bounded nesting, finite numbers, encodable strings
-        except json.JSONDecodeError as e:
-            raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
-        except ValueError as e:  # valid JSON beyond our bounds; the message says which
-            raise bad_request(str(e), code="invalid_json") from None
-    else:
-        body = raw
-    if not isinstance(body, dict):
-        raise bad_request("request body must be a JSON object")
-    return body
-
-
-def parse_request(kind: str, raw: bytes | str | Any, check_grammar: bool = True) -> GenerationRequest:
+def parse_request(kind: str, raw: bytes | str | Any, check_grammar: bool = True,
+                  return_tokens_as_token_ids: bool = False) -> GenerationRequest:
     """Validate a request body (raw JSON bytes or an already decoded object); raises APIError(400).
 
-    `check_grammar=False` (the proxy) leaves compiling a structured-output grammar to the nodes."""
+    `check_grammar=False` (the proxy) leaves compiling a structured-output grammar to the nodes;
+    `return_tokens_as_token_ids` is the server's default (vLLM's --return-tokens-as-token-ids)."""
     body = decode_json_body(raw)
     _check_fields(kind, body)
-    model = _str(body, "model")
+    model = str_field(body, "model")
     prompts = None
     if kind == CHAT:
         prompt, messages = None, parse_messages(body)
-        max_tokens = _int(body, "max_completion_tokens", None, 1)
-        max_tokens = _int(body, "max_tokens", max_tokens, 1)
-        top_logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
-        logprobs = _bool(body, "logprobs")
+        max_tokens = int_field(body, "max_completion_tokens", None, 1)
+        max_tokens = int_field(body, "max_tokens", max_tokens, 1)
+        top_logprobs = int_field(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+        logprobs = bool_field(body, "logprobs")
         if top_logprobs and not logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     else:
         prompts, messages = _parse_prompts(body), None
         prompt = prompts[0]
-        max_tokens = _int(body, "max_tokens", 16, 1)
-        top_logprobs = _int(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+        max_tokens = int_field(body, "max_tokens", 16, 1)
+        top_logprobs = int_field(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
         logprobs, top_logprobs = top_logprobs is not None, top_logprobs or 0
-    stream, echo = _bool(body, "stream"), _bool(body, "echo")
+    stream, echo = bool_field(body, "stream"), bool_field(body, "echo")
     include_usage, continuous_usage = _parse_stream_options(body, stream)
-    prompt_logprobs = _int(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    prompt_logprobs = int_field(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
     if prompt_logprobs is not None and stream:
         raise bad_request("prompt_logprobs is not available with stream=true", "prompt_logprobs")
     structured, structured_field = parse_structured_outputs(body, bad_request, check_grammar)
     sampling = {
-        "n": _int(body, "n", 1, 1, MAX_N),
-        "temperature": _float(body, "temperature", 1.0, 0.0, 2.0),
-        "top_p": _float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        "top_k": _int(body, "top_k", 0, -1),
-        "min_p": _float(body, "min_p", 0.0, 0.0, 1.0),
-        "seed": _int(body, "seed", None, SEED_MIN, SEED_MAX),
+        "n": int_field(body, "n", 1, 1, MAX_N),
+        "temperature": float_field(body, "temperature", 1.0, 0.0, 2.0),
+        "top_p": float_field(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        "top_k": int_field(body, "top_k", 0, -1),
+        "min_p": float_field(body, "min_p", 0.0, 0.0, 1.0),
+        "seed": int_field(body, "seed", None, SEED_MIN, SEED_MAX),
         "stop": _parse_stop(body),
-        "stop_token_ids": _parse_token_list(body, "stop_token_ids"),
-        "ignore_eos": _bool(body, "ignore_eos"),
-        "presence_penalty": _float(body, "presence_penalty", 0.0, -2.0, 2.0),
-        "frequency_penalty": _float(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        "repetition_penalty": _float(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        "stop_token_ids": token_list(body, "stop_token_ids"),
+        "ignore_eos": bool_field(body, "ignore_eos"),
+        "presence_penalty": float_field(body, "presence_penalty", 0.0, -2.0, 2.0),
+        "frequency_penalty": float_field(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        "repetition_penalty": float_field(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
         "logit_bias": _parse_logit_bias(body),
-        "min_tokens": _int(body, "min_tokens", 0, 0),
-        "include_stop_str_in_output": _bool(body, "include_stop_str_in_output"),
-        "skip_special_tokens": _bool(body, "skip_special_tokens", True),
+        "min_tokens": int_field(body, "min_tokens", 0, 0),
+        "include_stop_str_in_output": bool_field(body, "include_stop_str_in_output"),
+        "skip_special_tokens": bool_field(body, "skip_special_tokens", True),
         # echo with logprobs reports the prompt's logprobs too: the engine computes them
         "prompt_logprobs": max(prompt_logprobs or 0, top_logprobs) if echo and logprobs and kind == COMPLETION
         else prompt_logprobs,
         "structured_outputs": structured,
+        "bad_words": string_list(body, "bad_words"),
+        "allowed_token_ids": token_list(body, "allowed_token_ids", non_empty=True) or None,
     }
     if sampling["min_tokens"] > (max_tokens or sampling["min_tokens"]):
         raise bad_request(f"min_tokens ({sampling['min_tokens']}) must not exceed max_tokens ({max_tokens})",
@@ -353,13 +234,26 @@ def parse_request(kind: str, raw: bytes | str | Any, check_grammar: bool = True)
     return GenerationRequest(
         kind=kind, model=model, prompt=prompt, messages=messages, max_tokens=max_tokens,
         stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
-        logprobs=logprobs, top_logprobs=top_logprobs, return_token_ids=_bool(body, "return_token_ids"),
-        user=_str(body, "user") or _str(body, "safety_identifier"), cache_salt=_str(body, "cache_salt"),
-        sampling=sampling, prompts=prompts, echo=echo, add_generation_prompt=_bool(body, "add_generation_prompt", True),
-        prompt_logprobs=prompt_logprobs, structured_field=structured_field)
+        logprobs=logprobs, top_logprobs=top_logprobs, return_token_ids=bool_field(body, "return_token_ids"),
+        return_tokens_as_token_ids=bool_field(body, "return_tokens_as_token_ids", return_tokens_as_token_ids),
+        user=str_field(body, "user") or str_field(body, "safety_identifier"), cache_salt=str_field(body, "cache_salt"),
+        sampling=sampling, prompts=prompts, echo=echo, prompt_logprobs=prompt_logprobs,
+        structured_field=structured_field, prompt_options=parse_prompt_options(body),
+        chat_template=parse_chat_template_options(body) if kind == CHAT else ChatTemplateOptions(),
+        request_id=_parse_request_id(body), priority=int_field(body, "priority", 0, -(2**63), 2**63 - 1))
 
 
-MAX_N = 128
+def _parse_request_id(body: dict) -> str | None:
+    rid = body.get("request_id")
+    if rid is not None and (not isinstance(rid, str) or not REQUEST_ID_RE.fullmatch(rid)):
+        raise bad_request("request_id must be 1-128 printable ASCII characters without spaces", "request_id")
+    return rid
+
+
+def request_id_of(req: GenerationRequest, header_id: str | None, assigned: str) -> str:
+    """vLLM's rule: the X-Request-Id header's id, else the body's request_id, else the one the server made."""
+    return assigned if header_id or req.request_id is None else req.request_id
+
 
 
 def _check_fields(kind: str, body: dict) -> None:
@@ -404,15 +298,6 @@ def _parse_stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
             raise bad_request(f"stream_options.{key} must be a boolean, got {json.dumps(options[key])}",
                               "stream_options")
     return flags["include_usage"], flags["include_usage"] and flags["continuous_usage_stats"]
-
-
-def _parse_token_list(body: dict, name: str) -> list[int]:
-    v = body.get(name)
-    if v is None:
-        return []
-    if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
-        raise bad_request(f"{name} must be a list of non-negative token ids", name)
-    return list(v)
 
 
 def _parse_logit_bias(body: dict) -> dict[int, float] | None:

@@ -38,13 +38,15 @@ class Delta:
     finish_reason: str | None = None
     index: int = 0  # the choice (prompt index x n + the engine's choice index)
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's field, JSON-ready
+    prompt_token_ids: list[int] | None = None  # on a choice's first delta, with return_token_ids
 
     def __add__(self, later: Delta) -> Delta:
         """This delta followed by `later` (an echoed prompt and the output; the chunks of one choice)."""
         tokens = None if self.tokens is None and later.tokens is None else (self.tokens or []) + (later.tokens or [])
         return Delta(self.text + later.text, self.token_ids + later.token_ids, self.logprobs + later.logprobs,
                      tokens, self.top_logprobs + later.top_logprobs, later.finish_reason, later.index,
-                     later.prompt_logprobs if later.prompt_logprobs is not None else self.prompt_logprobs)
+                     later.prompt_logprobs if later.prompt_logprobs is not None else self.prompt_logprobs,
+                     later.prompt_token_ids if later.prompt_token_ids is not None else self.prompt_token_ids)
 
 
 # One prompt position's logprobs, transport-neutral: (token id, logprob, rank, token text) with the
@@ -63,24 +65,35 @@ def prompt_logprobs_json(positions: list[PromptPosition], k: int) -> list[dict[s
     return out
 
 
-def echo_delta(text: str, positions: list[PromptPosition] | None, top_logprobs: int) -> Delta:
+def token_namer(decode: Callable[[list[int]], str], as_token_ids: bool) -> Callable[[int], str]:
+    """How a logprobs entry names a token: its text decoded alone, or vLLM's "token_id:N" placeholder
+    (return_tokens_as_token_ids: every token identifiable, even one that is not valid UTF-8 alone)."""
+    if as_token_ids:
+        return lambda t: f"token_id:{t}"
+    return lambda t: decode([t])
+
+
+def echo_delta(text: str, positions: list[PromptPosition] | None, top_logprobs: int,
+               as_token_ids: bool = False) -> Delta:
     """The echoed prompt as the start of a completions choice: its text and, when `positions` are
-    given (echo with logprobs), its tokens with their logprobs as OpenAI reports them."""
+    given (echo with logprobs), its tokens with their logprobs and each position's `top_logprobs`
+    most likely tokens, named as the output's are (token_namer)."""
     if positions is None:
         return Delta(text)
-    tokens = [p[0][3] for p in positions]
+    name = (lambda e: f"token_id:{e[0]}") if as_token_ids else (lambda e: e[3])
+    tokens = [name(p[0]) for p in positions]
     logprobs = [p[0][1] for p in positions]
     tops: list[list[tuple[str, float]] | None] = [None]
     for position in positions[1:]:
         best = sorted((e for e in position if e[2] is not None and e[2] <= top_logprobs), key=lambda e: e[2])
-        tops.append([(e[3], e[1]) for e in best])
+        tops.append([(name(e), e[1]) for e in best])
     return Delta(text, logprobs=logprobs, tokens=tokens, top_logprobs=tops)
 
 
-def top_token_texts(decode: Callable[[list[int]], str],
+def top_token_texts(name: Callable[[int], str],
                     tops: list[list[tuple[int, float]]]) -> list[list[tuple[str, float]]]:
-    """The engine's (token id, logprob) lists with each id decoded alone, as the sampled tokens are."""
-    return [[(decode([t]), lp) for t, lp in top] for top in tops]
+    """The engine's (token id, logprob) lists with each id named as the sampled tokens are (token_namer)."""
+    return [[(name(t), lp) for t, lp in top] for top in tops]
 
 
 def top_by_text(top: list[tuple[str, float]]) -> dict[str, float]:
@@ -108,7 +121,8 @@ class ResponseBuilder:
         if not self.req.logprobs:
             return None
         tokens = d.tokens if d.tokens is not None else [""] * len(d.logprobs)
-        tops = d.top_logprobs or [[] for _ in tokens]
+        # positions without top tokens (none asked for; an echoed prompt's are there) have an empty list
+        tops = list(d.top_logprobs) + [[] for _ in range(len(tokens) - len(d.top_logprobs))]
         if self.req.kind == CHAT:
             return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
                                  "top_logprobs": [{"token": tt, "logprob": tlp, "bytes": list(tt.encode())}
@@ -120,31 +134,42 @@ class ResponseBuilder:
             offsets.append(offset)
             offset += len(t)
         self._text_offset[d.index] = offset
+        # vLLM's completions shape: per position the token itself, then the `logprobs` most likely
+        # ones (so logprobs=0 still gives one entry); the echoed first prompt token has none.
         return {"tokens": tokens, "token_logprobs": d.logprobs, "text_offset": offsets,
-                "top_logprobs": [None if top is None else top_by_text(top) for top in tops]
-                if self.req.top_logprobs else None}
+                "top_logprobs": [None if top is None else top_by_text([(t, lp), *top])
+                                 for t, lp, top in zip(tokens, d.logprobs, tops)]}
 
     def _choice(self, d: Delta, *, stream: bool, role: bool = False) -> dict[str, Any]:
+        """One choice as vLLM shapes it: a whole response names every field (null when not asked for),
+        a stream chunk only those it carries; a chat role chunk has no logprobs."""
         choice: dict[str, Any] = {"index": d.index}
+        token_ids = self.req.return_token_ids
         if self.req.kind == CHAT:
-            message = {"role": "assistant", "content": d.text} if (role or not stream) else (
+            role_name = self.req.chat_template.response_role(self.req.messages)
+            message = {"role": role_name, "content": d.text} if (role or not stream) else (
                 {"content": d.text} if d.text else {})
             choice["delta" if stream else "message"] = message
         else:
             choice["text"] = d.text
-        choice["logprobs"] = self._logprobs(d)
+        choice["logprobs"] = None if role else self._logprobs(d)
         choice["finish_reason"] = d.finish_reason
-        if self.req.return_token_ids:
-            choice["token_ids"] = d.token_ids
-        if d.prompt_logprobs is not None and self.req.kind == COMPLETION:
+        if not stream or (token_ids and not role):
+            choice["token_ids"] = d.token_ids if token_ids else None
+        if self.req.kind == COMPLETION and not stream:
             choice["prompt_logprobs"] = d.prompt_logprobs
+        if self.req.kind == COMPLETION and (not stream or (token_ids and d.prompt_token_ids is not None)):
+            choice["prompt_token_ids"] = d.prompt_token_ids if token_ids else None
         return choice
 
     def chunk(self, d: Delta, *, role: bool = False, usage: dict[str, Any] | None = None) -> dict[str, Any]:
-        """A streaming chunk; `role=True` for a chat stream's first chunk; `usage` the choice's usage so
-        far (continuous usage), else null in every chunk before the usage chunk (include_usage)."""
+        """A streaming chunk; `role=True` for a chat stream's first chunk of a choice (with the prompt's
+        token ids when asked: vLLM's place for them); `usage` the choice's usage so far (continuous
+        usage), else null in every chunk before the usage chunk (include_usage)."""
         obj = "chat.completion.chunk" if self.req.kind == CHAT else "text_completion"
         out = self._envelope(obj, [self._choice(d, stream=True, role=role)])
+        if role and self.req.return_token_ids and d.prompt_token_ids is not None:
+            out["prompt_token_ids"] = d.prompt_token_ids
         if self.req.include_usage:
             out["usage"] = usage
         return out
@@ -156,15 +181,15 @@ class ResponseBuilder:
         out["usage"] = usage
         return out
 
-    def response(self, choices: Delta | list[Delta], usage: dict[str, Any],
-                 prompt_token_ids: list[int] | None = None) -> dict:
-        """The non-streaming body: each choice's whole output, in index order."""
+    def response(self, choices: Delta | list[Delta], usage: dict[str, Any]) -> dict:
+        """The non-streaming body: each choice's whole output, in index order. Completions carry the
+        prompt's token ids and logprobs in each choice, chat beside the choices (vLLM's places)."""
         choices = sorted([choices] if isinstance(choices, Delta) else choices, key=lambda d: d.index)
         obj = "chat.completion" if self.req.kind == CHAT else "text_completion"
         out = self._envelope(obj, [self._choice(d, stream=False) for d in choices])
-        if self.req.return_token_ids and prompt_token_ids is not None:
-            out["prompt_token_ids"] = prompt_token_ids
-        if self.req.kind == CHAT and self.req.prompt_logprobs is not None and choices:
-            out["prompt_logprobs"] = choices[0].prompt_logprobs  # vLLM puts the chat's beside the choices
+        if self.req.kind == CHAT:
+            first = choices[0] if choices else Delta("")
+            out["prompt_logprobs"] = first.prompt_logprobs
+            out["prompt_token_ids"] = first.prompt_token_ids if self.req.return_token_ids else None
         out["usage"] = usage
         return out

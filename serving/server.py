@@ -21,7 +21,6 @@ from aiohttp import web
 
 from pdserve.common import eventloop
 from pdserve.engine.async_engine import RequestAbortedError
-from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving import errors
 from pdserve.serving import protocol as oai
@@ -32,7 +31,7 @@ from pdserve.serving.errors import StartupError
 from pdserve.serving.http import api_middleware, json_response, listen_socket, serve_app
 from pdserve.serving.limits import MAX_BODY_BYTES
 from pdserve.serving.metrics import CONTENT_TYPE
-from pdserve.serving.responses import Delta, ResponseBuilder, models_list, top_token_texts, usage_dict
+from pdserve.serving.responses import Delta, ResponseBuilder, models_list, token_namer, top_token_texts, usage_dict
 from pdserve.serving.sse import SSEStream
 from pdserve.serving.startup import create_async_engine
 
@@ -45,8 +44,10 @@ _TOKENIZE_IN_EXECUTOR_CHARS = 8192  # bigger prompts are tokenized off the event
 class OpenAIServer:
     """The aiohttp application of one node: OpenAI endpoints plus /health, /stats, /metrics."""
 
-    def __init__(self, async_engine: Any, served_model_names: list[str], metrics: Any) -> None:
+    def __init__(self, async_engine: Any, served_model_names: list[str], metrics: Any,
+                 return_tokens_as_token_ids: bool = False) -> None:
         self.async_engine = async_engine
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids  # vLLM's flag: the default of the field
         self.engine = async_engine.engine  # the LLMEngine ("engine" means LLMEngine everywhere)
         self.tokenizer = self.engine.tokenizer
         self.served_names = served_model_names
@@ -82,18 +83,13 @@ class OpenAIServer:
         return await self._generate(request, oai.CHAT)
 
     def _encode(self, req: oai.GenerationRequest) -> list[int]:
-        if req.kind == oai.CHAT:
-            try:
-                return apply_chat_template(self.tokenizer, req.messages, req.add_generation_prompt)
-            except ValueError as e:
-                raise oai.bad_request(str(e), "messages") from None
-        if isinstance(req.prompt, list):
-            return req.prompt
-        return encode_prompt(self.tokenizer, req.prompt)
+        ids = tokenize_api.encode(self.tokenizer, req.prompt, req.messages, req.chat_template,
+                                  req.prompt_options.add_special_tokens)
+        return req.prompt_options.truncate(ids, self.max_model_len, req.max_tokens)
 
     async def prompt_token_ids_of(self, req: oai.GenerationRequest) -> list[int]:
         if req.kind != oai.CHAT and isinstance(req.prompt, list):  # token ids (every P/D decode request)
-            return req.prompt
+            return req.prompt_options.truncate(req.prompt, self.max_model_len, req.max_tokens)
         oai.check_prompt_size(req, self.engine.max_model_len)  # hopeless sizes never reach the tokenizer
         size = sum(len(m["content"]) for m in req.messages) if req.kind == oai.CHAT else len(req.prompt)
         if size < _TOKENIZE_IN_EXECUTOR_CHARS:
@@ -113,11 +109,11 @@ class OpenAIServer:
 
     def output_delta(self, req: oai.GenerationRequest, out: Any) -> Delta:
         """New engine output of one choice as a Delta, token texts decoded (HTTP and gRPC alike)."""
-        decode = self.tokenizer.decode
+        name = token_namer(self.tokenizer.decode, req.return_tokens_as_token_ids)
         return Delta(text=out.new_text, token_ids=list(out.new_token_ids),
                      logprobs=list(out.new_logprobs) if req.logprobs else [],
-                     tokens=[decode([t]) for t in out.new_token_ids] if req.logprobs else None,
-                     top_logprobs=top_token_texts(decode, out.new_top_logprobs),
+                     tokens=[name(t) for t in out.new_token_ids] if req.logprobs else None,
+                     top_logprobs=top_token_texts(name, out.new_top_logprobs),
                      finish_reason=out.finish_reason if out.finished else None, index=out.index)
 
     def choice_output(self, req: oai.GenerationRequest, prompt_index: int, out: Any) -> ChoiceOutput:
@@ -126,11 +122,12 @@ class OpenAIServer:
             prompt_index, self.output_delta(req, out),
             (lambda: prompt) if isinstance(prompt, str) else (lambda: self.tokenizer.decode(out.prompt_token_ids)),
             lambda: prompt_positions(out.prompt_token_ids, out.prompt_logprobs, self.tokenizer.decode),
-            self.usage(out) if out.finished else None, (len(out.prompt_token_ids), out.num_cached_tokens))
+            self.usage(out) if out.finished else None, (len(out.prompt_token_ids), out.num_cached_tokens),
+            out.prompt_token_ids)
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
-        rid = request["request_id"]
-        req = oai.parse_request(kind, await request.read())
+        req = oai.parse_request(kind, await request.read(), return_tokens_as_token_ids=self.return_tokens_as_token_ids)
+        rid = request["request_id"] = oai.request_id_of(req, request.headers.get("X-Request-Id"), request["request_id"])
         model = oai.check_model(req.model, self.served_names)
         subs = req.per_prompt()
         prompts = [await self.prompt_token_ids_of(sub) for sub in subs]
@@ -161,7 +158,7 @@ class OpenAIServer:
                                                                          if assembler.num_choices > 1 else ""))
         if req.stream:
             return request["sse"]
-        return json_response(builder.response(assembler.all(), usage, prompts[0] if len(prompts) == 1 else None))
+        return json_response(builder.response(assembler.all(), usage))
 
     @staticmethod
     def usage(out: Any) -> dict[str, Any]:
@@ -174,7 +171,7 @@ class OpenAIServer:
         sse = SSEStream(builder, assembler.choice_usage)
         p, out = first
         d = assembler.delta(self.choice_output(subs[p], p, out))  # before start: the prompt's counts
-        await sse.start(request, request["request_id"])
+        await sse.start(request, request["request_id"], d.prompt_token_ids)
         while True:
             await sse.delta(d)
             try:
@@ -268,7 +265,7 @@ def run_node(args: argparse.Namespace, prog: str, preflight: Callable[[], None] 
             preflight()
         sock = listen_socket(args.host, args.port)
         async_engine, names = create_async_engine(args)
-        server = OpenAIServer(async_engine, names, async_engine.metrics)
+        server = OpenAIServer(async_engine, names, async_engine.metrics, args.return_tokens_as_token_ids)
         if run is None:
             eventloop.run(serve(server, sock, prog, args.shutdown_timeout))
         else:

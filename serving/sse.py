@@ -33,15 +33,16 @@ class SSEStream:
         self.response: web.StreamResponse | None = None
         self._usage = usage_so_far if builder.req.continuous_usage else None
 
-    async def start(self, request: web.Request, request_id: str) -> None:
+    async def start(self, request: web.Request, request_id: str, prompt_token_ids: list[int] | None = None) -> None:
         """Send the headers (the status is 200 from here on) and, for chat, each choice's role chunk
-        (OpenAI opens every one of the n choices with its own)."""
+        (OpenAI opens every one of the n choices with its own; vLLM puts the prompt's token ids there)."""
         self.response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": request_id})
         request["sse"] = self.response  # the middleware answers with it when the client goes away
         await self.response.prepare(request)
         if self.builder.req.kind == CHAT:
             for index in range(self.builder.req.n):
-                role = self.builder.chunk(Delta("", index=index), role=True, usage=self._usage_of(index, output=False))
+                role = self.builder.chunk(Delta("", index=index, prompt_token_ids=prompt_token_ids), role=True,
+                                          usage=self._usage_of(index, output=False))
                 await self._write(role)
 
     async def delta(self, d: Delta) -> None:

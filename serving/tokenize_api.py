@@ -1,9 +1,10 @@
 """vLLM's /tokenize, /detokenize and /version endpoints: requests, the tokenizer work, responses.
 
 /tokenize takes a completions-style {"prompt"} or a chat-style {"messages"} body and answers
-{"count", "max_model_len", "tokens", "token_strs"}; with the defaults a prompt tokenizes exactly
-as /v1/completions and /v1/chat/completions would tokenize it. /detokenize takes {"tokens"}
-and answers {"prompt"}. Nodes answer them with their tokenizer; the proxy asks a node over gRPC.
+{"count", "max_model_len", "tokens", "token_strs"}; a prompt tokenizes exactly as
+/v1/completions and /v1/chat/completions tokenize it with the same fields (`encode` is that one
+rule: chat template options, add_special_tokens). /detokenize takes {"tokens"} and answers
+{"prompt"}. Nodes answer them with their tokenizer; the proxy asks a node over gRPC.
 """
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
-from pdserve.serving.protocol import bad_request, decode_json_body, parse_messages
+from pdserve.serving.protocol_chat import (CHAT_TEMPLATE_FIELDS, ChatTemplateOptions, parse_chat_template_options,
+                                           parse_messages)
+from pdserve.serving.protocol_fields import bad_request, decode_json_body
 
-_TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                    "return_token_strs", "continue_final_message"}
+_TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "return_token_strs", *CHAT_TEMPLATE_FIELDS}
 
 
 @dataclass
@@ -23,7 +25,7 @@ class TokenizeRequest:
     prompt: str | None  # completions style
     messages: list[dict[str, str]] | None  # chat style
     add_special_tokens: bool
-    add_generation_prompt: bool = True
+    chat_template: ChatTemplateOptions = ChatTemplateOptions()
     return_token_strs: bool = False
 
 
@@ -48,9 +50,6 @@ def parse_tokenize(raw: bytes | str | Any) -> TokenizeRequest:
     unknown = sorted(set(body) - _TOKENIZE_FIELDS)
     if unknown:
         raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unsupported_parameter")
-    if body.get("continue_final_message"):
-        raise bad_request("continue_final_message is not supported by this server", "continue_final_message",
-                          "unsupported_parameter")
     chat = body.get("messages") is not None
     if chat == (body.get("prompt") is not None):
         raise bad_request("give either prompt (a string) or messages", "prompt")
@@ -59,7 +58,7 @@ def parse_tokenize(raw: bytes | str | Any) -> TokenizeRequest:
         raise bad_request("prompt must be a string", "prompt")
     return TokenizeRequest(model=_model(body), prompt=prompt, messages=parse_messages(body) if chat else None,
                            add_special_tokens=_flag(body, "add_special_tokens", not chat),
-                           add_generation_prompt=_flag(body, "add_generation_prompt", True),
+                           chat_template=parse_chat_template_options(body) if chat else ChatTemplateOptions(),
                            return_token_strs=_flag(body, "return_token_strs", False))
 
 
@@ -76,21 +75,25 @@ def parse_detokenize(raw: bytes | str | Any) -> tuple[str | None, list[int]]:
     return _model(body), tokens
 
 
-def tokenize(tokenizer: Any, req: TokenizeRequest) -> list[int]:
-    """The token ids, as the generation endpoints would compute them with the default flags."""
+def encode(tokenizer: Any, prompt: str | None, messages: list[dict[str, str]] | None, chat: ChatTemplateOptions,
+           add_special_tokens: bool | None) -> list[int]:
+    """A text or chat prompt's token ids, as every endpoint computes them (400 when the chat template
+    refuses the messages). `add_special_tokens` None: the endpoint's default (true for text, false
+    for chat: the template holds what the model wants)."""
     from pdserve.engine.tokenizer import apply_chat_template, encode_prompt
 
-    if req.messages is not None:
+    if messages is not None:
         try:
-            ids = apply_chat_template(tokenizer, req.messages, req.add_generation_prompt)
+            return apply_chat_template(tokenizer, messages, chat.add_generation_prompt,
+                                       continue_final_message=chat.continue_final_message,
+                                       chat_template_kwargs=chat.kwargs, add_special_tokens=bool(add_special_tokens))
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
-        if req.add_special_tokens and tokenizer.bos_token_id is not None and ids[:1] != [tokenizer.bos_token_id]:
-            ids = [tokenizer.bos_token_id] + ids
-        return ids
-    if req.add_special_tokens:
-        return encode_prompt(tokenizer, req.prompt)
-    return tokenizer.encode(req.prompt, add_special_tokens=False)
+    return encode_prompt(tokenizer, prompt, add_special_tokens is not False)
+
+
+def tokenize(tokenizer: Any, req: TokenizeRequest) -> list[int]:
+    return encode(tokenizer, req.prompt, req.messages, req.chat_template, req.add_special_tokens)
 
 
 def detokenize(tokenizer: Any, token_ids: list[int], vocab_size: int) -> str:

@@ -14,6 +14,8 @@ from typing import Any
 from pdserve.engine.sampling_params import StructuredOutputsParams
 from pdserve.protos import pdserve_pb2 as pb
 from pdserve.serving import protocol as oai
+from pdserve.serving.protocol_chat import ChatTemplateOptions, parse_template_kwargs
+from pdserve.serving.protocol_prompt import PromptOptions
 from pdserve.serving.responses import Delta, PromptPosition, usage_dict
 from pdserve.serving.tokenize_api import TokenizeRequest
 
@@ -28,13 +30,42 @@ def messages_from_pb(messages: Iterable[pb.ChatMessage]) -> list[dict[str, str]]
             for m in messages]
 
 
+def chat_to_pb(messages: list[dict[str, str]], options: ChatTemplateOptions) -> pb.ChatMessages:
+    return pb.ChatMessages(messages=messages_to_pb(messages), add_generation_prompt=options.add_generation_prompt,
+                           continue_final_message=options.continue_final_message,
+                           chat_template_kwargs=options.kwargs_json())
+
+
+def chat_options_from_pb(chat: pb.ChatMessages) -> ChatTemplateOptions:
+    try:
+        kwargs = parse_template_kwargs(json.loads(chat.chat_template_kwargs)) if chat.chat_template_kwargs else None
+    except ValueError:
+        raise oai.bad_request("chat_template_kwargs is not a JSON object", "chat_template_kwargs") from None
+    return ChatTemplateOptions(not chat.HasField("add_generation_prompt") or chat.add_generation_prompt,
+                               chat.continue_final_message, kwargs)
+
+
 def prompt_to_pb(req: oai.GenerationRequest) -> pb.Prompt:
+    """The prompt with what decides its token ids (chat template options, add_special_tokens, truncation)."""
+    options = req.prompt_options
     if req.kind == oai.CHAT:
-        return pb.Prompt(chat=pb.ChatMessages(messages=messages_to_pb(req.messages),
-                                              add_generation_prompt=req.add_generation_prompt))
-    if isinstance(req.prompt, str):
-        return pb.Prompt(text=req.prompt)
-    return token_ids_to_pb(req.prompt)
+        prompt = pb.Prompt(chat=chat_to_pb(req.messages, req.chat_template))
+    elif isinstance(req.prompt, str):
+        prompt = pb.Prompt(text=req.prompt)
+    else:
+        prompt = token_ids_to_pb(req.prompt)
+    if options.add_special_tokens is not None:
+        prompt.add_special_tokens = options.add_special_tokens
+    if options.truncate_prompt_tokens is not None:
+        prompt.truncate_prompt_tokens = options.truncate_prompt_tokens
+        prompt.truncation_side = options.truncation_side
+    return prompt
+
+
+def prompt_options_from_pb(prompt: pb.Prompt) -> PromptOptions:
+    return PromptOptions(prompt.add_special_tokens if prompt.HasField("add_special_tokens") else None,
+                         prompt.truncate_prompt_tokens if prompt.HasField("truncate_prompt_tokens") else None,
+                         prompt.truncation_side or "left")
 
 
 def token_ids_to_pb(token_ids: list[int]) -> pb.Prompt:
@@ -77,7 +108,8 @@ def sampling_to_pb(req: oai.GenerationRequest) -> pb.SamplingParams:
         logit_bias=s["logit_bias"] or {}, min_tokens=s["min_tokens"], min_p=s["min_p"],
         include_stop_str_in_output=s["include_stop_str_in_output"], skip_special_tokens=s["skip_special_tokens"],
         prompt_logprobs=s["prompt_logprobs"], structured_outputs=structured_to_pb(s["structured_outputs"], req.structured_field),
-        echo=req.echo)
+        echo=req.echo, return_token_ids=req.return_token_ids, return_tokens_as_token_ids=req.return_tokens_as_token_ids,
+        bad_words=s["bad_words"], allowed_token_ids=s["allowed_token_ids"] or [])
 
 
 def request_from_pb(prompt: pb.Prompt, params: pb.SamplingParams, cache_salt: str) -> oai.GenerationRequest:
@@ -93,12 +125,15 @@ def request_from_pb(prompt: pb.Prompt, params: pb.SamplingParams, cache_salt: st
                 "logit_bias": dict(params.logit_bias) or None, "min_tokens": params.min_tokens, "min_p": params.min_p,
                 "include_stop_str_in_output": params.include_stop_str_in_output,
                 "skip_special_tokens": params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
-                "prompt_logprobs": prompt_logprobs, "structured_outputs": structured_from_pb(params)}
+                "prompt_logprobs": prompt_logprobs, "structured_outputs": structured_from_pb(params),
+                "bad_words": list(params.bad_words), "allowed_token_ids": list(params.allowed_token_ids) or None}
     return oai.GenerationRequest(
         kind=kind, model=None, max_tokens=params.max_tokens or None, logprobs=params.logprobs,
-        top_logprobs=params.top_logprobs,
+        top_logprobs=params.top_logprobs, return_token_ids=params.return_token_ids,
+        return_tokens_as_token_ids=params.return_tokens_as_token_ids,
         cache_salt=cache_salt or None, sampling=sampling, echo=params.echo,
-        add_generation_prompt=not prompt.chat.HasField("add_generation_prompt") or prompt.chat.add_generation_prompt,
+        chat_template=chat_options_from_pb(prompt.chat) if kind == oai.CHAT else ChatTemplateOptions(),
+        prompt_options=prompt_options_from_pb(prompt),
         structured_field=(params.structured_outputs.field or None) if params.HasField("structured_outputs") else None,
         prompt=prompt.text if kind_of == "text" else (list(prompt.token_ids.ids) if kind_of == "token_ids" else None),
         messages=messages_from_pb(prompt.chat.messages) if kind == oai.CHAT else None)
@@ -123,12 +158,13 @@ def positions_from_pb(entries: Any) -> list[PromptPosition] | None:
 
 
 def delta_to_pb(d: Delta, usage: dict[str, Any] | None = None, positions: list[PromptPosition] | None = None,
-                prompt_text: str = "") -> pb.GenerateDelta:
+                prompt_text: str = "", prompt_token_ids: list[int] | None = None) -> pb.GenerateDelta:
     """A node's output delta of choice `d.index`; `usage` (responses.usage_dict) rides on a choice's
-    first one (the prompt's counts, known from then on) and its last, the prompt's logprobs and text
-    (when asked for) on its first."""
+    first one (the prompt's counts, known from then on) and its last, the prompt's logprobs, text and
+    token ids (when asked for) on its first."""
     out = pb.GenerateDelta(text=d.text, token_ids=d.token_ids, finish_reason=d.finish_reason or "",
                            logprobs=d.logprobs, tokens=d.tokens or [], index=d.index, prompt_text=prompt_text,
+                           prompt_token_ids=prompt_token_ids or [],
                            top_logprobs=[pb.TopLogprobs(tokens=[t for t, _ in top], logprobs=[lp for _, lp in top])
                                          for top in d.top_logprobs],
                            prompt_logprobs=positions_to_pb(positions) if positions else [])
@@ -150,14 +186,16 @@ def usage_from_pb(d: pb.GenerateDelta) -> dict[str, Any]:
 
 
 def tokenize_to_pb(req: TokenizeRequest) -> pb.TokenizeRequest:
-    prompt = pb.Prompt(chat=pb.ChatMessages(messages=messages_to_pb(req.messages))) \
+    prompt = pb.Prompt(chat=chat_to_pb(req.messages, req.chat_template)) \
         if req.messages is not None else pb.Prompt(text=req.prompt)
     return pb.TokenizeRequest(prompt=prompt, add_special_tokens=req.add_special_tokens,
-                              add_generation_prompt=req.add_generation_prompt, return_token_strs=req.return_token_strs)
+                              return_token_strs=req.return_token_strs)
 
 
 def tokenize_from_pb(call: pb.TokenizeRequest) -> TokenizeRequest:
     chat = call.prompt.WhichOneof("kind") == "chat"
     return TokenizeRequest(model=None, prompt=None if chat else call.prompt.text,
-                           messages=messages_from_pb(call.prompt.chat.messages) if chat else None, add_special_tokens=call.add_special_tokens,
-                           add_generation_prompt=call.add_generation_prompt, return_token_strs=call.return_token_strs)
+                           messages=messages_from_pb(call.prompt.chat.messages) if chat else None,
+                           add_special_tokens=call.add_special_tokens,
+                           chat_template=chat_options_from_pb(call.prompt.chat) if chat else ChatTemplateOptions(),
+                           return_token_strs=call.return_token_strs)

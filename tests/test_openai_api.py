@@ -22,9 +22,10 @@ from openai.resources.completions import Completions
 
 from pdserve.serving import LLM, SamplingParams
 from pdserve.serving.protocol import CHAT, COMPLETION, NEUTRAL_PARAMETERS, SUPPORTED_PARAMETERS
-from tests.cluster_helpers import NODE_ARGS, client, log_lines, start_cluster
+from tests.cluster_helpers import MAX_MODEL_LEN, NODE_ARGS, client, extra_proxy, log_lines, start_cluster
 from tests.serve_helpers import ServerProcess
 from tests.test_generate import hf_greedy, random_prompt
+from tests.test_offline_api import adjacent_letters
 from tests.test_penalties import reference_penalties
 
 pytestmark = pytest.mark.slow
@@ -239,7 +240,9 @@ def test_echo_and_prompt_logprobs_match_hf(api, hf_model):
     lp = choice.logprobs
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.token_logprobs[1:len(prompt)] == pytest.approx(want, abs=1e-4)
-    assert len(lp.tokens) == len(prompt) + 3 and all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    # vLLM's shape: the token itself, then the 2 most likely (texts that decode alike merge)
+    assert len(lp.tokens) == len(prompt) + 3 and all(1 <= len(t) <= 3 for t in lp.top_logprobs[1:])
+    assert all(next(iter(top)) == token for top, token in zip(lp.top_logprobs[1:], lp.tokens[1:]))
     plain = api.oai.completions.create(model=api.model, prompt=prompt, max_tokens=3, temperature=0)
     assert choice.text.endswith(plain.choices[0].text) and len(choice.text) > len(plain.choices[0].text)
     pl = choice.model_extra["prompt_logprobs"]
@@ -408,3 +411,154 @@ def test_unknown_fields_are_refused_by_name(api):
     with pytest.raises(openai.BadRequestError) as refused:
         api.oai.completions.create(model=api.model, prompt="Hi", max_tokens=2, extra_body={"temprature": 0.5})
     assert refused.value.body["param"] == "temprature" and refused.value.body["code"] == "unsupported_parameter"
+
+
+# ------------------------------------------------------------ vLLM's request fields and response shapes
+
+def hf_continuation(hf_model, prompt: list[int], max_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        seq = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                                attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return seq[0, len(prompt):].tolist()
+
+
+def test_fields_that_change_the_prompt_tokenize_alike_everywhere(api, tiny_llama, hf_model):
+    """continue_final_message, chat_template_kwargs, add_special_tokens and truncation give the prompt the
+    tokenizer gives (on P/D: prefill and decode agree, so the output is HF's greedy one on that prompt);
+    /tokenize agrees; both template flags true is vLLM's 400."""
+    from pdserve.engine.tokenizer import apply_chat_template, load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_llama)
+    messages = [{"role": "user", "content": "say abc"}, {"role": "assistant", "content": "ab"}]
+    continued = apply_chat_template(tokenizer, messages, False, continue_final_message=True)
+    assert continued[-2:] == tokenizer.encode("ab", add_special_tokens=False)  # the assistant turn left open
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "return_token_ids": True,
+             "chat_template_kwargs": {"enable_thinking": False}, "echo": True}
+    resp = api.oai.chat.completions.create(model=api.model, messages=messages, max_tokens=4, temperature=0,
+                                           extra_body=extra)
+    assert resp.prompt_token_ids == continued
+    assert resp.choices[0].token_ids == hf_continuation(hf_model, continued, 4)
+    assert resp.choices[0].message.content.startswith("ab")  # vLLM's echo: the continued message first
+    status, tok = api.post("/tokenize", {"messages": messages, "continue_final_message": True,
+                                         "add_generation_prompt": False})
+    assert status == 200 and tok["tokens"] == continued
+    status, err = api.post("/v1/chat/completions", {"messages": messages, "continue_final_message": True})
+    assert status == 400 and err["error"]["param"] == "continue_final_message"
+    prompt = "abcdefghijklmnopqrstuvwxyz" * 3
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    for side, kept in (("left", ids[-20:]), ("right", ids[:20])):
+        out = api.oai.completions.create(model=api.model, prompt=prompt, max_tokens=3, temperature=0,
+                                         extra_body={"truncate_prompt_tokens": 20, "truncation_side": side,
+                                                     "add_special_tokens": False, "return_token_ids": True})
+        assert out.choices[0].prompt_token_ids == kept and out.usage.prompt_tokens == 20
+        assert out.choices[0].token_ids == hf_continuation(hf_model, kept, 3)
+    status, err = api.post("/v1/completions", {"prompt": prompt, "max_tokens": 8,
+                                               "truncate_prompt_tokens": MAX_MODEL_LEN})
+    assert status == 400 and err["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_messages_take_any_role_and_ignore_unknown_keys(api, tiny_llama):
+    from pdserve.engine.tokenizer import apply_chat_template, load_tokenizer
+
+    messages = [{"role": "narrator", "content": "once", "id": "m1", "timestamp": 5},
+                {"role": "user", "content": "go", "audio": None, "metadata": {"k": 1}}]
+    resp = api.oai.chat.completions.create(model=api.model, messages=messages, max_tokens=2,
+                                           extra_body={"return_token_ids": True})
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    assert resp.prompt_token_ids == apply_chat_template(load_tokenizer(tiny_llama), plain)
+    status, err = api.post("/v1/chat/completions", {"messages": [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "t", "type": "function"}]}]})
+    assert status == 400 and "tool_calls" in err["error"]["message"]
+
+
+def test_return_token_ids_in_vllms_places(api):
+    """Completions: prompt_token_ids in each choice (each prompt's own in a batch), streamed on each
+    choice's first chunk; chat: beside the choices, streamed on the role chunks (whose logprobs are
+    null). Without return_token_ids the fields are there as null, as vLLM sends them."""
+    batch = api.oai.completions.create(model=api.model, prompt=[[5, 6, 7], [8, 9]], n=2, max_tokens=2,
+                                       extra_body={"return_token_ids": True})
+    assert [c.prompt_token_ids for c in batch.choices] == [[5, 6, 7], [5, 6, 7], [8, 9], [8, 9]]
+    assert "prompt_token_ids" not in batch.model_extra
+    plain = api.oai.completions.create(model=api.model, prompt="Hi", max_tokens=2).choices[0].model_dump()
+    assert {k: plain[k] for k in ("token_ids", "prompt_token_ids", "prompt_logprobs")} == \
+        dict.fromkeys(("token_ids", "prompt_token_ids", "prompt_logprobs"))
+    chunks = list(api.oai.completions.create(model=api.model, prompt=[[5, 6, 7], [8, 9]], n=2, max_tokens=3,
+                                             stream=True, extra_body={"return_token_ids": True,
+                                                                      "ignore_eos": True}))
+    firsts: dict[int, Any] = {}
+    for c in chunks:
+        firsts.setdefault(c.choices[0].index, c.choices[0])
+        if firsts[c.choices[0].index] is not c.choices[0]:
+            assert "prompt_token_ids" not in c.choices[0].model_extra
+    assert {i: c.prompt_token_ids for i, c in firsts.items()} == {0: [5, 6, 7], 1: [5, 6, 7], 2: [8, 9], 3: [8, 9]}
+    chat = dict(model=api.model, messages=[{"role": "user", "content": "ids"}], max_tokens=3, temperature=0,
+                logprobs=True)
+    whole = api.oai.chat.completions.create(**chat, extra_body={"return_token_ids": True})
+    stream = list(api.oai.chat.completions.create(**chat, n=2, stream=True, extra_body={"return_token_ids": True}))
+    roles = [c for c in stream if c.choices[0].delta.role]
+    assert [c.prompt_token_ids for c in roles] == [whole.prompt_token_ids] * 2
+    assert all(c.choices[0].logprobs is None for c in roles)
+    assert all("prompt_token_ids" not in c.model_extra for c in stream if not c.choices[0].delta.role)
+    assert [t for c in stream if c.choices[0].index == 0 for t in c.choices[0].model_extra.get("token_ids", [])] == \
+        whole.choices[0].token_ids
+    unasked = api.oai.chat.completions.create(**chat).model_dump()
+    assert unasked["prompt_token_ids"] is None and unasked["prompt_logprobs"] is None
+    assert unasked["choices"][0]["token_ids"] is None
+
+
+def test_completion_logprobs_zero_and_tokens_as_token_ids(api):
+    """logprobs=0: one top_logprobs entry per position (the token itself), echoed prompt too (its first
+    token none); return_tokens_as_token_ids names every token 'token_id:N' (chat as well)."""
+    prompt = PROMPTS[0][:6]
+    body = dict(model=api.model, prompt=prompt, max_tokens=3, temperature=0, logprobs=0, echo=True)
+    lp = api.oai.completions.create(**body).choices[0].logprobs
+    assert lp.top_logprobs[0] is None and len(lp.top_logprobs) == len(prompt) + 3
+    assert [list(t.items()) for t in lp.top_logprobs[1:]] == [[p] for p in zip(lp.tokens[1:], lp.token_logprobs[1:])]
+    named = api.oai.completions.create(**body, extra_body={"return_tokens_as_token_ids": True,
+                                                           "return_token_ids": True}).choices[0]
+    assert named.logprobs.tokens == [f"token_id:{t}" for t in prompt + named.token_ids]
+    assert named.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    chat = api.oai.chat.completions.create(model=api.model, messages=[{"role": "user", "content": "n"}],
+                                           max_tokens=2, temperature=0, logprobs=True, top_logprobs=2,
+                                           extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True})
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{t}" for t in chat.choices[0].token_ids]
+    assert all(t.token.startswith("token_id:") for c in content for t in c.top_logprobs)
+
+
+def test_request_id_priority_bad_words_allowed_token_ids(api):
+    rid = f"body-id-{KINDS.index(api.kind)}"
+    resp = api.oai.completions.create(model=api.model, prompt="Hi", max_tokens=2,
+                                      extra_body={"request_id": rid, "priority": 5})
+    assert resp.id == f"cmpl-{rid}"
+    headed = api.oai.completions.create(model=api.model, prompt="Hi", max_tokens=2, extra_body={"request_id": rid},
+                                        extra_headers={"X-Request-Id": f"{rid}-h"})
+    assert headed.id == f"cmpl-{rid}-h"  # the header wins, as in vLLM
+    base = dict(model=api.model, prompt=PROMPTS[1], max_tokens=16, temperature=0)
+    free = api.oai.completions.create(**base, extra_body={"return_token_ids": True, "ignore_eos": True})
+    ids = free.choices[0].token_ids
+    i = adjacent_letters(ids)
+    word = "".join(chr(t - 3) for t in ids[i:i + 2])  # byte tokens
+    banned = api.oai.completions.create(**base, extra_body={"bad_words": [word], "ignore_eos": True,
+                                                            "return_token_ids": True})
+    assert banned.choices[0].token_ids[:i + 1] == ids[:i + 1] and banned.choices[0].token_ids[i + 1] != ids[i + 1]
+    allowed = api.oai.completions.create(**base, extra_body={"allowed_token_ids": [70, 71], "return_token_ids": True})
+    assert set(allowed.choices[0].token_ids) <= {70, 71}
+    for field_, value in (("allowed_token_ids", [10**6]), ("logprob_token_ids", [5]), ("request_id", "a b"),
+                          ("truncation_side", "middle"), ("chat_template_kwargs", {"tokenize": True})):
+        status, err = api.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                        field_: value})
+        assert status == 400 and err["error"]["param"] == field_, (field_, err)
+
+
+def test_return_tokens_as_token_ids_flag(cluster):
+    """vLLM's --return-tokens-as-token-ids on the proxy (it formats the P/D answers): the field's default."""
+    child, url = extra_proxy(cluster, "proxy-token-ids", "--return-tokens-as-token-ids")
+    try:
+        oai = client(url)
+        body = dict(model=oai.models.list().data[0].id, prompt="Hi", max_tokens=2, logprobs=1)
+        assert all(t.startswith("token_id:") for t in oai.completions.create(**body).choices[0].logprobs.tokens)
+        off = oai.completions.create(**body, extra_body={"return_tokens_as_token_ids": False})
+        assert not any(t.startswith("token_id:") for t in off.choices[0].logprobs.tokens)
+    finally:
+        child.stop()

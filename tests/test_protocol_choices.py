@@ -76,14 +76,23 @@ def test_bad_values_and_unsupported_fields_are_400_naming_them(body, param):
     refused({"prompt": "x", **body}, param)
 
 
-def test_message_fields_beyond_role_content_and_name_are_refused_unless_empty():
+def test_messages_are_read_as_vllm_reads_them():
+    """Any role reaches the chat template; keys beyond role, content and name are ignored (as vLLM ignores
+    them) except tool calls, which this server cannot render; content parts must be text."""
     assert parse({"messages": [{"role": "user", "content": "x", "name": "ann"}]}, oai.CHAT).messages == \
         [{"role": "user", "content": "x", "name": "ann"}]
-    e = refused({"messages": [{"role": "user", "content": "x", "audio": {"id": "a"}}]}, "messages", oai.CHAT)
-    assert "messages[0].audio" in e.message and e.code == "unsupported_parameter"
-    refused({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "t"}]}]}, "messages", oai.CHAT)
-    replayed = {"role": "assistant", "content": "hi", "refusal": None, "tool_calls": None, "annotations": []}
-    assert parse({"messages": [replayed]}, oai.CHAT).messages == [{"role": "assistant", "content": "hi"}]
+    assert parse({"messages": [{"role": "user", "content": "x", "audio": {"id": "a"}, "id": 7}]},
+                 oai.CHAT).messages == [{"role": "user", "content": "x"}]
+    assert parse({"messages": [{"role": "narrator", "content": "once"}]}, oai.CHAT).messages[0]["role"] == "narrator"
+    e = refused({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "t"}]}]}, "messages",
+                oai.CHAT)
+    assert "messages[0].tool_calls" in e.message and e.code == "unsupported_parameter"
+    replayed = {"role": "assistant", "content": None, "refusal": None, "tool_calls": None, "annotations": []}
+    assert parse({"messages": [replayed]}, oai.CHAT).messages == [{"role": "assistant", "content": ""}]
+    image = {"type": "image_url", "image_url": {"url": "http://x"}}
+    assert "image_url" in refused({"messages": [{"role": "user", "content": [image]}]}, "messages", oai.CHAT).message
+    for bad in ({"content": "x"}, {"role": "", "content": "x"}, {"role": 3, "content": "x"}):
+        refused({"messages": [bad]}, "messages", oai.CHAT)
 
 
 def test_a_stream_cut_short_counts_what_it_sent():
@@ -163,3 +172,41 @@ def test_merge_interleaves_and_stops_every_stream_on_error():
     assert [k for k, _ in got] != [0, 0, 0, 1, 1, 1]
     with pytest.raises(ValueError, match="b"):
         asyncio.run(collect(stream("a", 50), stream("b", 1, fail=True)))
+
+
+def test_vllm_prompt_and_chat_template_fields():
+    from pdserve.serving.protocol_prompt import PromptOptions
+
+    chat = parse({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                  "continue_final_message": True, "add_generation_prompt": False,
+                  "chat_template_kwargs": {"enable_thinking": False}}, oai.CHAT)
+    assert chat.chat_template.kwargs == {"enable_thinking": False} and chat.chat_template.continue_final_message
+    assert chat.chat_template.response_role(chat.messages) == "assistant"  # the continued message's role
+    assert parse({"messages": [{"role": "user", "content": "q"}], "add_generation_prompt": False},
+                 oai.CHAT).chat_template.response_role([{"role": "user", "content": "q"}]) == "user"
+    refused({"messages": [{"role": "user", "content": "q"}], "continue_final_message": True},
+            "continue_final_message", oai.CHAT)
+    refused({"messages": [{"role": "user", "content": "q"}], "chat_template_kwargs": {"tokenize": True}},
+            "chat_template_kwargs", oai.CHAT)
+    refused({"prompt": "x", "continue_final_message": True}, "continue_final_message")  # a chat field
+    options = parse({"prompt": "x", "truncate_prompt_tokens": 3, "add_special_tokens": False}).prompt_options
+    assert options == PromptOptions(False, 3, "left")
+    assert options.truncate([1, 2, 3, 4, 5], 100, 10) == [3, 4, 5] and options.truncate([1, 2], 100, 10) == [1, 2]
+    assert PromptOptions(truncate_prompt_tokens=2, truncation_side="right").truncate([1, 2, 3], 100, 10) == [1, 2]
+    assert PromptOptions(truncate_prompt_tokens=-1).truncate(list(range(20)), 12, 4) == list(range(12, 20))
+    with pytest.raises(oai.APIError) as e:
+        PromptOptions(truncate_prompt_tokens=9).truncate([1], 12, 4)
+    assert e.value.param == "truncate_prompt_tokens"
+    for body, param in (({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+                        ({"truncation_side": "up"}, "truncation_side"), ({"add_special_tokens": 1}, "add_special_tokens"),
+                        ({"request_id": "has space"}, "request_id"), ({"priority": 2**63}, "priority"),
+                        ({"bad_words": "ab"}, "bad_words"), ({"allowed_token_ids": []}, "allowed_token_ids")):
+        refused({"prompt": "x", **body}, param)
+
+
+def test_request_id_rule():
+    req = parse({"prompt": "x", "request_id": "mine", "priority": -3})
+    assert req.priority == -3
+    assert oai.request_id_of(req, None, "made") == "mine"
+    assert oai.request_id_of(req, "hdr", "hdr") == "hdr"  # the header wins, as in vLLM
+    assert oai.request_id_of(parse({"prompt": "x"}), None, "made") == "made"

@@ -99,7 +99,8 @@ def test_sampled_token_logprobs(client, model_name):
                                      extra_body={"ignore_eos": True})
     lp = resp.choices[0].logprobs
     assert len(lp.token_logprobs) == 6 and all(x <= 0 for x in lp.token_logprobs)
-    assert lp.top_logprobs is None  # logprobs=0: the sampled token only
+    # logprobs=0: vLLM's one entry per position, the sampled token
+    assert [list(top.items()) for top in lp.top_logprobs] == [[p] for p in zip(lp.tokens, lp.token_logprobs)]
     chat = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "abc"}],
                                           max_tokens=6, temperature=0, logprobs=True,
                                           extra_body={"ignore_eos": True})

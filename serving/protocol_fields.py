@@ -1,0 +1,138 @@
+"""The OpenAI API's error type and the typed readers every request field goes through.
+
+Pure functions over JSON-decoded values (no HTTP library): serving/protocol.py and its siblings
+(protocol_chat.py, protocol_prompt.py, protocol_beam.py) validate with them, so a bad value is
+the same 400, naming the same field, on pd-serve, on a node and on pd-proxy.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pdserve.serving.limits import decode_json
+
+MAX_COUNT = 2**31 - 1  # the largest max_tokens, top_k, ... the gRPC wire (int32/uint32) and the engine take
+
+
+class APIError(Exception):
+    """An error the client caused or must be told about; `body()` is OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+
+def service_unavailable(message: str, code: str) -> APIError:
+    return APIError(503, message, type="service_unavailable_error", code=code)
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def int_field(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not is_int(v):
+        raise bad_request(f"{name} must be an integer, got {json.dumps(v)}", name)
+    hi = MAX_COUNT if hi is None else hi  # every integer field is bounded: none reaches the engine unchecked
+    if (lo is not None and v < lo) or v > hi:
+        bounds = f"<= {hi}" if lo is None else f"in [{lo}, {hi}]"
+        raise bad_request(f"{name} must be {bounds}, got {v}", name)
+    return v
+
+
+def float_field(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not is_number(v):
+        raise bad_request(f"{name} must be a number, got {json.dumps(v)}", name)
+    if v > hi or v < lo or (lo_open and v == lo):
+        raise bad_request(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", name)
+    return float(v)
+
+
+def bool_field(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_request(f"{name} must be a boolean, got {json.dumps(v)}", name)
+    return v
+
+
+def optional_bool(body: dict, name: str) -> bool | None:
+    """A boolean whose absence means "the server's default" (None)."""
+    return None if body.get(name) is None else bool_field(body, name)
+
+
+def str_field(body: dict, name: str, max_len: int = 4096) -> str | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, str) or len(v) > max_len:
+        raise bad_request(f"{name} must be a string of at most {max_len} characters", name)
+    return v
+
+
+def token_list(body: dict, name: str, non_empty: bool = False) -> list[int]:
+    """A list of token ids (non-negative integers); [] when absent."""
+    v = body.get(name)
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(is_int(t) and t >= 0 for t in v) or (non_empty and not v):
+        raise bad_request(f"{name} must be a {'non-empty ' if non_empty else ''}list of non-negative token ids",
+                          name)
+    return list(v)
+
+
+def string_list(body: dict, name: str) -> list[str]:
+    """A list of non-empty strings; [] when absent."""
+    v = body.get(name)
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+        raise bad_request(f"{name} must be a list of non-empty strings", name)
+    return list(v)
+
+
+def decode_json_body(raw: bytes | str | Any) -> dict[str, Any]:
+    """A request body as a JSON object (raw bytes/text, or already decoded); 400 otherwise."""
+    if isinstance(raw, (bytes, str)):
+        try:
+            body = decode_json(raw)  # bounded nesting, finite numbers, encodable strings
+        except json.JSONDecodeError as e:
+            raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
+        except ValueError as e:  # valid JSON beyond our bounds; the message says which
+            raise bad_request(str(e), code="invalid_json") from None
+    else:
+        body = raw
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    return body
