@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pdserve.engine.beam_search import BeamSearch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
@@ -139,7 +140,7 @@ class LLMEngine:
             bad = [t for t in tokens if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"{name} token ids must be integers in [0, {self.vocab_size}); got {bad[0]!r}")
-        if resume is not None and (params.n > 1 or len(done) >= params.max_tokens):
+        if resume is not None and (params.n > 1 or params.use_beam_search or len(done) >= params.max_tokens):
             raise ValueError("nothing to resume: " + (f"{len(done)} output tokens already reach max_tokens="
                                                       f"{params.max_tokens}" if params.n == 1 else "n > 1"))
         out_of_vocab = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
@@ -155,9 +156,16 @@ class LLMEngine:
         if grammar is not None:
             self.structured_output.compile(grammar)  # ValueError for an invalid spec, before anything is queued
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        choices = [Request(request_id if i == 0 else f"{i}_{request_id}", ids, params if params.n == 1 else
-                           params.for_choice(i), eos_token_id=self.eos_token_id, cache_salt=cache_salt,
-                           parent_id=request_id, index=i, arrival_time=arrival) for i in range(params.n)]
+        if params.use_beam_search:  # one sequence: its beams fork from it (engine/beam_search.py)
+            beam = dataclasses.replace(params, n=1, temperature=0.0)
+            choices = [Request(request_id, ids, beam, eos_token_id=self.eos_token_id, cache_salt=cache_salt,
+                               arrival_time=arrival)]
+            BeamSearch(request_id, params.n, params.length_penalty, min(params.max_tokens, self.max_model_len - len(ids)),
+                       None if params.ignore_eos else self.eos_token_id).start(choices[0])
+        else:
+            choices = [Request(request_id if i == 0 else f"{i}_{request_id}", ids, params if params.n == 1 else
+                               params.for_choice(i), eos_token_id=self.eos_token_id, cache_salt=cache_salt,
+                               parent_id=request_id, index=i, arrival_time=arrival) for i in range(params.n)]
         states = [_OutputState(c, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
                   for c in choices]
         if resume is not None:
@@ -174,7 +182,8 @@ class LLMEngine:
         self._groups[request_id] = [c.request_id for c in choices]
         self.num_requests_added += 1
         logger.info("Reqid: %s, added: prompt %d tokens, max_tokens %d%s%s", request_id, len(ids), params.max_tokens,
-                    f", n {params.n} (the prompt is computed once)" if params.n > 1 else "",
+                    f", beam search width {params.n} (length_penalty {params.length_penalty:g})"
+                    if params.use_beam_search else f", n {params.n} (the prompt is computed once)" if params.n > 1 else "",
                     f", resuming after {len(done)} output tokens" if resume is not None else "")
 
     @staticmethod
@@ -216,6 +225,9 @@ class LLMEngine:
             runner_output = ModelRunnerOutput()
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs = [out for r in updated if (out := self._output_or_failure(r)) is not None]
+        searches, self.scheduler.finished_beam_searches = self.scheduler.finished_beam_searches, []
+        for search in searches:
+            outputs.extend(self._beam_search_outputs(search))
         if not scheduler_output.total_num_scheduled_tokens and not outputs:
             time.sleep(_IDLE_POLL_S)
         return outputs
@@ -286,6 +298,30 @@ class LLMEngine:
         if request.is_finished:
             self._finish(state)
         return out
+
+    def _beam_search_outputs(self, search: BeamSearch) -> list[RequestOutput]:
+        """A finished beam search's answer: its hypotheses, best first, as choices 0..width-1, whole."""
+        state = self._states[search.request_id]
+        request, params = state.request, state.request.sampling_params
+        outputs = []
+        for index, hypothesis in enumerate(search.results()):
+            tokens = hypothesis.token_ids
+            stopped = tokens[-1] == search.eos_token_id
+            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
+            text = detokenizer.add_tokens(tokens[:-1] if stopped else tokens) + detokenizer.flush()
+            self.num_generation_tokens += len(tokens)
+            outputs.append(RequestOutput(
+                request_id=search.request_id, prompt_token_ids=request.prompt_token_ids, new_token_ids=tokens,
+                new_text=text, new_logprobs=[], token_ids=tokens, text=text, finished=True,
+                finish_reason="stop" if stopped else "length", num_cached_tokens=request.num_cached_tokens,
+                index=index))
+        if state.first_token is None:
+            state.first_token = time.monotonic()
+        request.status = RequestStatus.FINISHED_STOPPED
+        self._finish(state)
+        logger.info("Reqid: %s, beam search done: %d steps, scores %s", search.request_id, search.num_generated,
+                    ", ".join(f"{h.score:.4f}" for h in search.results()))
+        return outputs
 
     def _prompt_logprobs(self, state: _OutputState) -> list[dict[int, Logprob] | None] | None:
         """vLLM's prompt_logprobs: None for the first token, then {token id: Logprob} with the prompt

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pdserve.engine.beam_search import BeamSearch
     from pdserve.engine.structured_output import RequestGrammar
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class Request:
     # With prompt_logprobs: for prompt tokens 1..T-1, (logprob, rank, top (token id, logprob) list).
     prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] = field(default_factory=list)
     error: str | None = None  # why it ended with FINISHED_ERROR
+    beam: BeamSearch | None = None  # use_beam_search: the search this sequence is a beam of
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

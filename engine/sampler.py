@@ -112,17 +112,19 @@ class Sampler:
 
     @staticmethod
     def top_logprobs(logits: torch.Tensor, requests: Sequence[Request]) -> dict[int, list[tuple[int, float]]]:
-        """Row -> the `top_logprobs` most likely (token id, logprob) under the raw logits, best first.
+        """Row -> the `top_logprobs` most likely (token id, logprob) under the raw logits, best first
+        (a beam's: its search's candidates, engine/beam_search.py).
 
         Only rows that asked are computed, so the common path pays nothing.
         """
-        rows = [i for i, r in enumerate(requests) if r.sampling_params.top_logprobs > 0]
+        wanted = [r.beam.num_candidates if r.beam is not None else r.sampling_params.top_logprobs for r in requests]
+        rows = [i for i, k in enumerate(wanted) if k > 0]
         if not rows:
             return {}
-        k = max(requests[i].sampling_params.top_logprobs for i in rows)
+        k = min(max(wanted[i] for i in rows), logits.shape[1])
         values, ids = (v.tolist() for v in torch.log_softmax(logits[rows], dim=-1).topk(k, dim=-1))
         out = {}
         for j, row in enumerate(rows):
-            n = requests[row].sampling_params.top_logprobs
+            n = wanted[row]
             out[row] = list(zip(ids[j][:n], values[j][:n]))
         return out

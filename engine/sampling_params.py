@@ -133,6 +133,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
     # bad_words as token sequences: derived by the engine with its tokenizer (engine/token_masks.py)
     bad_words_token_ids: list[list[int]] | None = None
+    # Beam search of width n (engine/beam_search.py, HF's ranking): the n best beams are the n choices.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # a finished beam's score: accumulated logprob / its length ** length_penalty
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -190,6 +193,23 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams")
         self.logprobs = bool(self.logprobs or self.top_logprobs)
+        if not _is_number(self.length_penalty):
+            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if self.use_beam_search:
+            self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        """Beam search ranks beams by their raw logprobs alone: what would reshape the logits or the
+        stopping rule, or report per-token logprobs, is refused rather than silently ignored."""
+        unsupported = {"logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs is not None,
+                       "stop": self.stop, "stop_token_ids": self.stop_token_ids, "min_tokens": self.min_tokens,
+                       "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                       "repetition_penalty": self.repetition_penalty != 1.0, "logit_bias": self.logit_bias,
+                       "structured_outputs": self.structured_outputs, "bad_words": self.bad_words,
+                       "allowed_token_ids": self.allowed_token_ids}
+        for name, value in unsupported.items():
+            if value:
+                raise ValueError(f"{name} is not supported with use_beam_search")
 
     @property
     def greedy(self) -> bool:
@@ -205,7 +225,7 @@ class SamplingParams:
         return dataclasses.replace(self, n=1, max_tokens=1, min_tokens=0, structured_outputs=None,
                                    prompt_logprobs=None, logprobs=False, top_logprobs=0, presence_penalty=0.0,
                                    frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, bad_words=[],
-                                   bad_words_token_ids=None, allowed_token_ids=None)
+                                   bad_words_token_ids=None, allowed_token_ids=None, use_beam_search=False)
 
     def for_choice(self, index: int) -> SamplingParams:
         """The params of choice `index` of an n > 1 request: n=1 and, when seeded, seed + index (as vLLM)."""

@@ -25,6 +25,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
+    from pdserve.engine.beam_search import BeamSearch
     from pdserve.engine.kv_connector import KVConnectorBase
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class Scheduler:
         self._delayed_free: dict[str, Request] = {}  # finished, blocks held until the connector's save ended
         self._held_outputs: dict[str, float] = {}  # finished, output held until its commit: id -> deadline
         self._loaded: dict[str, bool] = {}  # parked request id -> its background load succeeded
+        self._beam_searches: dict[str, BeamSearch] = {}  # use_beam_search: request id -> its running search
+        self.finished_beam_searches: list[BeamSearch] = []  # ended since the engine last took them
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0
         self.num_failed_loads = 0
@@ -64,6 +67,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if request.beam is not None:
+            self._beam_searches[request.parent_id] = request.beam
         for fork in request.forks:
             fork.status = RequestStatus.WAITING
             self.requests[fork.request_id] = fork
@@ -74,6 +79,12 @@ class Scheduler:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
         done = []
         for request_id in ids:
+            if request_id in self._beam_searches:  # every beam of the search, whichever object holds the id
+                search = self._beam_searches.pop(request_id)
+                search.drop_all(self)
+                search.anchor.status = status
+                done.append(search.anchor)
+                continue
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue
@@ -115,6 +126,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = self._num_tokens_to_schedule(request, request.num_computed_tokens, budget)
+            if n == 0:  # a beam whose next token waits for its other beams' offers
+                i += 1
+                continue
             while self.kv_cache_manager.allocate_slots(request, n) is None:
                 victim = self.running.pop()  # newest running request
                 self._preempt(victim)
@@ -264,6 +278,9 @@ class Scheduler:
             token = runner_output.sampled_token_ids.get(rid)
             if token is None:  # a prefill chunk that did not reach the end of the prompt
                 continue
+            if request.beam is not None:
+                self._offer_beam(request, runner_output.top_logprobs.get(rid, []))
+                continue
             forks = self._fork(request, runner_output) if request.forks else []
             request.append_output_token(token, runner_output.logprobs.get(rid), runner_output.top_logprobs.get(rid))
             held = False
@@ -297,19 +314,55 @@ class Scheduler:
             if self._check_stop(fork, token):  # done at its first token: needs no blocks at all
                 self._free_request(fork)
                 continue
-            copy = self.kv_cache_manager.fork(parent, fork) if len(self.running) < self.config.max_num_seqs else False
-            if copy is False:
-                fork.status = RequestStatus.PREEMPTED
-                self.waiting.appendleft(fork)
+            if not self._place_fork(parent, fork):
                 logger.info("Reqid: %s, choice %d waits for room: its prompt is recomputed later",
                             fork.request_id, fork.index)
-                continue
-            if copy is not None:
-                self._blocks_to_copy.append(copy)
-            fork.num_computed_tokens = parent.num_computed_tokens
-            fork.status = RequestStatus.RUNNING
-            self.running.append(fork)
         return forks
+
+    def _place_fork(self, parent: Request, fork: Request) -> bool:
+        """`fork` runs on from `parent`'s computed tokens: the full blocks shared, the partial one copied
+        before the next step. False: no free block or sequence slot, it waits and is recomputed later."""
+        copy = self.kv_cache_manager.fork(parent, fork) if len(self.running) < self.config.max_num_seqs else False
+        if copy is False:
+            fork.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(fork)
+            return False
+        if copy is not None:
+            self._blocks_to_copy.append(copy)
+        fork.num_computed_tokens = parent.num_computed_tokens
+        fork.status = RequestStatus.RUNNING
+        self.running.append(fork)
+        return True
+
+    # ---- beam search: engine/beam_search.py ranks the beams, these move their sequences ----
+    def _offer_beam(self, request: Request, candidates: list[tuple[int, float]]) -> None:
+        search = request.beam
+        if search.offer(request, candidates):
+            search.advance(self)
+            if search.done:
+                search.drop_all(self)
+                del self._beam_searches[search.request_id]
+                self.finished_beam_searches.append(search)
+
+    def fork_sequence(self, parent: Request, request_id: str, token: int) -> Request:
+        """A new beam: `parent`'s tokens and `token`, from the parent's KV (`_place_fork`)."""
+        child = Request(request_id, parent.prompt_token_ids, parent.sampling_params, parent.eos_token_id,
+                        parent.cache_salt, parent.arrival_time, parent_id=parent.parent_id)
+        child.beam, child.num_cached_tokens = parent.beam, parent.num_cached_tokens
+        for t in [*parent.output_token_ids, token]:
+            child.append_output_token(t)
+        self.requests[request_id] = child
+        self._place_fork(parent, child)
+        return child
+
+    def drop_sequence(self, request: Request) -> None:
+        """A beam that lost (or a search that ended): its blocks freed, its slot given up."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._free_request(request)
 
     def _rewind_failed_load(self, request: Request) -> None:
         """External KV did not arrive: recompute from the local hit (the blocks stay allocated)."""
