@@ -37,7 +37,7 @@ _SAMPLING_FIELDS = (
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos",
     "include_stop_str_in_output", "skip_special_tokens", "logprobs", "prompt_logprobs", "echo", "stream",
     "stream_options", "user", "cache_salt", "return_token_ids", "return_tokens_as_token_ids", "bad_words", "allowed_token_ids", "priority",
-    "request_id",
+    "request_id", "use_beam_search", "length_penalty",
     *PROMPT_FIELDS, *STRUCTURED_OUTPUT_FIELDS)
 SUPPORTED_PARAMETERS: dict[str, frozenset[str]] = {
     COMPLETION: frozenset(_SAMPLING_FIELDS + ("prompt",)),
@@ -227,7 +227,11 @@ def parse_request(kind: str, raw: bytes | str | Any, check_grammar: bool = True,
         "structured_outputs": structured,
         "bad_words": string_list(body, "bad_words"),
         "allowed_token_ids": token_list(body, "allowed_token_ids", non_empty=True) or None,
+        "use_beam_search": bool_field(body, "use_beam_search"),
+        "length_penalty": float_field(body, "length_penalty", 1.0, -1e6, 1e6),
     }
+    if sampling["use_beam_search"] and stream:  # the answer is known only once the search ends (as vLLM)
+        raise bad_request("use_beam_search is not available with stream=true", "use_beam_search")
     if sampling["min_tokens"] > (max_tokens or sampling["min_tokens"]):
         raise bad_request(f"min_tokens ({sampling['min_tokens']}) must not exceed max_tokens ({max_tokens})",
                           "min_tokens")

@@ -109,7 +109,8 @@ def sampling_to_pb(req: oai.GenerationRequest) -> pb.SamplingParams:
         include_stop_str_in_output=s["include_stop_str_in_output"], skip_special_tokens=s["skip_special_tokens"],
         prompt_logprobs=s["prompt_logprobs"], structured_outputs=structured_to_pb(s["structured_outputs"], req.structured_field),
         echo=req.echo, return_token_ids=req.return_token_ids, return_tokens_as_token_ids=req.return_tokens_as_token_ids,
-        bad_words=s["bad_words"], allowed_token_ids=s["allowed_token_ids"] or [])
+        bad_words=s["bad_words"], allowed_token_ids=s["allowed_token_ids"] or [], use_beam_search=s["use_beam_search"],
+        length_penalty=s["length_penalty"])
 
 
 def request_from_pb(prompt: pb.Prompt, params: pb.SamplingParams, cache_salt: str) -> oai.GenerationRequest:
@@ -126,7 +127,9 @@ def request_from_pb(prompt: pb.Prompt, params: pb.SamplingParams, cache_salt: st
                 "include_stop_str_in_output": params.include_stop_str_in_output,
                 "skip_special_tokens": params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
                 "prompt_logprobs": prompt_logprobs, "structured_outputs": structured_from_pb(params),
-                "bad_words": list(params.bad_words), "allowed_token_ids": list(params.allowed_token_ids) or None}
+                "bad_words": list(params.bad_words), "allowed_token_ids": list(params.allowed_token_ids) or None,
+                "use_beam_search": params.use_beam_search,
+                "length_penalty": params.length_penalty if params.HasField("length_penalty") else 1.0}
     return oai.GenerationRequest(
         kind=kind, model=None, max_tokens=params.max_tokens or None, logprobs=params.logprobs,
         top_logprobs=params.top_logprobs, return_token_ids=params.return_token_ids,

@@ -562,3 +562,22 @@ def test_return_tokens_as_token_ids_flag(cluster):
         assert not any(t.startswith("token_id:") for t in off.choices[0].logprobs.tokens)
     finally:
         child.stop()
+
+
+def test_beam_search_equals_hf(api, hf_model):
+    """use_beam_search with n as the width and length_penalty, completions and chat: the n choices are HF's
+    num_beams=n sequences, best first (on P/D decode runs the search on the prompt loaded from the store)."""
+    from tests.test_beam_search import hf_beams
+
+    prompt = PROMPTS[1]
+    extra = {"use_beam_search": True, "length_penalty": 0.7, "return_token_ids": True}
+    resp = api.oai.completions.create(model=api.model, prompt=prompt, n=3, max_tokens=8, echo=True, extra_body=extra)
+    assert [c.token_ids for c in resp.choices] == hf_beams(hf_model, prompt, 3, 0.7, 8)
+    assert resp.usage.completion_tokens == sum(len(c.token_ids) for c in resp.choices)
+    chat = api.oai.chat.completions.create(model=api.model, messages=[{"role": "user", "content": "beams"}], n=2,
+                                           max_tokens=6, extra_body=extra)
+    assert [c.token_ids for c in chat.choices] == hf_beams(hf_model, chat.prompt_token_ids, 2, 0.7, 6)
+    for body, param in (({"stream": True}, "use_beam_search"), ({"logprobs": 1}, "logprobs"),
+                        ({"stop": ["x"]}, "stop")):
+        status, err = api.post("/v1/completions", {"prompt": "x", "n": 2, "use_beam_search": True, **body})
+        assert status == 400 and err["error"]["param"] == param, err

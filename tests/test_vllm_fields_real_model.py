@@ -1,4 +1,4 @@
-"""vLLM's prompt-shaping chat fields on SmolLM2-135M-Instruct, through pd-serve and through P/D (proxy ->
+"""vLLM's prompt-shaping chat fields and beam search on SmolLM2-135M-Instruct, through pd-serve and P/D (proxy ->
 prefill node -> file store -> decode node): continue_final_message continues an assistant prefill,
 chat_template_kwargs reach the template, truncation keeps the tokens it says; every answer is HF's
 greedy continuation of the prompt the tokenizer gives (fp32), and P/D answers what pd-serve answers.
@@ -90,3 +90,20 @@ def test_chat_template_kwargs_and_truncation_shape_the_prompt_alike(urls, model_
         tok = httpx.post(url + "/tokenize", json={"messages": question,
                                                   "chat_template_kwargs": {"enable_thinking": False}}, timeout=60)
         assert tok.json()["tokens"] == no_think, kind
+
+
+def test_beam_search_equals_hf_with_beams_ending_at_eos(urls, model_dir):
+    """Beams that end at <|im_end|> are finished hypotheses ranked by HF's length-normalised score."""
+    from tests.real_model_helpers import _hf_model
+    from tests.test_beam_search import hf_beams
+
+    tokenizer = load_tokenizer(model_dir)
+    prompt = apply_chat_template(tokenizer, [PREFILL[0]])
+    want = hf_beams(_hf_model(model_dir), prompt, 3, 1.0, 24, tokenizer.eos_token_id)
+    assert all(beam[-1] == tokenizer.eos_token_id for beam in want)  # the search ended on finished beams
+    for kind, url in urls.items():
+        resp = client(url).chat.completions.create(model=model_dir.name, messages=[PREFILL[0]], n=3, max_tokens=24,
+                                                   extra_body={"use_beam_search": True, "return_token_ids": True})
+        assert [c.token_ids for c in resp.choices] == want, kind
+        assert [c.finish_reason for c in resp.choices] == ["stop"] * 3, kind
+        assert resp.choices[0].message.content == "The capital of France is Paris.", kind
