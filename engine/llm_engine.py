@@ -146,9 +146,10 @@ class LLMEngine:
         out_of_vocab = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
         if out_of_vocab:
             raise ValueError(f"logit_bias token id {out_of_vocab[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if any(t >= self.vocab_size for t in params.allowed_token_ids or []):
-            raise ValueError(f"allowed_token_ids holds token id {max(params.allowed_token_ids)}, outside the "
-                             f"vocabulary [0, {self.vocab_size})")
+        for name in ("allowed_token_ids", "logprob_token_ids"):
+            if any(t >= self.vocab_size for t in getattr(params, name) or []):
+                raise ValueError(f"{name} holds token id {max(getattr(params, name))}, outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
         if params.bad_words and params.bad_words_token_ids is None:  # once, with this engine's tokenizer
             params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(
                 self.tokenizer, params.bad_words, self.vocab_size))
@@ -195,7 +196,7 @@ class LLMEngine:
         for token in token_ids:
             # placeholders keep the per-token lists aligned; these entries are never sent again
             request.append_output_token(token, 0.0 if params.logprobs else None,
-                                        [] if params.top_logprobs else None)
+                                        [] if params.top_logprobs or params.logprob_token_ids else None)
             state.text += state.detokenizer.add_tokens([token])
         state.num_sent_tokens = len(token_ids)
         state.num_sent_chars = min(num_sent_chars, len(state.text))

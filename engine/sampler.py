@@ -113,18 +113,23 @@ class Sampler:
     @staticmethod
     def top_logprobs(logits: torch.Tensor, requests: Sequence[Request]) -> dict[int, list[tuple[int, float]]]:
         """Row -> the `top_logprobs` most likely (token id, logprob) under the raw logits, best first
-        (a beam's: its search's candidates, engine/beam_search.py).
+        (a beam's: its search's candidates, engine/beam_search.py; with logprob_token_ids: those tokens').
 
         Only rows that asked are computed, so the common path pays nothing.
         """
+        chosen = {i: r.sampling_params.logprob_token_ids for i, r in enumerate(requests)
+                  if r.sampling_params.logprob_token_ids}
         wanted = [r.beam.num_candidates if r.beam is not None else r.sampling_params.top_logprobs for r in requests]
-        rows = [i for i, k in enumerate(wanted) if k > 0]
+        rows = [i for i, k in enumerate(wanted) if k > 0 or i in chosen]
         if not rows:
             return {}
-        k = min(max(wanted[i] for i in rows), logits.shape[1])
-        values, ids = (v.tolist() for v in torch.log_softmax(logits[rows], dim=-1).topk(k, dim=-1))
+        logprobs = torch.log_softmax(logits[rows], dim=-1)
         out = {}
-        for j, row in enumerate(rows):
-            n = wanted[row]
-            out[row] = list(zip(ids[j][:n], values[j][:n]))
+        k = min(max(wanted[i] for i in rows), logits.shape[1])
+        if k:
+            values, ids = (v.tolist() for v in logprobs.topk(k, dim=-1))
+            out = {row: list(zip(ids[j][:wanted[row]], values[j][:wanted[row]])) for j, row in enumerate(rows)}
+        for j, row in enumerate(rows):  # vLLM's logprob_token_ids: these tokens instead of the most likely
+            if row in chosen:
+                out[row] = list(zip(chosen[row], logprobs[j, chosen[row]].tolist()))
         return out

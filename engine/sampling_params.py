@@ -127,6 +127,7 @@ class SamplingParams:
     # sampled token's plus the k most likely tokens' (top_logprobs = k).
     logprobs: bool | int | None = False
     top_logprobs: int = 0  # also report this many most likely tokens per position (implies logprobs)
+    logprob_token_ids: list[int] | None = None  # report these tokens' logprobs instead of the most likely ones
     prompt_logprobs: int | None = None  # per prompt token: its logprob, rank, and this many top tokens
     structured_outputs: StructuredOutputsParams | None = None
     bad_words: list[str] = field(default_factory=list)  # words the output may not contain (vLLM's rule)
@@ -185,9 +186,12 @@ class SamplingParams:
         self.bad_words = list(self.bad_words or [])
         if any(not isinstance(w, str) or not w for w in self.bad_words):
             raise ValueError("bad_words must be a list of non-empty strings")
-        if self.allowed_token_ids is not None and (not self.allowed_token_ids or any(
-                not _is_int(t) or t < 0 for t in self.allowed_token_ids)):
-            raise ValueError("allowed_token_ids must be a non-empty list of non-negative token ids")
+        for name in ("allowed_token_ids", "logprob_token_ids"):
+            ids = getattr(self, name)
+            if ids is not None and (not ids or any(not _is_int(t) or t < 0 for t in ids)):
+                raise ValueError(f"{name} must be a non-empty list of non-negative token ids")
+        if self.logprob_token_ids and not self.logprobs:
+            raise ValueError("logprob_token_ids requires logprobs")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -201,7 +205,7 @@ class SamplingParams:
     def _check_beam_search(self) -> None:
         """Beam search ranks beams by their raw logprobs alone: what would reshape the logits or the
         stopping rule, or report per-token logprobs, is refused rather than silently ignored."""
-        unsupported = {"logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs is not None,
+        unsupported = {"logprob_token_ids": self.logprob_token_ids, "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs is not None,
                        "stop": self.stop, "stop_token_ids": self.stop_token_ids, "min_tokens": self.min_tokens,
                        "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                        "repetition_penalty": self.repetition_penalty != 1.0, "logit_bias": self.logit_bias,
@@ -223,9 +227,10 @@ class SamplingParams:
         """A P/D prefill node's params: compute the prompt's KV and one token that is thrown away
         (decode samples the real ones), so nothing that shapes the output is worth doing there."""
         return dataclasses.replace(self, n=1, max_tokens=1, min_tokens=0, structured_outputs=None,
-                                   prompt_logprobs=None, logprobs=False, top_logprobs=0, presence_penalty=0.0,
-                                   frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, bad_words=[],
-                                   bad_words_token_ids=None, allowed_token_ids=None, use_beam_search=False)
+                                   prompt_logprobs=None, logprobs=False, top_logprobs=0, logprob_token_ids=None,
+                                   presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                                   logit_bias=None, bad_words=[], bad_words_token_ids=None, allowed_token_ids=None,
+                                   use_beam_search=False)
 
     def for_choice(self, index: int) -> SamplingParams:
         """The params of choice `index` of an n > 1 request: n=1 and, when seeded, seed + index (as vLLM)."""

@@ -37,7 +37,7 @@ _SAMPLING_FIELDS = (
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos",
     "include_stop_str_in_output", "skip_special_tokens", "logprobs", "prompt_logprobs", "echo", "stream",
     "stream_options", "user", "cache_salt", "return_token_ids", "return_tokens_as_token_ids", "bad_words", "allowed_token_ids", "priority",
-    "request_id", "use_beam_search", "length_penalty",
+    "request_id", "use_beam_search", "length_penalty", "logprob_token_ids",
     *PROMPT_FIELDS, *STRUCTURED_OUTPUT_FIELDS)
 SUPPORTED_PARAMETERS: dict[str, frozenset[str]] = {
     COMPLETION: frozenset(_SAMPLING_FIELDS + ("prompt",)),
@@ -51,7 +51,6 @@ NEUTRAL_PARAMETERS: dict[str, tuple[Any, ...]] = {
     "modalities": (["text"],), "service_tier": ("auto", "default"), "audio": (), "prediction": (),
     "reasoning_effort": (), "verbosity": (), "web_search_options": (), "moderation": (), "prompt_cache_key": (),
     "prompt_cache_options": (), "prompt_cache_retention": (),
-    "logprob_token_ids": (),  # vLLM's: logprobs of chosen token ids (docs/vllm-compat.md says why not here)
 }
 MAX_N = 128
 
@@ -141,7 +140,8 @@ class GenerationRequest:
         """Resolve max_tokens against the context and build the engine's params (400 on misfit);
         with `vocab_size` (nodes know it, the proxy does not) logit_bias ids are checked too."""
         for name, ids in (("logit_bias", self.sampling.get("logit_bias")),
-                          ("allowed_token_ids", self.sampling.get("allowed_token_ids"))):
+                          ("allowed_token_ids", self.sampling.get("allowed_token_ids")),
+                          ("logprob_token_ids", self.sampling.get("logprob_token_ids"))):
             if vocab_size is not None and ids and max(ids) >= vocab_size:
                 raise bad_request(f"{name} token id {max(ids)} is outside the vocabulary [0, {vocab_size})", name)
         room = max_model_len - prompt_len
@@ -227,9 +227,13 @@ def parse_request(kind: str, raw: bytes | str | Any, check_grammar: bool = True,
         "structured_outputs": structured,
         "bad_words": string_list(body, "bad_words"),
         "allowed_token_ids": token_list(body, "allowed_token_ids", non_empty=True) or None,
+        "logprob_token_ids": token_list(body, "logprob_token_ids", non_empty=True) or None,
         "use_beam_search": bool_field(body, "use_beam_search"),
         "length_penalty": float_field(body, "length_penalty", 1.0, -1e6, 1e6),
     }
+    if sampling["logprob_token_ids"] and not logprobs:
+        raise bad_request("logprob_token_ids requires logprobs" + (" to be true" if kind == CHAT else ""),
+                          "logprob_token_ids")
     if sampling["use_beam_search"] and stream:  # the answer is known only once the search ends (as vLLM)
         raise bad_request("use_beam_search is not available with stream=true", "use_beam_search")
     if sampling["min_tokens"] > (max_tokens or sampling["min_tokens"]):

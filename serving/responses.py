@@ -124,9 +124,12 @@ class ResponseBuilder:
         # positions without top tokens (none asked for; an echoed prompt's are there) have an empty list
         tops = list(d.top_logprobs) + [[] for _ in range(len(tokens) - len(d.top_logprobs))]
         if self.req.kind == CHAT:
+            # with logprob_token_ids vLLM lists the sampled token first, then the asked-for ones
+            chosen = bool(self.req.sampling.get("logprob_token_ids"))
             return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
                                  "top_logprobs": [{"token": tt, "logprob": tlp, "bytes": list(tt.encode())}
-                                                  for tt, tlp in top]}
+                                                  for tt, tlp in (top_by_text([(t, lp), *top]).items() if chosen
+                                                                  else top)]}
                                 for t, lp, top in zip(tokens, d.logprobs, tops)]}
         offsets = []
         offset = self._text_offset.get(d.index, 0)

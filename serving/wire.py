@@ -110,7 +110,7 @@ def sampling_to_pb(req: oai.GenerationRequest) -> pb.SamplingParams:
         prompt_logprobs=s["prompt_logprobs"], structured_outputs=structured_to_pb(s["structured_outputs"], req.structured_field),
         echo=req.echo, return_token_ids=req.return_token_ids, return_tokens_as_token_ids=req.return_tokens_as_token_ids,
         bad_words=s["bad_words"], allowed_token_ids=s["allowed_token_ids"] or [], use_beam_search=s["use_beam_search"],
-        length_penalty=s["length_penalty"])
+        length_penalty=s["length_penalty"], logprob_token_ids=s["logprob_token_ids"] or [])
 
 
 def request_from_pb(prompt: pb.Prompt, params: pb.SamplingParams, cache_salt: str) -> oai.GenerationRequest:
@@ -128,7 +128,7 @@ def request_from_pb(prompt: pb.Prompt, params: pb.SamplingParams, cache_salt: st
                 "skip_special_tokens": params.skip_special_tokens if params.HasField("skip_special_tokens") else True,
                 "prompt_logprobs": prompt_logprobs, "structured_outputs": structured_from_pb(params),
                 "bad_words": list(params.bad_words), "allowed_token_ids": list(params.allowed_token_ids) or None,
-                "use_beam_search": params.use_beam_search,
+                "use_beam_search": params.use_beam_search, "logprob_token_ids": list(params.logprob_token_ids) or None,
                 "length_penalty": params.length_penalty if params.HasField("length_penalty") else 1.0}
     return oai.GenerationRequest(
         kind=kind, model=None, max_tokens=params.max_tokens or None, logprobs=params.logprobs,

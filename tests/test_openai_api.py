@@ -581,3 +581,24 @@ def test_beam_search_equals_hf(api, hf_model):
                         ({"stop": ["x"]}, "stop")):
         status, err = api.post("/v1/completions", {"prompt": "x", "n": 2, "use_beam_search": True, **body})
         assert status == 400 and err["error"]["param"] == param, err
+
+
+def test_logprob_token_ids_match_hf(api, hf_model):
+    """vLLM's logprob_token_ids: at every position the sampled token, then the asked-for tokens' logprobs
+    (in place of the most likely ones), equal to HF's log-softmax; it needs logprobs."""
+    prompt, asked = PROMPTS[0], [70, 71, 300]
+    extra = {"logprob_token_ids": asked, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    choice = api.oai.completions.create(model=api.model, prompt=prompt, max_tokens=3, temperature=0, logprobs=0,
+                                        extra_body=extra).choices[0]
+    with torch.inference_mode():
+        hf = torch.log_softmax(hf_model(torch.tensor([prompt + choice.token_ids[:-1]])).logits[0, len(prompt) - 1:], -1)
+    for top, token, row in zip(choice.logprobs.top_logprobs, choice.token_ids, hf):
+        assert list(top) == [f"token_id:{t}" for t in [token, *asked]]
+        assert list(top.values()) == pytest.approx([row[t].item() for t in [token, *asked]], abs=1e-4)
+    chat = api.oai.chat.completions.create(model=api.model, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                           temperature=0, logprobs=True, extra_body=extra)
+    for entry, token in zip(chat.choices[0].logprobs.content, chat.choices[0].token_ids):
+        assert [t.token for t in entry.top_logprobs] == [f"token_id:{t}" for t in [token, *asked]]
+    status, err = api.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                    "logprob_token_ids": asked})
+    assert status == 400 and err["error"]["param"] == "logprob_token_ids"
