@@ -161,7 +161,8 @@ class LLMEngine:
             beam = dataclasses.replace(params, n=1, temperature=0.0)
             choices = [Request(request_id, ids, beam, eos_token_id=self.eos_token_id, cache_salt=cache_salt,
                                arrival_time=arrival)]
-            BeamSearch(request_id, params.n, params.length_penalty, min(params.max_tokens, self.max_model_len - len(ids)),
+            max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+            BeamSearch(request_id, params.n, params.length_penalty, max_tokens,
                        None if params.ignore_eos else self.eos_token_id).start(choices[0])
         else:
             choices = [Request(request_id if i == 0 else f"{i}_{request_id}", ids, params if params.n == 1 else
@@ -182,9 +183,11 @@ class LLMEngine:
             self._states[state.request.request_id] = state
         self._groups[request_id] = [c.request_id for c in choices]
         self.num_requests_added += 1
+        choices_note = f", n {params.n} (the prompt is computed once)" if params.n > 1 else ""
+        if params.use_beam_search:
+            choices_note = f", beam search width {params.n} (length_penalty {params.length_penalty:g})"
         logger.info("Reqid: %s, added: prompt %d tokens, max_tokens %d%s%s", request_id, len(ids), params.max_tokens,
-                    f", beam search width {params.n} (length_penalty {params.length_penalty:g})"
-                    if params.use_beam_search else f", n {params.n} (the prompt is computed once)" if params.n > 1 else "",
+                    choices_note,
                     f", resuming after {len(done)} output tokens" if resume is not None else "")
 
     @staticmethod

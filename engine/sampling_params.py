@@ -205,8 +205,9 @@ class SamplingParams:
     def _check_beam_search(self) -> None:
         """Beam search ranks beams by their raw logprobs alone: what would reshape the logits or the
         stopping rule, or report per-token logprobs, is refused rather than silently ignored."""
-        unsupported = {"logprob_token_ids": self.logprob_token_ids, "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs is not None,
-                       "stop": self.stop, "stop_token_ids": self.stop_token_ids, "min_tokens": self.min_tokens,
+        unsupported = {"logprob_token_ids": self.logprob_token_ids, "logprobs": self.logprobs,
+                       "prompt_logprobs": self.prompt_logprobs is not None, "stop": self.stop,
+                       "stop_token_ids": self.stop_token_ids, "min_tokens": self.min_tokens,
                        "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                        "repetition_penalty": self.repetition_penalty != 1.0, "logit_bias": self.logit_bias,
                        "structured_outputs": self.structured_outputs, "bad_words": self.bad_words,

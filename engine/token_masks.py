@@ -53,7 +53,7 @@ def apply_token_masks(logits: torch.Tensor, requests: Sequence[Any]) -> None:
             keep[torch.tensor(params.allowed_token_ids, dtype=torch.long).to(logits.device)] = True
             logits[i].masked_fill_(~keep, float("-inf"))
     if rows:
-        index = (torch.tensor(rows, dtype=torch.long).to(logits.device), torch.tensor(cols, dtype=torch.long).to(logits.device))
+        index = tuple(torch.tensor(x, dtype=torch.long).to(logits.device) for x in (rows, cols))
         logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
 
 

@@ -18,9 +18,9 @@ from pdserve.engine.sampling_params import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN,
 from pdserve.serving.limits import check_prompt_chars
 from pdserve.serving.protocol_chat import (CHAT_TEMPLATE_FIELDS, ChatTemplateOptions, parse_chat_template_options,
                                            parse_messages)
-from pdserve.serving.protocol_fields import (MAX_COUNT, APIError, bad_request, bool_field, decode_json_body,  # noqa: F401
-                                             error_body, float_field, int_field, is_int, model_not_found,
-                                             service_unavailable, str_field, string_list, token_list)
+from pdserve.serving.protocol_fields import (  # noqa: F401 (APIError, error_body, ... are re-exported)
+    MAX_COUNT, APIError, bad_request, bool_field, decode_json_body, error_body, float_field, int_field, is_int,
+    model_not_found, service_unavailable, str_field, string_list, token_list)
 from pdserve.serving.protocol_prompt import PROMPT_FIELDS, PromptOptions, parse_prompt_options
 from pdserve.serving.structured_outputs import FIELDS as STRUCTURED_OUTPUT_FIELDS
 from pdserve.serving.structured_outputs import parse_structured_outputs
@@ -36,8 +36,8 @@ _SAMPLING_FIELDS = (
     "model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos",
     "include_stop_str_in_output", "skip_special_tokens", "logprobs", "prompt_logprobs", "echo", "stream",
-    "stream_options", "user", "cache_salt", "return_token_ids", "return_tokens_as_token_ids", "bad_words", "allowed_token_ids", "priority",
-    "request_id", "use_beam_search", "length_penalty", "logprob_token_ids",
+    "stream_options", "user", "cache_salt", "return_token_ids", "return_tokens_as_token_ids", "bad_words",
+    "allowed_token_ids", "priority", "request_id", "use_beam_search", "length_penalty", "logprob_token_ids",
     *PROMPT_FIELDS, *STRUCTURED_OUTPUT_FIELDS)
 SUPPORTED_PARAMETERS: dict[str, frozenset[str]] = {
     COMPLETION: frozenset(_SAMPLING_FIELDS + ("prompt",)),

@@ -43,7 +43,8 @@ def test_beams_equal_hf(llm, hf_model, width, length_penalty, max_tokens):
     for prompt, out in zip(PROMPTS, outs):
         assert [c.token_ids for c in out.outputs] == hf_beams(hf_model, prompt, width, length_penalty, max_tokens)
         assert [c.index for c in out.outputs] == list(range(width))
-        assert all(c.text == llm.engine.tokenizer.decode(c.token_ids, skip_special_tokens=True) and c.finish_reason == "length"
+        decode = llm.engine.tokenizer.decode
+        assert all(c.text == decode(c.token_ids, skip_special_tokens=True) and c.finish_reason == "length"
                    for c in out.outputs)
     kv = llm.engine.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks and not llm.engine.has_unfinished_requests()

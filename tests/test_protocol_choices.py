@@ -198,7 +198,8 @@ def test_vllm_prompt_and_chat_template_fields():
         PromptOptions(truncate_prompt_tokens=9).truncate([1], 12, 4)
     assert e.value.param == "truncate_prompt_tokens"
     for body, param in (({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
-                        ({"truncation_side": "up"}, "truncation_side"), ({"add_special_tokens": 1}, "add_special_tokens"),
+                        ({"truncation_side": "up"}, "truncation_side"),
+                        ({"add_special_tokens": 1}, "add_special_tokens"),
                         ({"request_id": "has space"}, "request_id"), ({"priority": 2**63}, "priority"),
                         ({"bad_words": "ab"}, "bad_words"), ({"allowed_token_ids": []}, "allowed_token_ids")):
         refused({"prompt": "x", **body}, param)

@@ -20,7 +20,8 @@ from tests.serve_helpers import ServerProcess
 
 NODE_ARGS = ["--dtype", "float32", "--kv-cache-memory", "96MiB", "--max-model-len", "1024",
              "--chunk-size", str(CHUNK_SIZE), "--shutdown-timeout", "1"]
-NO_THINK = "{% if enable_thinking is defined and not enable_thinking %}<|im_start|>system\n/no_think<|im_end|>\n{% endif %}"
+NO_THINK = ("{% if enable_thinking is defined and not enable_thinking %}<|im_start|>system\n/no_think<|im_end|>\n"
+            "{% endif %}")
 PREFILL = [{"role": "user", "content": "What is the capital of France?"},
            {"role": "assistant", "content": "The capital of France is"}]
 
