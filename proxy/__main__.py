@@ -12,6 +12,7 @@ from pdserve.serving.auth import add_proxy_security_args, proxy_security
 from pdserve.serving.cli import ArgumentParser, add_log_file, add_response_args, setup_logging
 from pdserve.serving.errors import StartupError
 from pdserve.serving.http import listen_socket, serve_app
+from pdserve.serving.limits import HttpTimeouts, add_http_timeout_args
 
 
 def _addresses(text: str) -> list[str]:
@@ -56,6 +57,7 @@ def build_parser() -> ArgumentParser:
                    help="how decode streams reach the nodes: auto (default) sends Generate to a decode node's "
                         "HTTP port when it answers there and no --grpc-tls-* is given (less CPU per request than "
                         "gRPC), else gRPC; grpc: always gRPC")
+    add_http_timeout_args(p)
     add_proxy_security_args(p)
     add_response_args(p)
     p.add_argument("--log-file", default=None, help="also write the log here")
@@ -80,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         deadlines = Deadlines(args.connect_timeout, args.first_token_timeout, args.token_timeout, args.stall_timeout)
+        timeouts = HttpTimeouts.from_args(args)
     except ValueError as e:
         print(f"pd-proxy: error: {e}", file=sys.stderr)
         return 1
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     eventloop.run(serve_app(Proxy(config).app(), sock, "pd-proxy", lambda: (
         f"(policy {config.policy}, prefill {','.join(config.prefill) or '- (decode nodes prefill every prompt)'}, "
-        f"decode {','.join(config.decode)})")))
+        f"decode {','.join(config.decode)})"), timeouts=timeouts))
     return 0
 
 

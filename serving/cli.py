@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 from pdserve.engine.config import (ATTENTION_BACKENDS, DEFAULT_GPU_MEMORY_UTILIZATION, DEVICE_RE, DTYPES, CacheConfig,
                            DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig)
+from pdserve.serving.limits import add_http_timeout_args
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -115,6 +116,7 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int = 8000) -
                    help="seconds in-flight requests may finish after SIGINT/SIGTERM (default 5)")
     g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="log level (default INFO)")
+    add_http_timeout_args(parser)
     add_response_args(parser)
     return parser
 

@@ -2,8 +2,11 @@
 
 The middleware gives every request an id (X-Request-Id honoured or generated; it starts every
 log line about the request and is echoed back), answers every failure in OpenAI's error shape
-(never a traceback) and writes one log line per finished request. The serve loop runs an
-aiohttp app on an already bound socket until SIGINT/SIGTERM, then drains.
+(never a traceback), a body that cannot be read (corrupt gzip, broken chunking, past its
+deadline) included, and writes one log line per finished request. It also answers `Expect`:
+413 when the announced body is over the limit, before the client sends it. The serve loop runs
+an aiohttp app on an already bound socket, behind serving/http_edge.py's deadlines, until
+SIGINT/SIGTERM, then drains.
 """
 from __future__ import annotations
 
@@ -17,12 +20,12 @@ import uuid
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMessage
 
 from pdserve.serving import errors
 from pdserve.serving.auth import check_http_api_key
 from pdserve.serving.errors import StartupError
-from pdserve.serving.limits import MAX_HEADER_BYTES
+from pdserve.serving.http_edge import CLOSE, EXPECT, BodyTimeout, listen
+from pdserve.serving.limits import MAX_BODY_BYTES, MAX_HEADER_BYTES, HttpTimeouts
 from pdserve.serving.protocol import REQUEST_ID_RE, APIError, bad_request, error_body
 
 logger = logging.getLogger(__name__)
@@ -53,7 +56,11 @@ def api_middleware(on_outcome: Callable[[web.Request, str], None] | None = None,
                 raise bad_request("X-Request-Id must be 1-128 printable ASCII characters without spaces")
             request["request_id"] = rid
             check_http_api_key(request, api_key)
-            response = await handler(request)
+            await _admit_body(request)
+            try:
+                response = await handler(request)
+            except (web.RequestPayloadError, BodyTimeout) as e:  # raised by the handler's read of the body
+                raise _body_error(request, e) from None
         except APIError as e:
             response = json_response(e.body(), e.status)
             request["outcome"] = errors.outcome(e)
@@ -87,20 +94,36 @@ def api_middleware(on_outcome: Callable[[web.Request, str], None] | None = None,
     return middleware
 
 
-class _ParserRefusals(logging.Filter):
-    """aiohttp's parser answers what never reaches the middleware (a header line over MAX_HEADER_BYTES,
-    a malformed request line) with a plain 400 and logs a traceback: make that one operator line."""
+async def _admit_body(request: web.Request) -> None:
+    """Refuse a body announced over the limit before reading it; answer `Expect: 100-continue` (aiohttp's
+    own answer would send `100 Continue` to any size: serving/http_edge.py keeps the header from it)."""
+    expect = request.get(EXPECT)
+    length = request.content_length
+    if length is not None and length > MAX_BODY_BYTES:  # (without Expect aiohttp reads the rest and drops it)
+        raise APIError(413, f"the request body is {length} bytes; at most {MAX_BODY_BYTES} are accepted",
+                       code="request_too_large")
+    if expect is None:
+        return
+    if expect.lower() != "100-continue":
+        raise APIError(417, f"Expect: {expect[:64]!r} is not supported (only 100-continue is)",
+                       code="expectation_failed")
+    if request.version >= (1, 1) and request.body_exists:
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # (as aiohttp's handler does: the answer itself has not started)
+    request[CLOSE] = False
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, BadHttpMessage):
-            record.msg, record.args = "HTTP request refused by the parser (400): %s", (str(exc.message)[:200],)
-            record.exc_info, record.exc_text = None, None
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
-        return True
 
-
-logging.getLogger("aiohttp.server").addFilter(_ParserRefusals())
+def _body_error(request: web.Request, e: Exception) -> APIError:
+    """The 4xx of a body that could not be read: past its deadline (408), or bytes that are no body (400)."""
+    if isinstance(e, BodyTimeout):
+        return APIError(408, str(e), code="request_timeout")
+    reason = str(e).rpartition("message:")[2].strip()  # aiohttp's "400, message:\n  <reason>"
+    reason = reason.splitlines()[0][:200] if reason else type(e).__name__
+    encoding = request.headers.get("Content-Encoding", "")[:32]
+    if encoding and "decode" in reason:
+        return bad_request(f"the request body is not valid {encoding} data (Content-Encoding: {encoding})",
+                           code="invalid_request_body")
+    return bad_request(f"the request body could not be read: {reason}", code="invalid_request_body")
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -115,27 +138,30 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 async def serve_app(app: web.Application, sock: socket.socket, prog: str,
                     details: Callable[[], str], drain: Callable[[], Awaitable[None]] | None = None,
-                    handler_timeout_s: float = 60.0) -> None:
+                    handler_timeout_s: float = 60.0, timeouts: HttpTimeouts = HttpTimeouts()) -> None:
     """Serve `app` on `sock` until SIGINT/SIGTERM; `drain` lets in-flight work finish before the app stops.
 
     The ready line, "<prog> ready at http://host:port <details()>", is what operators and tests
     wait for. Handlers still running after `drain` get `handler_timeout_s` more before they are cancelled.
+    `timeouts`: how long clients may take over headers and bodies, and idle connections stay.
     """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     # Header lines up to MAX_HEADER_BYTES reach the middleware, which answers a bad one in OpenAI's shape.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=handler_timeout_s,
-                           max_line_size=MAX_HEADER_BYTES, max_field_size=MAX_HEADER_BYTES)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=handler_timeout_s)
     await runner.setup()
-    await web.SockSite(runner, sock).start()
+    listener = await listen(runner, sock, timeouts, access_log=None, max_line_size=MAX_HEADER_BYTES,
+                            max_field_size=MAX_HEADER_BYTES)
     host, port = sock.getsockname()[:2]
-    logger.info("%s ready at http://%s:%d %s", prog, host, port, details())
+    logger.info("%s ready at http://%s:%d %s (HTTP deadlines: headers %g s, body %g s, keep-alive %g s)", prog,
+                host, port, details(), timeouts.header_s, timeouts.body_s, timeouts.keep_alive_s)
     await stop.wait()
-    if drain is not None:
+    if drain is not None:  # (new requests meanwhile get 503)
         await drain()
     else:
         logger.info("%s shutting down", prog)
+    listener.close()
     await runner.cleanup()
     logger.info("%s stopped", prog)

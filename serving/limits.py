@@ -7,7 +7,9 @@ apply them (serving.protocol.parse_request decodes through `decode_json`).
 """
 from __future__ import annotations
 
+import argparse
 import json
+from dataclasses import dataclass
 from typing import Any
 
 MAX_BODY_BYTES = 8 << 20  # a request body; larger is 413 (a long prompt as token ids is ~7 bytes a token)
@@ -71,3 +73,61 @@ def check_prompt_chars(num_chars: int, max_model_len: int) -> None:
     if num_chars > limit:
         raise ValueError(f"the prompt has {num_chars} characters: it cannot fit this model's context of "
                          f"{max_model_len} tokens (at most {limit} characters are accepted)")
+
+
+# ---------------------------------------------------------------- time bounds of the HTTP edge
+
+@dataclass(frozen=True)
+class HttpTimeouts:
+    """How long a client may take over each part of an HTTP request, and how long an idle connection stays.
+
+    A client that sends its headers or its body byte by byte (slowloris), or opens connections and
+    sends nothing, would otherwise hold a connection (a file descriptor and a parser) for as long as
+    it likes. The proxy, pd-serve and the nodes' HTTP ports apply them (serving/http_edge.py).
+    """
+
+    header_s: float = 10.0  # from a connection's accept (its first request) or a request's first byte
+    body_s: float = 60.0  # from the end of the headers to the end of the body (8 MiB at ~1 Mbit/s)
+    # an idle keep-alive connection is closed after this; above the proxy's own idle limit for its node
+    # connections (proxy/frame_client.py), so a node never closes one the proxy is about to reuse
+    keep_alive_s: float = 75.0
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not value > 0:
+                raise ValueError(f"{_TIMEOUT_FLAGS[name]} must be a positive number of seconds, got {value:g}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> HttpTimeouts:
+        return cls(args.timeout_request_header, args.timeout_request_body, args.timeout_keep_alive)
+
+
+_TIMEOUT_FLAGS = {"header_s": "--timeout-request-header", "body_s": "--timeout-request-body",
+                  "keep_alive_s": "--timeout-keep-alive"}
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
+    return value
+
+
+_seconds.__name__ = "seconds"
+
+
+def add_http_timeout_args(parser: argparse.ArgumentParser) -> None:
+    """The HTTP edge's deadlines (uvicorn's --timeout-keep-alive and its spelling for the other two)."""
+    d = HttpTimeouts()
+    g = parser.add_argument_group("HTTP deadlines")
+    g.add_argument("--timeout-request-header", type=_seconds, default=d.header_s, metavar="S",
+                   help=f"seconds a client may take to send a request's headers; later it gets 408 and the "
+                        f"connection is closed (default {d.header_s:g})")
+    g.add_argument("--timeout-request-body", type=_seconds, default=d.body_s, metavar="S",
+                   help=f"seconds a client may take to send a request's body once its headers are in; later "
+                        f"it gets 408 (default {d.body_s:g})")
+    g.add_argument("--timeout-keep-alive", type=_seconds, default=d.keep_alive_s, metavar="S",
+                   help=f"seconds an idle keep-alive connection stays open (default {d.keep_alive_s:g})")

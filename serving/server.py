@@ -29,7 +29,7 @@ from pdserve.serving.choices import Assembler, ChoiceOutput, merge, prompt_posit
 from pdserve.serving.cli import ArgumentParser, add_engine_args, add_server_args, setup_logging
 from pdserve.serving.errors import StartupError
 from pdserve.serving.http import api_middleware, json_response, listen_socket, serve_app
-from pdserve.serving.limits import MAX_BODY_BYTES
+from pdserve.serving.limits import MAX_BODY_BYTES, HttpTimeouts
 from pdserve.serving.metrics import CONTENT_TYPE
 from pdserve.serving.responses import Delta, ResponseBuilder, models_list, token_namer, top_token_texts, usage_dict
 from pdserve.serving.sse import SSEStream
@@ -45,13 +45,14 @@ class OpenAIServer:
     """The aiohttp application of one node: OpenAI endpoints plus /health, /stats, /metrics."""
 
     def __init__(self, async_engine: Any, served_model_names: list[str], metrics: Any,
-                 return_tokens_as_token_ids: bool = False) -> None:
+                 return_tokens_as_token_ids: bool = False, timeouts: HttpTimeouts = HttpTimeouts()) -> None:
         self.async_engine = async_engine
         self.return_tokens_as_token_ids = return_tokens_as_token_ids  # vLLM's flag: the default of the field
         self.engine = async_engine.engine  # the LLMEngine ("engine" means LLMEngine everywhere)
         self.tokenizer = self.engine.tokenizer
         self.served_names = served_model_names
         self.metrics = metrics
+        self.timeouts = timeouts  # the HTTP edge's deadlines (serving/http_edge.py)
         self.created = int(time.time())
         self.app = web.Application(middlewares=[api_middleware(self._count)], client_max_size=MAX_BODY_BYTES)
         self.app.add_routes([
@@ -235,7 +236,8 @@ async def serve(server: OpenAIServer, sock: socket.socket, prog: str, shutdown_t
         await engine.shutdown(shutdown_timeout)
 
     await serve_app(server.app, sock, prog, lambda: f"(model {server.served_names[0]}, max_model_len "
-                    f"{server.max_model_len}, {engine.stats.num_total_blocks} KV blocks)", drain, handler_timeout_s=5.0)
+                    f"{server.max_model_len}, {engine.stats.num_total_blocks} KV blocks)", drain, handler_timeout_s=5.0,
+                    timeouts=server.timeouts)
 
 
 def build_parser(prog: str = "pd-serve",
@@ -263,9 +265,13 @@ def run_node(args: argparse.Namespace, prog: str, preflight: Callable[[], None] 
             raise StartupError(str(e)) from None
         if preflight is not None:
             preflight()
+        try:
+            timeouts = HttpTimeouts.from_args(args)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
         sock = listen_socket(args.host, args.port)
         async_engine, names = create_async_engine(args)
-        server = OpenAIServer(async_engine, names, async_engine.metrics, args.return_tokens_as_token_ids)
+        server = OpenAIServer(async_engine, names, async_engine.metrics, args.return_tokens_as_token_ids, timeouts)
         if run is None:
             eventloop.run(serve(server, sock, prog, args.shutdown_timeout))
         else:

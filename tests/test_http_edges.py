@@ -1,0 +1,239 @@
+"""Hostile clients at every HTTP edge: pd-proxy, pd-serve and both node HTTP ports.
+
+Over raw sockets, each bad request gets an OpenAI-shaped 4xx within its deadline (corrupt gzip and
+deflate bodies, unsupported encodings, malformed request lines, headers and chunking, oversized
+headers and bodies, `Expect: 100-continue` over the limit answered 413 before the body); slow
+headers and bodies get 408 at their deadline, silent and idle connections are closed, and a
+slowloris connection is cut at the header deadline while other clients are served.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from tests.cluster_helpers import NODE_ARGS, start_cluster
+from tests.serve_helpers import ServerProcess
+
+HEADER_S, BODY_S, KEEP_ALIVE_S = 1.0, 1.0, 2.0
+DEADLINES = ["--timeout-request-header", str(HEADER_S), "--timeout-request-body", str(BODY_S),
+             "--timeout-keep-alive", str(KEEP_ALIVE_S)]
+SLACK_S = 3.0  # a loaded 2-core machine may run a timer late; an unbounded hold is what this catches
+MAX_BODY = 8 << 20
+
+
+@pytest.fixture(scope="module")
+def serve(tiny_llama):
+    with ServerProcess("--model", str(tiny_llama), "--served-model-name", "tiny", "--kv-cache-memory", "16MiB",
+                       *DEADLINES) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama, tmp_path_factory):
+    c = start_cluster(tiny_llama, tmp_path_factory.mktemp("edges"), node_args=[*NODE_ARGS, *DEADLINES],
+                      proxy_args=DEADLINES)
+    yield c
+    c.stop()
+
+
+@pytest.fixture(params=["proxy", "pd-serve", "prefill-http", "decode-http"])
+def port(request) -> int:
+    """The HTTP port of each kind of edge."""
+    if request.param == "pd-serve":
+        return int(request.getfixturevalue("serve").url.rsplit(":", 1)[1])
+    c = request.getfixturevalue("cluster")
+    return {"proxy": c.proxy_port, "prefill-http": c.prefill[0].http_port,
+            "decode-http": c.decode[0].http_port}[request.param]
+
+
+# ---------------------------------------------------------------- a raw HTTP/1.1 client
+
+@dataclass
+class Answer:
+    status: int  # 0: the connection closed without an answer
+    headers: dict[str, str]
+    body: bytes
+    interim: list[int]  # 1xx statuses before the answer
+    seconds: float  # from the first byte sent (or the connect) to the answer
+    closed: bool  # the server closed the connection after it
+
+
+def _read_answer(sock: socket.socket, started: float, timeout_s: float) -> Answer:
+    sock.settimeout(timeout_s)
+    raw, interim = b"", []
+    while True:
+        while b"\r\n\r\n" not in raw:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return Answer(0, {}, raw, interim, time.monotonic() - started, True)
+            raw += chunk
+        head, _, raw = raw.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+        if 100 <= status < 200:
+            interim.append(status)
+            continue
+        seconds = time.monotonic() - started
+        length = int(headers.get("content-length", "0"))
+        while len(raw) < length:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            raw += chunk
+        try:
+            sock.settimeout(0.5)
+            closed = sock.recv(1) == b""
+        except (socket.timeout, TimeoutError):
+            closed = False
+        except ConnectionResetError:
+            closed = True
+        return Answer(status, headers, raw[:length], interim, seconds, closed)
+
+
+def exchange(port: int, *parts: bytes, pause_s: float = 0.0, timeout_s: float = 15.0) -> Answer:
+    """Send `parts` (pausing `pause_s` between them) on a new connection and read the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+        started = time.monotonic()
+        for i, part in enumerate(parts):
+            if i and pause_s:
+                time.sleep(pause_s)
+            sock.sendall(part)
+        return _read_answer(sock, started, timeout_s)
+
+
+def post(body: bytes, *headers: str, length: int | str | None = None) -> bytes:
+    """A completions POST with `body` (Content-Length `length`, default the body's; "" for none)."""
+    length = len(body) if length is None else length
+    head = ["POST /v1/completions HTTP/1.1", "Host: edge", "Content-Type: application/json",
+            *([f"Content-Length: {length}"] if length != "" else []), *headers]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def assert_openai_error(answer: Answer, status: int, code: str | None = None) -> dict:
+    assert answer.status == status, answer
+    assert answer.headers["content-type"].startswith("application/json") and answer.headers.get("x-request-id")
+    err = json.loads(answer.body)
+    assert list(err) == ["error"] and set(err["error"]) == {"message", "type", "param", "code"}, err
+    assert err["error"]["type"] == "invalid_request_error" and "Traceback" not in err["error"]["message"]
+    if code is not None:
+        assert err["error"]["code"] == code, err
+    return err["error"]
+
+
+REQUEST = json.dumps({"prompt": [5, 6, 7], "max_tokens": 2}).encode()
+GZIP_GARBAGE = b"\x1f\x8b\x08\x00garbage, not a gzip stream"
+
+
+# ---------------------------------------------------------------- bad bytes: a 4xx at once
+
+BAD_REQUESTS = {
+    "corrupt gzip": (post(GZIP_GARBAGE, "Content-Encoding: gzip"), 400, "invalid_request_body"),
+    "corrupt deflate": (post(b"not deflate at all", "Content-Encoding: deflate"), 400, "invalid_request_body"),
+    "truncated gzip": (post(zlib.compress(REQUEST)[:-6], "Content-Encoding: deflate"), 400, None),
+    "unsupported encoding": (post(REQUEST, "Content-Encoding: br"), 400, "invalid_http_request"),
+    "garbage request line": (b"GARBAGE\r\n\r\n", 400, "invalid_http_request"),
+    "bad header name": (post(REQUEST, "Bad Header: x"), 400, "invalid_http_request"),
+    "header over 32 KiB": (post(REQUEST, "X-Big: " + "a" * (40 << 10)), 400, "invalid_http_request"),
+    "Content-Length and chunked": (post(b"0\r\n\r\n", "Transfer-Encoding: chunked"), 400, "invalid_http_request"),
+    "Content-Length not a number": (post(REQUEST, length="12x"), 400, "invalid_http_request"),
+    "broken chunk size": (post(b"zz\r\nabc\r\n0\r\n\r\n", "Transfer-Encoding: chunked", length=""), 400,
+                          "invalid_http_request"),
+    "9 MiB announced": (post(b"", length=9 << 20), 413, "request_too_large"),
+    "Expect: 100-continue, 9 MiB": (post(b"", "Expect: 100-continue", length=9 << 20), 413, "request_too_large"),
+    "Expect: something else": (post(REQUEST, "Expect: magic"), 417, "expectation_failed"),
+}
+
+
+@pytest.mark.parametrize("what", BAD_REQUESTS)
+def test_bad_bytes_get_an_openai_4xx_at_once(port, what):
+    data, status, code = BAD_REQUESTS[what]
+    answer = exchange(port, data)
+    assert_openai_error(answer, status, code)
+    assert answer.seconds < SLACK_S, answer
+    assert answer.interim == []
+    if what == "Expect: 100-continue, 9 MiB":
+        assert answer.closed  # refused before the body, which then never comes: the connection ends
+
+
+def test_broken_chunk_after_a_good_one_is_400_not_a_wait(port):
+    head = post(b"", "Transfer-Encoding: chunked", length="")
+    answer = exchange(port, head + b"5\r\n{\"pro\r\n", b"zz\r\nabc\r\n0\r\n\r\n", pause_s=0.2)
+    assert_openai_error(answer, 400, "invalid_request_body")
+    assert answer.seconds < BODY_S and answer.closed
+
+
+def test_expect_100_continue_within_the_limit_gets_continue_then_the_answer(port):
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
+        sock.sendall(post(b"", "Expect: 100-continue", length=len(b"{not json")))
+        sock.settimeout(5)
+        assert sock.recv(64).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")  # before any byte of the body
+        sock.sendall(b"{not json")
+        answer = _read_answer(sock, time.monotonic(), 15)
+    assert_openai_error(answer, 400)
+
+
+# ---------------------------------------------------------------- slow clients: 408 at the deadline
+
+def test_half_sent_headers_get_408_at_the_header_deadline(port):
+    answer = exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: edge\r\n")
+    assert_openai_error(answer, 408, "request_timeout")
+    assert HEADER_S - 0.2 < answer.seconds < HEADER_S + SLACK_S and answer.closed
+
+
+def test_half_sent_body_gets_408_at_the_body_deadline(port):
+    answer = exchange(port, post(REQUEST[:5], length=len(REQUEST)))
+    assert_openai_error(answer, 408, "request_timeout")
+    assert BODY_S - 0.2 < answer.seconds < BODY_S + SLACK_S and answer.closed
+
+
+def test_silent_and_idle_connections_are_closed(port):
+    silent = exchange(port)  # connects, sends nothing: closed at the header deadline, no answer
+    assert silent.status == 0 and silent.body == b"" and HEADER_S - 0.2 < silent.seconds < HEADER_S + SLACK_S
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as sock:
+        for _ in range(2):  # keep-alive works ...
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: edge\r\n\r\n")
+            answer = _read_answer(sock, time.monotonic(), 15)
+            assert answer.status == 200 and not answer.closed
+        idle_from = time.monotonic()
+        sock.settimeout(KEEP_ALIVE_S + SLACK_S + 5)
+        assert sock.recv(1) == b""  # ... until the connection idles for the keep-alive timeout
+        assert KEEP_ALIVE_S - 1.0 < time.monotonic() - idle_from < KEEP_ALIVE_S + SLACK_S
+
+
+def test_slowloris_is_cut_at_the_header_deadline_while_others_are_served(cluster):
+    """A client trickling header bytes (each well within any idle limit) is closed at the header
+    deadline, counted from the accept; meanwhile ordinary clients get their completions."""
+    result: list[tuple[Answer, float]] = []
+    parts = [b"POST /v1/completions HTTP/1.1\r\n"] + [b"X-Slow-%d: y\r\n" % i for i in range(40)]
+
+    def slowloris() -> None:
+        started = time.monotonic()
+        try:
+            answer = exchange(cluster.proxy_port, *parts, pause_s=0.1)
+        except (BrokenPipeError, ConnectionResetError):  # cut while sending: that is the point
+            answer = Answer(0, {}, b"", [], 0.0, True)
+        result.append((answer, time.monotonic() - started))
+
+    thread = threading.Thread(target=slowloris)
+    thread.start()
+    served = 0
+    with httpx.Client(base_url=cluster.url, timeout=30) as client:
+        while thread.is_alive() or served < 3:
+            r = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            served += 1
+    thread.join()
+    ((answer, seconds),) = result
+    assert seconds < HEADER_S + SLACK_S, seconds  # its 40 lines at 0.1 s each would take 4 s
+    assert answer.closed and answer.status in (0, 408), answer  # 408 when it was reading, else cut off
+    if answer.status:
+        assert_openai_error(answer, 408, "request_timeout")
+    assert served >= 3
