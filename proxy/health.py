@@ -137,8 +137,16 @@ class Node:
         self.http_url = base
 
     def mark_down(self, reason: str) -> None:
+        """Out of rotation for `reason` (`last_error`, what /status and the dashboard show).
+
+        A request that notices the node left while it waited quotes `last_error` in its own reason and
+        reports it here too: such a notice keeps the cause it quotes, else every request in flight would
+        nest it one level deeper (24 prefills on a dying node logged "left rotation while prefilling
+        (left rotation while prefilling (...))" 22 deep). A new cause (the next probe's) replaces it."""
         if self.healthy:
             logger.warning("%s node %s out of rotation: %s", self.role, self.address, reason)
+        elif self.last_error and self.last_error in reason:
+            return
         self.healthy = False
         self.last_error = reason
         self.http_url = None  # the probe that brings it back checks its HTTP port again

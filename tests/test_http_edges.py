@@ -4,11 +4,15 @@ Over raw sockets, each bad request gets an OpenAI-shaped 4xx within its deadline
 deflate bodies, unsupported encodings, malformed request lines, headers and chunking, oversized
 headers and bodies, `Expect: 100-continue` over the limit answered 413 before the body); slow
 headers and bodies get 408 at their deadline, silent and idle connections are closed, and a
-slowloris connection is cut at the header deadline while other clients are served.
+slowloris connection is cut at the header deadline while other clients are served. Also: with a
+prefill node frozen under 24 prefills in flight, the proxy's log names the cause once per line
+(no `left rotation while prefilling (left rotation while prefilling (...))`).
 """
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.cluster_helpers import NODE_ARGS, start_cluster
+from tests.cluster_helpers import NODE_ARGS, start_cluster, wait_until
 from tests.serve_helpers import ServerProcess
 
 HEADER_S, BODY_S, KEEP_ALIVE_S = 1.0, 1.0, 2.0
@@ -237,3 +241,38 @@ def test_slowloris_is_cut_at_the_header_deadline_while_others_are_served(cluster
     if answer.status:
         assert_openai_error(answer, 408, "request_timeout")
     assert served >= 3
+
+
+# ---------------------------------------------------------------- error text that never nests
+
+def test_a_frozen_prefill_node_under_24_prefills_logs_one_cause_per_line(cluster):
+    """SIGSTOP the prefill node, then send 24 requests: they wait on it until its health probe fails,
+    then the decode node prefills each locally. Every request notices the node left rotation; none
+    of their log lines (nor /status) quotes another's notice."""
+    prefill = cluster.prefill[0]
+    os.kill(prefill.proc.pid, signal.SIGSTOP)
+    try:
+        with httpx.Client(base_url=cluster.url, timeout=120) as client:
+            threads, statuses = [], []
+
+            def one(k: int) -> None:
+                r = client.post("/v1/completions", json={"prompt": [5 + k, 6, 7, 8], "max_tokens": 2})
+                statuses.append(r.status_code)
+
+            for k in range(24):
+                threads.append(threading.Thread(target=one, args=(k,)))
+                threads[-1].start()
+            for t in threads:
+                t.join()
+        assert statuses == [200] * 24
+        status = httpx.get(cluster.url + "/status", timeout=10).json()["prefill"][0]
+        assert not status["healthy"] and status["last_error"].count("(") <= 1, status
+    finally:
+        os.kill(prefill.proc.pid, signal.SIGCONT)
+    log = cluster.proxy.out_path.read_text()
+    noticed = [line for line in log.splitlines() if "left rotation while prefilling" in line]
+    assert len(noticed) >= 20, log[-3000:]  # the scenario happened: the requests waited on the frozen node
+    for line in noticed:
+        assert line.count("left rotation") == 1, line
+    wait_until(lambda: all(n["healthy"] for n in httpx.get(cluster.url + "/status", timeout=10).json()["prefill"]),
+               "the prefill node back in rotation", 30)
