@@ -59,7 +59,7 @@ def api_middleware(on_outcome: Callable[[web.Request, str], None] | None = None,
             await _admit_body(request)
             try:
                 response = await handler(request)
-            except (web.RequestPayloadError, BodyTimeout) as e:  # raised by the handler's read of the body
+            except (web.RequestPayloadError, BodyTimeout, web.HTTPRequestEntityTooLarge) as e:  # reading the body
                 raise _body_error(request, e) from None
         except APIError as e:
             response = json_response(e.body(), e.status)
@@ -114,9 +114,13 @@ async def _admit_body(request: web.Request) -> None:
 
 
 def _body_error(request: web.Request, e: Exception) -> APIError:
-    """The 4xx of a body that could not be read: past its deadline (408), or bytes that are no body (400)."""
+    """The 4xx of a body that could not be read: past its deadline (408), too large (413), or bytes that are
+    no body (400)."""
     if isinstance(e, BodyTimeout):
         return APIError(408, str(e), code="request_timeout")
+    if isinstance(e, web.HTTPRequestEntityTooLarge):  # a body without Content-Length, or a zip bomb
+        return APIError(413, f"the request body is over {MAX_BODY_BYTES} bytes (after decompression)",
+                        code="request_too_large")
     reason = str(e).rpartition("message:")[2].strip()  # aiohttp's "400, message:\n  <reason>"
     reason = reason.splitlines()[0][:200] if reason else type(e).__name__
     encoding = request.headers.get("Content-Encoding", "")[:32]

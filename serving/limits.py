@@ -3,7 +3,9 @@
 A request body, a header and a prompt each have a size limit, and a JSON body a nesting limit,
 so that bad or hostile input costs microseconds and a 4xx in OpenAI's shape, never a traceback,
 a 500 or seconds of tokenizing that slow everyone else down. The node server and the proxy both
-apply them (serving.protocol.parse_request decodes through `decode_json`).
+apply them (serving.protocol.parse_request decodes through `decode_json`). `HttpTimeouts` bounds
+the time a client may take over a request's headers and body and an idle connection may stay
+(serving/http_edge.py applies them; docs/http-limits.md lists every bound).
 """
 from __future__ import annotations
 

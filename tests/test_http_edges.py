@@ -10,6 +10,7 @@ prefill node frozen under 24 prefills in flight, the proxy's log names the cause
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -151,6 +152,7 @@ BAD_REQUESTS = {
     "broken chunk size": (post(b"zz\r\nabc\r\n0\r\n\r\n", "Transfer-Encoding: chunked", length=""), 400,
                           "invalid_http_request"),
     "9 MiB announced": (post(b"", length=9 << 20), 413, "request_too_large"),
+    "gzip of 9 MiB": (post(gzip.compress(b" " * (9 << 20)), "Content-Encoding: gzip"), 413, "request_too_large"),
     "Expect: 100-continue, 9 MiB": (post(b"", "Expect: 100-continue", length=9 << 20), 413, "request_too_large"),
     "Expect: something else": (post(REQUEST, "Expect: magic"), 417, "expectation_failed"),
 }
