@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 import zlib
@@ -25,6 +26,7 @@ import pytest
 
 from tests.cluster_helpers import NODE_ARGS, start_cluster, wait_until
 from tests.serve_helpers import ServerProcess
+from tests.utils import console_script
 
 HEADER_S, BODY_S, KEEP_ALIVE_S = 1.0, 1.0, 2.0
 DEADLINES = ["--timeout-request-header", str(HEADER_S), "--timeout-request-body", str(BODY_S),
@@ -278,3 +280,18 @@ def test_a_frozen_prefill_node_under_24_prefills_logs_one_cause_per_line(cluster
         assert line.count("left rotation") == 1, line
     wait_until(lambda: all(n["healthy"] for n in httpx.get(cluster.url + "/status", timeout=10).json()["prefill"]),
                "the prefill node back in rotation", 30)
+
+
+# ---------------------------------------------------------------- the flags
+
+@pytest.mark.parametrize("program,args", [
+    ("pd-serve", ["--timeout-request-header", "0"]),
+    ("pd-decode", ["--timeout-request-body", "nan"]),
+    ("pd-proxy", ["--decode", "127.0.0.1:1", "--timeout-keep-alive", "-1"]),
+])
+def test_a_bad_deadline_flag_is_one_line_exit_2(program, args):
+    proc = subprocess.run([*console_script(program), *args], capture_output=True, text=True, timeout=60,
+                          env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"{program}: error: argument {args[-2]}: expected a positive number of seconds")
