@@ -77,18 +77,19 @@ def api_middleware(on_outcome: Callable[[web.Request, str], None] | None = None,
             if response is None:
                 raise
         except Exception:
-            logger.exception("Reqid: %s, %s %s failed", rid, request.method, request.path)
+            logger.exception("Reqid: %s, %s %s failed", request.get("request_id", rid), request.method, request.path)
             request["outcome"] = "error"
             response = json_response(error_body("internal server error", "server_error", None, "internal_error"), 500)
         finally:
             if request["outcome"]:
                 if on_outcome is not None and not request.get("counted"):  # counted: the handler did it
                     on_outcome(request, request["outcome"])
-                logger.info("Reqid: %s, %s -> %s, outcome %s, %.1f ms%s", rid, request.path,
+                # the handler may have named the request from its body (vLLM's request_id field)
+                logger.info("Reqid: %s, %s -> %s, outcome %s, %.1f ms%s", request.get("request_id", rid), request.path,
                             response.status if response is not None else "client gone", request["outcome"],
                             (time.monotonic() - start) * 1e3, request.get("summary", ""))
         if not response.prepared:
-            response.headers["X-Request-Id"] = rid
+            response.headers["X-Request-Id"] = request.get("request_id", rid)
         return response
 
     return middleware

@@ -534,6 +534,9 @@ def test_request_id_priority_bad_words_allowed_token_ids(api):
     headed = api.oai.completions.create(model=api.model, prompt="Hi", max_tokens=2, extra_body={"request_id": rid},
                                         extra_headers={"X-Request-Id": f"{rid}-h"})
     assert headed.id == f"cmpl-{rid}-h"  # the header wins, as in vLLM
+    raw = api.oai.completions.with_raw_response.create(model=api.model, prompt="Hi", max_tokens=2,
+                                                       extra_body={"request_id": f"{rid}-raw"})
+    assert raw.headers["x-request-id"] == f"{rid}-raw"  # the id the logs carry, middleware's line included
     base = dict(model=api.model, prompt=PROMPTS[1], max_tokens=16, temperature=0)
     free = api.oai.completions.create(**base, extra_body={"return_token_ids": True, "ignore_eos": True})
     ids = free.choices[0].token_ids
