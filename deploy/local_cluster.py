@@ -33,8 +33,6 @@ from pdserve.proxy.router import DEFAULT_POLICY, POLICIES
 
 DEFAULT_MODEL = "smollm2"
 PRESET_MODELS = ("smollm2", "tiny", "bench")
-# SmolLM2's KV is ~23 KB per token in bf16: 4 GiB keep about 180k tokens of prompts for the next run.
-DEFAULT_STORE_MAX_BYTES = "4GiB"
 KEEP_RUN_LOGS = 5  # `serve-*` log directories under $PDSERVE_CACHE_DIR/logs, this run's included
 
 
@@ -60,9 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pdserve.deploy.local_cluster", description=__doc__.split("\n")[0])
     p.add_argument("--store", choices=("file", "redis", "lmcache"), default="file",
                    help="shared KV store (default file: $PDSERVE_CACHE_DIR/kvstore, kept between runs)")
-    p.add_argument("--kv-store-max-bytes", type=_byte_size, default=DEFAULT_STORE_MAX_BYTES,
+    p.add_argument("--kv-store-max-bytes", type=_byte_size, default=None,
                    help="with --store file: the store's bound; least recently used chunks are evicted beyond it "
-                        f"(default {DEFAULT_STORE_MAX_BYTES})")
+                        "(default: the store's own default bound, the one the nodes' default store has, logged "
+                        "by the nodes at start-up)")
     p.add_argument("--redis-maxmemory", default="1gb",
                    help="with --store redis: the redis server's memory bound; least recently used chunks are "
                         "evicted beyond it (default 1gb)")
@@ -123,7 +122,7 @@ def _running(pid: str) -> bool:
 def store_description(cluster: LocalCluster, args: argparse.Namespace) -> str:
     if args.store == "file":
         return f"{cluster.kv_store}  (kept for the next run; least recently used chunks evicted beyond " \
-               f"{args.kv_store_max_bytes})"
+               f"{args.kv_store_max_bytes or 'the store default bound'})"
     if args.store == "redis":
         return f"{cluster.kv_store}  (redis-server started here: maxmemory {args.redis_maxmemory}, allkeys-lru; " \
                "in memory, gone at exit)"
@@ -197,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         node_args = (["--device", args.device] if args.device else []) + \
             (["--served-model-name", served_name] if served_name else [])
         log_dir = Path(args.log_dir) if args.log_dir else run_log_dir()
-        store_url = f"{kvstore_dir().resolve().as_uri()}?max_bytes={args.kv_store_max_bytes}" \
-            if args.store == "file" else None
+        bound = f"?max_bytes={args.kv_store_max_bytes}" if args.kv_store_max_bytes else ""  # else the store's own
+        store_url = kvstore_dir().resolve().as_uri() + bound if args.store == "file" else None
         cluster = LocalCluster(ClusterSpec(model=model, log_dir=log_dir, kv_store=store_url, store=args.store,
                                            policy=args.policy, redis_maxmemory=args.redis_maxmemory,
                                            proxy_port=args.port, node_args=node_args))

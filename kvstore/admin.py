@@ -36,6 +36,14 @@ class StoreAdmin(ABC):
             u.chunks += info.committed
             u.objects += info.objects
             u.bytes += info.bytes
+            if info.committed:
+                u.committed_bytes += info.bytes
+            elif info.orphaned:
+                u.orphaned_chunks += 1
+                u.orphaned_bytes += info.bytes
+            else:
+                u.inflight_chunks += 1
+                u.inflight_bytes += info.bytes
         return usage
 
     def verify(self, fingerprint: str | None = None) -> VerifyReport:

@@ -64,9 +64,9 @@ timeouts; filesystem calls are plain syscalls, so bound a possibly hung NFS moun
 waiting on a submitted call with a timeout.
 
 Bounds: `bounds_warning()` is one line when a shared store can grow without limit (redis with
-no ttl and no maxmemory, or a policy that never evicts our keys), else None; nodes log it at
-start-up. (A file store without max_bytes grows until its disk is full; it is the nodes' quiet
-default: pass ?max_bytes= to bound it.)
+no ttl and no maxmemory, or a policy that never evicts our keys, or a file store opened with
+max_bytes=0), else None; `bounds_note()` says which bound a store got (a file store's default:
+kvstore/fs_space.py). Nodes log both at start-up.
 
 Administration (any fingerprint, used by the `pd-kvstore` CLI; kvstore/admin.py): inventory(), list_chunks(),
 verify(), clear(). stats() returns this process's counters.
@@ -167,6 +167,10 @@ class KVStore(LayerReads, StoreAdmin):
 
     def bounds_warning(self) -> str | None:
         """One line saying how this store can grow without limit, or None when it is bounded."""
+        return None
+
+    def bounds_note(self) -> str | None:
+        """One line saying how this store is bounded, where the store chose the bound itself."""
         return None
 
     # ---- lifetime ----

@@ -23,12 +23,18 @@ def _stats(store: KVStore, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({fp: asdict(u) for fp, u in usage.items()}, indent=1))
         return 0
-    print(f"{'fingerprint':32}  {'chunks':>8}  {'objects':>9}  {'bytes':>14}  size")
+    print(f"{'fingerprint':32}  {'chunks':>8}  {'objects':>9}  {'committed':>14}  {'in-flight':>12}  "
+          f"{'orphaned':>12}  size")
     for fp, u in sorted(usage.items()):
-        print(f"{fp:32}  {u.chunks:>8}  {u.objects:>9}  {u.bytes:>14}  {_gib(u.bytes)}")
+        print(f"{fp:32}  {u.chunks:>8}  {u.objects:>9}  {u.committed_bytes:>14}  {u.inflight_bytes:>12}  "
+              f"{u.orphaned_bytes:>12}  {_gib(u.bytes)}")
     total = sum(u.bytes for u in usage.values())
     print(f"total: {len(usage)} fingerprint(s), {sum(u.chunks for u in usage.values())} committed chunk(s), "
-          f"{total} bytes ({_gib(total)})")
+          f"{total} bytes ({_gib(total)}): {sum(u.committed_bytes for u in usage.values())} committed, "
+          f"{sum(u.inflight_bytes for u in usage.values())} in flight "
+          f"({sum(u.inflight_chunks for u in usage.values())} chunk(s)), "
+          f"{sum(u.orphaned_bytes for u in usage.values())} orphaned "
+          f"({sum(u.orphaned_chunks for u in usage.values())} chunk(s))")
     return 0
 
 

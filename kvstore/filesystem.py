@@ -6,15 +6,16 @@ and renamed into place, so readers see whole objects only and concurrent writers
 same chunk simply replace each other's identical bytes. Removal renames the chunk
 directory away first (one atomic step), then deletes it.
 
-max_bytes bounds the bytes of committed layer objects under <root> (all fingerprints):
-each commit evicts whole chunks, least recently used first, until the total fits. The totals
+max_bytes bounds the bytes of layer objects under <root> (all fingerprints): committed, in flight
+and orphaned (kvstore/fs_space.py: what counts, the default bound, a failed save's cleanup);
+each put and each commit evict whole chunks, least recently used first, until the total fits. The totals
 and the LRU order come from a ledger that every bounded store process appends to and replays
 incrementally (kvstore.fs_ledger), so a commit costs O(log n) however many chunks the store
 holds. The LRU clock is the marker's mtime, set at commit and refreshed whenever a reader
 loads layer 0, so reads stay ledger-free and it works across processes and machines. Give
-every process of one directory the same max_bytes: a store opened without it does not keep
-the ledger (its chunks are counted at the next reconciling walk, every 10 minutes in the
-background, which also removes chunks that dead writers left half-written).
+every process of one directory the same max_bytes (the default bound is the same for all of them): a
+store opened with max_bytes=0 does not keep the ledger (its chunks are counted at the next reconciling
+walk, every 10 minutes in the background, which also removes chunks that dead writers left half-written).
 
 Reads into caller memory (a load straight into paged KV blocks, through its write gate) are
 kvstore/fs_read.py's.
@@ -35,9 +36,10 @@ from typing import Any, Iterator
 
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import NotFound, StoreError, StoreTimeout, StoreUnavailable
-from pdserve.kvstore import fs_ledger
+from pdserve.kvstore import fs_ledger, fs_space
 from pdserve.kvstore.fs_ledger import ChunkLedger
 from pdserve.kvstore.fs_read import FileReads, read_file
+from pdserve.kvstore.fs_space import InFlight, SpaceKeeping, age, free_bytes
 from pdserve.kvstore.records import Buffer, ChunkInfo
 from pdserve.kvstore.spans import advance
 
@@ -48,21 +50,19 @@ _MARKER = struct.Struct("<4sHIQ")  # magic, version, num_layers, bytes of the ch
 _MARKER_MAGIC = b"PDKC"
 _KEY = re.compile(r"[0-9A-Za-z_-]{3,128}")
 _FP = re.compile(r"[0-9a-f]{32}")
-ORPHAN_GRACE_S = 600.0  # an uncommitted chunk untouched this long was left by a dead writer
+ORPHAN_GRACE_S = 120.0  # an uncommitted chunk untouched this long was left by a dead writer (a save takes
+                        # save_timeout_s at most: 10 s by default)
 
 
-class FileSystemStore(FileReads, KVStore):
+class FileSystemStore(FileReads, SpaceKeeping, KVStore):
     def __init__(self, root: str | os.PathLike, *, max_bytes: int | None = None, fsync: bool = False,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.root = Path(root)
         self._root = str(self.root)
-        self.max_bytes = max_bytes
         self.fsync = fsync
         self._nowait = hasattr(os, "RWF_NOWAIT")  # cleared the first time the filesystem refuses it
         self._objects_seen: dict[tuple, tuple[str, bytes]] = {}  # kvstore/fs_read.py, _layer_objects
-        self._ledger = ChunkLedger(self._root, self._walk_committed, self._marker_size) if max_bytes is not None \
-            else None
         self._reconciling: threading.Thread | None = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -70,6 +70,15 @@ class FileSystemStore(FileReads, KVStore):
             raise StoreUnavailable(f"cannot use {self.root} as a KV store: {exc.strerror}") from exc
         if not os.access(self.root, os.R_OK | os.W_OK | os.X_OK):
             raise StoreUnavailable(f"cannot use {self.root} as a KV store: permission denied")
+        self.default_bound = max_bytes is None  # the nodes log which bound a store got (bounds_note)
+        self.max_bytes = fs_space.default_max_bytes(self._root) if max_bytes is None else (max_bytes or None)
+        self._ledger = ChunkLedger(self._root, self._walk_committed, self._marker_size) if self.max_bytes else None
+        self._inflight = InFlight()  # this process's uncommitted chunks and failed saves (kvstore/fs_space.py)
+        self._orphaned = 0  # bytes of uncommitted chunks not ours at the last reconciling walk
+        self.sweep_after_s = fs_space.SWEEP_AFTER_S
+        self._sweep_lock = threading.Lock()
+        self._sweeper: threading.Thread | None = None
+        self._closing = False
 
     # ---- paths ----
     def _chunk_dir(self, key: str, fingerprint: str | None = None) -> str:
@@ -79,6 +88,20 @@ class FileSystemStore(FileReads, KVStore):
 
     def object_name(self, key: str, layer: int) -> str:
         return f"{self._chunk_dir(key)}/{layer}.kv"
+
+    def bounds_warning(self) -> str | None:
+        if self.max_bytes:
+            return None
+        return f"KV store {self.root} is unbounded (max_bytes=0): it grows until its disk is full"
+
+    def bounds_note(self) -> str | None:
+        if not self.max_bytes:
+            return None
+        how = (f"the default: the smaller of {fs_space.DEFAULT_CAP_BYTES / 2**30:g} GiB and "
+               f"{fs_space.DEFAULT_FRACTION:.0%} of its {fs_space.filesystem_bytes(self._root) / 2**30:.1f} GiB "
+               "filesystem; ?max_bytes= sets another") if self.default_bound else "max_bytes"
+        return f"KV store {self.root}: bounded at {self.max_bytes / 2**30:.2f} GiB ({how}), least recently used " \
+               "chunks evicted beyond it"
 
     # ---- hooks ----
     def _translate(self, exc: Exception) -> StoreError:
@@ -97,8 +120,15 @@ class FileSystemStore(FileReads, KVStore):
         return len(keys)
 
     def _put(self, layer: int, objects: list[tuple[str, bytes, list[memoryview]]]) -> None:
-        for key, header, payload in objects:
-            self._write_atomic(self._chunk_dir(key), f"{layer}.kv", (header, *payload))
+        sizes = [len(header) + sum(p.nbytes for p in payload) for _, header, payload in objects]
+        self._make_room(sum(sizes))
+        try:
+            for (key, header, payload), size in zip(objects, sizes):
+                self._write_atomic(self._chunk_dir(key), f"{layer}.kv", (header, *payload))
+                self._inflight.add(key, size)
+        except OSError as exc:
+            self._save_failed([key for key, _, _ in objects], exc, sum(sizes))
+            raise
 
     def _get(self, items: list[tuple[int, str]]) -> list[Buffer]:
         buffers = []
@@ -132,6 +162,7 @@ class FileSystemStore(FileReads, KVStore):
                 incomplete.append(key)
                 continue
             committed.append((f"{self.fingerprint}/{key}", size, clock))
+        self._inflight.drop([key for key in keys if key not in incomplete])
         if self._ledger is not None:
             with self._ledger.locked() as ledger:
                 ledger.add(committed)
@@ -154,8 +185,9 @@ class FileSystemStore(FileReads, KVStore):
         return removed
 
     def _chunk_infos(self, fingerprint: str | None) -> Iterator[ChunkInfo]:
+        now = time.time()
         for fp, chunk in self._chunks(fingerprint):
-            info = ChunkInfo(fp, os.path.basename(chunk), False, 0, 0)
+            info = ChunkInfo(fp, os.path.basename(chunk), False, 0, 0, orphaned=age(chunk, now) > ORPHAN_GRACE_S)
             try:
                 with os.scandir(chunk) as entries:
                     for entry in entries:
@@ -189,6 +221,12 @@ class FileSystemStore(FileReads, KVStore):
         return removed
 
     def _close(self) -> None:
+        with self._sweep_lock:
+            self._closing = True  # the pool has stopped: no put of a failed save is left, sweep now
+            sweeper = self._sweeper
+        self._inflight.wake.set()
+        if sweeper is not None:
+            sweeper.join()
         if self._reconciling is not None:
             self._reconciling.join()
         if self._ledger is not None:
@@ -217,6 +255,9 @@ class FileSystemStore(FileReads, KVStore):
             except BaseException:
                 _unlink_quietly(tmp)
                 raise
+
+    def _committed_dir(self, chunk: str) -> bool:
+        return os.path.exists(f"{chunk}/{MARKER}")
 
     def _touch(self, marker: str) -> int:
         """Advance the chunk's LRU clock (explicit ns: coarse filesystem clocks would tie); returns it
@@ -253,9 +294,12 @@ class FileSystemStore(FileReads, KVStore):
                 for key in _list_visible(prefix_dir):
                     yield fp, os.path.join(prefix_dir, key)
 
-    def _evict(self, ledger: ChunkLedger) -> None:
-        """Evict least recently used chunks until the committed bytes fit in max_bytes (ledger locked)."""
-        while ledger.total > self.max_bytes and (head := ledger.oldest()) is not None:
+    def _evict(self, ledger: ChunkLedger, incoming: int = 0, need_free: int = 0) -> None:
+        """Evict least recently used chunks until committed, in-flight and orphaned bytes plus `incoming`
+        fit in max_bytes and the filesystem has `need_free` bytes free (ledger locked)."""
+        extra = self._inflight.total + self._orphaned + incoming
+        while (ledger.total + extra > self.max_bytes or (need_free and free_bytes(self._root) < need_free)) \
+                and (head := ledger.oldest()) is not None:
             clock, rel = head
             fp, _, key = rel.partition("/")
             chunk = self._chunk_dir(key, fp)
@@ -295,15 +339,18 @@ class FileSystemStore(FileReads, KVStore):
     def _walk_committed(self) -> Iterator[tuple[str, int]]:
         """(fingerprint/key, LRU clock) of every committed chunk on disk; removes uncommitted chunks
         untouched for ORPHAN_GRACE_S (their writer died)."""
-        now = time.time()
+        now, orphaned = time.time(), 0
         for fp, chunk in self._chunks(None):
             try:
                 clock = os.stat(os.path.join(chunk, MARKER)).st_mtime_ns
             except FileNotFoundError:
-                if _age(chunk, now) > ORPHAN_GRACE_S:
+                if age(chunk, now) > ORPHAN_GRACE_S:
                     self._remove_dir(chunk)
+                elif not (fp == self.fingerprint and os.path.basename(chunk) in self._inflight):
+                    orphaned += _dir_bytes(chunk)  # another writer's, or one that died: max_bytes counts it
                 continue
             yield f"{fp}/{os.path.basename(chunk)}", clock
+        self._orphaned = orphaned
 
     def _marker_size(self, rel: str) -> int | None:
         fp, _, key = rel.partition("/")
@@ -335,11 +382,12 @@ def _list_visible(directory: str) -> list[str]:
         return []
 
 
-def _age(path: str, now: float) -> float:
+def _dir_bytes(path: str) -> int:
     try:
-        return now - os.stat(path).st_mtime
+        with os.scandir(path) as entries:
+            return sum(entry.stat().st_size for entry in entries if entry.is_file())
     except FileNotFoundError:
-        return 0.0
+        return 0
 
 
 def _unlink_quietly(path: str) -> None:

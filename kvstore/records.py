@@ -30,7 +30,12 @@ class Usage:
 
     chunks: int = 0  # committed chunks
     objects: int = 0  # layer objects (committed or not)
-    bytes: int = 0  # bytes of layer objects
+    bytes: int = 0  # bytes of layer objects: committed + in-flight + orphaned
+    committed_bytes: int = 0
+    inflight_chunks: int = 0  # uncommitted chunks a writer may still be saving
+    inflight_bytes: int = 0
+    orphaned_chunks: int = 0  # uncommitted chunks nobody writes any more (a failed save, a dead writer)
+    orphaned_bytes: int = 0
 
 
 @dataclass
@@ -40,6 +45,7 @@ class ChunkInfo:
     committed: bool
     objects: int  # layer objects present
     bytes: int
+    orphaned: bool = False  # uncommitted and untouched long enough that no writer is saving it
 
 
 @dataclass

@@ -87,11 +87,13 @@ def check_store(url: str, timeout_s: float = 3.0) -> None:
     try:  # one real round trip: redis connects lazily
         with open_store(url, timeout=timeout_s, fingerprint="0" * 32) as store:
             store.lookup(["0" * 32])
-            unbounded = store.bounds_warning()
+            unbounded, bound = store.bounds_warning(), store.bounds_note()
     except (StoreError, ValueError, OSError) as e:
         raise StartupError(f"KV store {url} unusable: {e}") from None
     if unbounded:
         logger.warning(unbounded)
+    if bound:  # the file store's default bound (kvstore/fs_space.py): which one this node's store got
+        logger.info(bound)
 
 
 async def serve_with_grpc(server: Any, servicer: NodeServicer, sock: socket.socket, grpc_host: str,

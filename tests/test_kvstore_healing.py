@@ -1,0 +1,168 @@
+"""A file store that heals itself on a real full disk (a 20 MiB tmpfs): saves evict before they write, a
+failed save removes what it wrote and its later layers are swept without a later success, max_bytes counts
+in-flight bytes, and `pd-kvstore stats` tells committed, in-flight and orphaned bytes apart."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.kvstore import StoreUnavailable, open_store
+from pdserve.kvstore import fs_space
+from tests.cluster_helpers import wait_until
+from tests.kvstore_helpers import FP
+
+KV_SHAPE = (8, 128)
+TOKENS = 128  # one layer object: 2 x 128 x 8 x 128 fp32 = 1 MiB
+LAYERS = 2
+MiB = 2**20
+
+
+@pytest.fixture()
+def disk(tmp_path):
+    """A real 20 MiB filesystem: writes past it fail with ENOSPC."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def _store(root: Path, **options):
+    return open_store(f"file://{root}/kv", fingerprint=FP, num_layers=LAYERS, dtype=torch.float32,
+                      kv_shape=KV_SHAPE, timeout=5.0, **options)
+
+
+def _key(i: int) -> str:
+    return f"chunk{i:06d}"
+
+
+def _layer(i: int) -> torch.Tensor:
+    return torch.full((2, TOKENS, *KV_SHAPE), float(i))
+
+
+def _save(store, i: int) -> None:
+    for layer in range(LAYERS):
+        store.put_layer(layer, {_key(i): _layer(i)})
+    store.commit([_key(i)])
+
+
+def _ballast(path: Path, nbytes: int | None = None) -> None:
+    """Another tenant's file: nbytes, or until the disk is full."""
+    block = b"\0" * MiB
+    with open(path, "wb") as f:
+        written = 0
+        while nbytes is None or written < nbytes:
+            try:
+                written += os.write(f.fileno(), block[:MiB if nbytes is None else min(MiB, nbytes - written)])
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+                return
+
+
+def _chunk_dirs(root: Path) -> dict[str, bool]:
+    """{chunk key: committed} from the disk itself."""
+    return {d.name: (d / "commit").exists() for d in (root / "kv" / FP).glob("*/*") if not d.name.startswith(".")}
+
+
+def test_a_full_disk_costs_one_eviction_not_a_stream_of_failed_saves(disk):
+    """max_bytes=16MiB on a 20 MiB disk that another tenant fills 6 MiB of: the bound alone would let saves
+    fail with ENOSPC; each put evicts for the disk's real free space first, so every save succeeds."""
+    _ballast(disk / "tenant", 6 * MiB)
+    with _store(disk, max_bytes=16 * MiB) as store:
+        for i in range(30):  # 60 MiB of saves through 14 MiB of room
+            _save(store, i)
+        on_disk = _chunk_dirs(disk)
+        assert all(on_disk.values()) and on_disk  # nothing half-written left behind
+        assert store.lookup([_key(29)]) == 1 and store.lookup([_key(0)]) == 0  # the newest kept, the oldest evicted
+        usage = store.inventory()[FP]
+        assert usage.committed_bytes == usage.bytes <= 16 * MiB
+        assert usage.inflight_bytes == usage.orphaned_bytes == 0
+        assert store.get_layer(1, [_key(29)])[0].eq(29).all()
+
+
+def test_a_failed_save_removes_what_it_wrote_and_its_later_layers_are_swept(disk):
+    with _store(disk, max_bytes=64 * MiB) as store:  # a bound larger than the disk: nothing to evict yet
+        store.sweep_after_s = 0.5
+        store.put_layer(0, {_key(1): _layer(1)})
+        assert _chunk_dirs(disk) == {_key(1): False}
+        _ballast(disk / "tenant")  # the disk fills up under the save
+        with pytest.raises(StoreUnavailable, match="No space left"):
+            store.put_layer(1, {_key(1): _layer(1)})
+        assert _chunk_dirs(disk) == {}  # layer 0 removed at once
+        (disk / "tenant").unlink()
+        store.put_layer(1, {_key(1): _layer(1)})  # the failed save's later layer: a connector still puts it
+        assert _chunk_dirs(disk) == {_key(1): False}
+        # swept once quiet, with no later successful save to trigger it
+        wait_until(lambda: _chunk_dirs(disk) == {}, "the failed save's later layer swept", 10)
+        assert store.lookup([_key(1)]) == 0
+        _save(store, 2)  # the next save succeeds and nothing of the failed one is counted
+        usage = store.inventory()[FP]
+        assert (usage.chunks, usage.inflight_bytes, usage.orphaned_bytes) == (1, 0, 0)
+
+
+def test_a_full_disk_during_a_save_evicts_room_for_the_next(disk):
+    """The disk fills up under a save when the store holds committed chunks: the put evicts before it
+    writes, and the save commits."""
+    with _store(disk, max_bytes=64 * MiB) as store:
+        for i in range(4):
+            _save(store, i)
+        store.put_layer(0, {_key(9): _layer(9)})
+        _ballast(disk / "tenant")
+        store.put_layer(1, {_key(9): _layer(9)})  # evicts the least recently used chunk(s) first
+        store.commit([_key(9)])
+        assert store.lookup([_key(9)]) == 1 and store.lookup([_key(0)]) == 0
+
+
+def test_max_bytes_counts_chunks_in_flight(tmp_path):
+    chunk = LAYERS * (MiB + 64)
+    with _store(tmp_path, max_bytes=4 * chunk) as store:
+        for i in range(3):
+            _save(store, i)
+        for layer in range(LAYERS):  # two chunks of one save in flight: 5 chunks' bytes would not fit
+            store.put_layer(layer, {_key(10): _layer(10), _key(11): _layer(11)})
+        on_disk = sum(p.stat().st_size for p in (tmp_path / "kv").rglob("*.kv"))
+        assert on_disk <= store.max_bytes
+        store.commit([_key(10), _key(11)])
+        assert [store.lookup([_key(i)]) for i in (0, 1, 2, 10, 11)] == [0, 1, 1, 1, 1]  # one evicted
+
+
+def test_stats_separates_committed_in_flight_and_orphaned_bytes(tmp_path):
+    with _store(tmp_path) as store:
+        _save(store, 1)
+        store.put_layer(0, {_key(2): _layer(2)})  # in flight
+        store.put_layer(0, {_key(3): _layer(3)})  # left by a writer that died long ago
+        dead = next((tmp_path / "kv" / FP).glob(f"*/{_key(3)}"))
+        old = time.time() - 3600
+        os.utime(dead, (old, old))
+        done = subprocess.run([sys.executable, "-m", "pdserve.kvstore.cli", f"file://{tmp_path}/kv", "stats", "--json"],
+                              capture_output=True, text=True, timeout=60, check=True)
+        usage = json.loads(done.stdout)[FP]
+        obj = MiB + 64
+        assert (usage["chunks"], usage["committed_bytes"], usage["inflight_chunks"], usage["inflight_bytes"],
+                usage["orphaned_chunks"], usage["orphaned_bytes"]) == (1, 2 * obj, 1, obj, 1, obj)
+        text = subprocess.run([sys.executable, "-m", "pdserve.kvstore.cli", f"file://{tmp_path}/kv", "stats"],
+                              capture_output=True, text=True, timeout=60, check=True).stdout
+        assert f"{2 * obj} committed, {obj} in flight (1 chunk(s)), {obj} orphaned (1 chunk(s))" in text
+
+
+def test_the_default_store_is_bounded_by_the_smaller_of_20_gib_and_10_percent_of_its_filesystem(disk, tmp_path):
+    with _store(disk) as store:
+        assert store.max_bytes == 2 * MiB  # 10% of 20 MiB
+        assert "bounded at" in store.bounds_note() and "default" in store.bounds_note()
+        assert store.bounds_warning() is None
+    st = os.statvfs(tmp_path)
+    with _store(tmp_path) as store:
+        assert store.max_bytes == min(20 * 2**30, int(st.f_blocks * st.f_frsize * 0.10))
+        assert store.max_bytes == fs_space.default_max_bytes(str(tmp_path / "kv"))
+    with _store(tmp_path, max_bytes=0) as store:
+        assert store.max_bytes is None and "unbounded" in store.bounds_warning()
