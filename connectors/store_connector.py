@@ -239,6 +239,10 @@ class StoreConnector(ChunkedConnector):
     def _fail_load(self, load: InFlightLoad, exc: BaseException) -> None:
         super()._fail_load(load, exc)  # no copy is issued for it from now on
         self.transfer.fence()  # and those issued before land before the engine recomputes the blocks
+        if isinstance(exc, (CorruptObject, NotFound)) and isinstance(load, _Load):
+            # a committed chunk is damaged: un-commit it (kvstore/admin.py, repair) or every later prefill
+            # skips it and every decode recomputes; on the I/O pool, the engine thread does not wait
+            self.store.submit(self.store.repair, list(load.keys))
 
     # ---- worker side: saves ----
     def save_kv_layer(self, layer_idx: int, kv_cache: torch.Tensor, metadata: ChunkedConnectorMetadata) -> None:

@@ -1,6 +1,7 @@
 """pd-kvstore URL {stats,ls,verify,clear}: inspect and maintain a shared KV store (any model fingerprint).
 
-Exit status: 0 ok, 1 verify found corrupt objects, 2 usage error or store unreachable.
+Exit status: 0 ok (verify --repair: damage found was repaired), 1 verify found corrupt objects or damaged
+chunks, 2 usage error or store unreachable.
 """
 from __future__ import annotations
 
@@ -50,11 +51,17 @@ def _ls(store: KVStore, args: argparse.Namespace) -> int:
 
 
 def _verify(store: KVStore, args: argparse.Namespace) -> int:
-    report = store.verify(args.fingerprint)
+    report = store.verify(args.fingerprint, repair=args.repair)
     for line in report.corrupt:
         print(f"CORRUPT {line}")
-    print(f"verified {report.objects} object(s), {report.bytes} bytes: {len(report.corrupt)} corrupt")
-    return 1 if report.corrupt else 0
+    for line in report.damaged:
+        print(f"DAMAGED {line}")
+    print(f"verified {report.objects} object(s), {report.bytes} bytes: {len(report.corrupt)} corrupt, "
+          f"{len(report.damaged)} damaged chunk(s)")
+    if args.repair:
+        print(f"repaired: un-committed {report.repaired} chunk(s) (the next prefill of their prompts rewrites them)")
+        return 0
+    return 1 if report.corrupt or report.damaged else 0
 
 
 def _clear(store: KVStore, args: argparse.Namespace) -> int:
@@ -71,11 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("url", help="file:///path, redis://host:port/db or redis+cluster://host:port[,host:port...]/ "
                         "(query options as for open_store)")
     parser.add_argument("command", choices=COMMANDS, help="stats: counts and bytes per model fingerprint; "
-                        "ls: chunks; verify: re-check every object's checksum and that it lies under its own key; "
+                        "ls: chunks; verify: re-check every object's checksum and that it lies under its own key, and every "
+                        "committed chunk's marker and layers; "
                         "clear: delete everything")
     parser.add_argument("--fingerprint", help="restrict to one model fingerprint")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per store operation (default 5)")
     parser.add_argument("--json", action="store_true", help="machine-readable output (stats, ls)")
+    parser.add_argument("--repair", action="store_true", help="verify: un-commit every damaged chunk (the next "
+                        "prefill rewrites it) instead of clearing the store")
     args = parser.parse_args(argv)
     try:
         with open_store(args.url, timeout=args.timeout, io_threads=1) as store:

@@ -220,6 +220,39 @@ class FileSystemStore(FileReads, SpaceKeeping, KVStore):
             _unlink_quietly(os.path.join(self.root, name))
         return removed
 
+    def _committed_chunks(self, fingerprint: str | None) -> Iterator[tuple[str, str]]:
+        for fp, chunk in self._chunks(fingerprint):
+            if self._committed_dir(chunk):
+                yield fp, os.path.basename(chunk)
+
+    def _damage(self, fingerprint: str, key: str) -> tuple[str | None, int]:
+        chunk = self._chunk_dir(key, fingerprint)
+        try:
+            with open(f"{chunk}/{MARKER}", "rb") as f:
+                raw = f.read(_MARKER.size + 1)
+        except FileNotFoundError:
+            return None, 0
+        if not raw:
+            return "empty commit marker", 0
+        if len(raw) != _MARKER.size or raw[:4] != _MARKER_MAGIC or _MARKER.unpack(raw)[2] < 1:
+            return "corrupted commit marker", 0
+        layers, size = _MARKER.unpack(raw)[2:]
+        found = 0
+        for i in range(layers):
+            try:
+                found += os.stat(f"{chunk}/{i}.kv").st_size
+            except FileNotFoundError:
+                return f"layer {i} of {layers} missing", layers
+        return (None if found == size else f"layers hold {found} bytes, the marker says {size}"), layers
+
+    def _uncommit(self, fingerprint: str, key: str) -> bool:
+        removed = self._remove_dir(self._chunk_dir(key, fingerprint))  # marker and layers vanish in one rename
+        if self._ledger is not None:
+            rel = f"{fingerprint}/{key}"
+            with self._ledger.locked() as ledger:
+                ledger.remove([rel] if rel in ledger.sizes else [])
+        return removed
+
     def _close(self) -> None:
         with self._sweep_lock:
             self._closing = True  # the pool has stopped: no put of a failed save is left, sweep now

@@ -53,3 +53,5 @@ class VerifyReport:
     objects: int = 0
     bytes: int = 0
     corrupt: list[str] = field(default_factory=list)  # "<name>: <reason>" per bad object
+    damaged: list[str] = field(default_factory=list)  # "<fingerprint>/<key>: <reason>" per damaged committed chunk
+    repaired: int = 0  # damaged chunks un-committed (verify(repair=True))

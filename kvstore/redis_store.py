@@ -255,6 +255,33 @@ class RedisStore(KVStore):
             self._redis.unlink(*(raw for raw, _ in batch))
         return removed
 
+    def _committed_chunks(self, fingerprint: str | None) -> Iterator[tuple[str, str]]:
+        for batch in self._scan_batches(fingerprint):
+            yield from ((fp, key) for _, (fp, key, suffix) in batch if suffix == MARKER)
+
+    def _damage(self, fingerprint: str, key: str) -> tuple[str | None, int]:
+        marker = self._redis.get(self._key(key, MARKER, fingerprint))
+        if marker is None:
+            return None, 0
+        if not marker.isdigit() or int(marker) < 1:
+            return ("empty" if not marker else "corrupted") + " commit marker", 0
+        layers = int(marker)
+        pipe = self._redis.pipeline(transaction=False)
+        for i in range(layers):
+            pipe.exists(self._key(key, i, fingerprint))
+        missing = [i for i, n in enumerate(pipe.execute()) if not n]
+        return (f"layer {missing[0]} of {layers} missing" if missing else None), layers
+
+    def _uncommit(self, fingerprint: str, key: str) -> bool:
+        # the marker goes first (the chunk is invisible from then on), then the chunk's layer objects
+        marker = self._redis.getdel(self._key(key, MARKER, fingerprint))
+        layers = int(marker) if marker and marker.isdigit() else self.num_layers
+        names = [self._key(key, i, fingerprint) for i in range(layers)] if layers else \
+            list(self._redis.scan_iter(match=self._key(key, "*", fingerprint), count=_SCAN_BATCH))
+        if names:
+            self._redis.execute_command("UNLINK", *names)  # one chunk's keys share a slot
+        return marker is not None
+
     def _close(self) -> None:
         self._redis.close()
         self._redis.connection_pool.disconnect()

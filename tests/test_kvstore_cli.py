@@ -66,7 +66,7 @@ def test_verify_reports_an_object_under_another_chunks_key(tmp_path, capsys):
     assert main([url, "verify", "--fingerprint", FP]) == 1
     assert capsys.readouterr().out.splitlines() == [
         f"CORRUPT {second}: a valid object of another chunk or layer, stored under the wrong key",
-        f"verified 6 object(s), {sum(p.stat().st_size for p in (tmp_path / FP).rglob('*.kv'))} bytes: 1 corrupt"]
+        f"verified 6 object(s), {sum(p.stat().st_size for p in (tmp_path / FP).rglob('*.kv'))} bytes: 1 corrupt, 0 damaged chunk(s)"]
 
 
 def test_redis_store_stats_and_verify(redis_server, capsys):

@@ -1,6 +1,8 @@
-"""A file store that heals itself on a real full disk (a 20 MiB tmpfs): saves evict before they write, a
+"""A KV store that heals itself. On a real full disk (a 20 MiB tmpfs): saves evict before they write, a
 failed save removes what it wrote and its later layers are swept without a later success, max_bytes counts
-in-flight bytes, and `pd-kvstore stats` tells committed, in-flight and orphaned bytes apart."""
+in-flight bytes, and `pd-kvstore stats` tells committed, in-flight and orphaned bytes apart. Through a real
+P/D pair behind the proxy (file and redis): a chunk with a layer deleted makes the next decode recompute
+exactly and is un-committed, the next prefill rewrites it and the request after that hits."""
 from __future__ import annotations
 
 import errno
@@ -12,12 +14,15 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 
+from pdserve.deploy.processes import ClusterSpec, LocalCluster
 from pdserve.kvstore import StoreUnavailable, open_store
 from pdserve.kvstore import fs_space
-from tests.cluster_helpers import wait_until
+from tests.cluster_helpers import NODE_ARGS, client, log_lines, wait_until
 from tests.kvstore_helpers import FP
+from tests.test_generate import hf_greedy, random_prompt
 
 KV_SHAPE = (8, 128)
 TOKENS = 128  # one layer object: 2 x 128 x 8 x 128 fp32 = 1 MiB
@@ -166,3 +171,129 @@ def test_the_default_store_is_bounded_by_the_smaller_of_20_gib_and_10_percent_of
         assert store.max_bytes == fs_space.default_max_bytes(str(tmp_path / "kv"))
     with _store(tmp_path, max_bytes=0) as store:
         assert store.max_bytes is None and "unbounded" in store.bounds_warning()
+
+
+# ---- damaged chunks heal through a real P/D pair behind the proxy ----
+
+PD_PROMPT = random_prompt(300, seed=830)  # 5 chunks of 64 tokens
+PD_MAX_TOKENS = 8
+
+
+def _damage_one_chunk(store: str, kv_store: str, root: Path) -> str:
+    """Delete layer 1 of one committed chunk of the store; returns that chunk's key."""
+    if store == "file":
+        victim = sorted(root.rglob("commit"))[2].parent
+        (victim / "1.kv").unlink()
+        return victim.name
+    client = redis.Redis.from_url(kv_store)
+    name = sorted(k for k in client.scan_iter(match="pdkv:*:1") if client.exists(k[:-1] + b"c"))[2]
+    client.delete(name)
+    return name.decode().split("{")[1].split("}")[0]
+
+
+def _committed(store: str, kv_store: str, root: Path, key: str) -> bool:
+    if store == "file":
+        return any(root.rglob(f"{key}/commit"))
+    return bool(list(redis.Redis.from_url(kv_store).scan_iter(match=f"pdkv:*:{{{key}}}:c")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("store", ["file", "redis"])
+def test_a_damaged_chunk_is_healed_by_the_next_prefill(store, tiny_llama, tmp_path):
+    ref = hf_greedy(tiny_llama, [PD_PROMPT], PD_MAX_TOKENS)[0]
+    root = tmp_path / "kv"
+    # three decode nodes taken in turn: each request meets a cold decode (no local prefix cache to hide the store)
+    cluster = LocalCluster(ClusterSpec(model=str(tiny_llama), log_dir=tmp_path / "logs", store=store,
+                                       kv_store=root.as_uri() if store == "file" else None, num_decode=3,
+                                       policy="round-robin", node_args=list(NODE_ARGS),
+                                       proxy_args=["--health-interval", "0.3"]))
+    cluster.start(timeout_s=180)
+    try:
+        cl = client(cluster.url)
+        model = cl.models.list().data[0].id
+
+        def complete(rid: str) -> tuple[list[int], int]:
+            resp = cl.completions.create(model=model, prompt=PD_PROMPT, max_tokens=PD_MAX_TOKENS, temperature=0,
+                                         extra_body={"return_token_ids": True}, extra_headers={"X-Request-Id": rid})
+            return resp.choices[0].token_ids, resp.usage.prompt_tokens_details.cached_tokens
+
+        def decode_lines(rid: str) -> list[str]:
+            return [line for node in cluster.decode for line in log_lines(node.log_file, rid)]
+
+        assert complete(f"heal-{store}-1") == (ref, len(PD_PROMPT) - 1)  # saved, then loaded
+        key = _damage_one_chunk(store, cluster.kv_store, root)
+        ids, _ = complete(f"heal-{store}-2")  # the decode's load fails: it recomputes, exactly
+        assert ids == ref
+        assert any("KV load failed" in line for line in decode_lines(f"heal-{store}-2"))
+        wait_until(lambda: not _committed(store, cluster.kv_store, root, key), "the damaged chunk un-committed", 20)
+        assert complete(f"heal-{store}-3") == (ref, len(PD_PROMPT) - 1)  # the prefill rewrote it: a hit again
+        assert _committed(store, cluster.kv_store, root, key)
+        assert not any("KV load failed" in line for line in decode_lines(f"heal-{store}-3"))
+    finally:
+        cluster.stop()
+
+
+# ---- pd-kvstore verify reports every kind of damage and --repair un-commits it ----
+
+def _four_chunks(url: str) -> None:
+    with open_store(url, fingerprint=FP, num_layers=LAYERS, dtype=torch.float32, kv_shape=(2, 8)) as store:
+        for i in range(4):
+            for layer in range(LAYERS):
+                store.put_layer(layer, {_key(i): torch.full((2, 16, 2, 8), float(i))})
+            store.commit([_key(i)])
+
+
+def _verify(url: str, *args: str) -> tuple[int, str]:
+    done = subprocess.run([sys.executable, "-m", "pdserve.kvstore.cli", url, "verify", *args], capture_output=True,
+                          text=True, timeout=60)
+    return done.returncode, done.stdout
+
+
+def _lookups(url: str) -> list[int]:
+    with open_store(url, fingerprint=FP, num_layers=LAYERS, dtype=torch.float32, kv_shape=(2, 8)) as store:
+        return [store.lookup([_key(i)]) for i in range(4)]
+
+
+def test_verify_reports_and_repairs_each_kind_of_damage_in_a_file_store(tmp_path):
+    url = f"file://{tmp_path}"
+    _four_chunks(url)
+    chunk = {i: next(tmp_path.glob(f"{FP}/*/{_key(i)}")) for i in range(4)}
+    (chunk[0] / "1.kv").unlink()  # a missing layer
+    (chunk[1] / "commit").write_bytes(b"")  # an empty marker
+    (chunk[2] / "commit").write_bytes(b"PDKX" + b"\0" * 14)  # a corrupted marker
+    raw = bytearray((chunk[3] / "0.kv").read_bytes())
+    raw[-1] ^= 0xFF
+    (chunk[3] / "0.kv").write_bytes(bytes(raw))  # a corrupted object
+    code, out = _verify(url)
+    assert code == 1
+    assert f"DAMAGED {FP}/{_key(0)}: layer 1 of 2 missing" in out
+    assert f"DAMAGED {FP}/{_key(1)}: empty commit marker" in out
+    assert f"DAMAGED {FP}/{_key(2)}: corrupted commit marker" in out
+    assert f"CORRUPT {chunk[3]}/0.kv: checksum mismatch" in out
+    assert "1 corrupt, 3 damaged chunk(s)" in out
+    assert _lookups(url) == [1, 1, 1, 1]  # verify alone changes nothing
+    code, out = _verify(url, "--repair")
+    assert code == 0 and "un-committed 4 chunk(s)" in out
+    assert _lookups(url) == [0, 0, 0, 0]
+    _four_chunks(url)  # the next prefill rewrites them
+    code, out = _verify(url)
+    assert code == 0 and "0 corrupt, 0 damaged chunk(s)" in out
+    assert _lookups(url) == [1, 1, 1, 1]
+
+
+def test_verify_reports_and_repairs_damage_in_redis(redis_server):
+    url = redis_server.url
+    _four_chunks(url)
+    client = redis.Redis.from_url(url)
+    client.delete(f"pdkv:{FP}:{{{_key(0)}}}:1")  # a missing layer (evicted under its marker)
+    client.set(f"pdkv:{FP}:{{{_key(1)}}}:c", b"")  # an empty marker
+    client.set(f"pdkv:{FP}:{{{_key(2)}}}:c", b"x2")  # a corrupted marker
+    code, out = _verify(url)
+    assert code == 1 and "0 corrupt, 3 damaged chunk(s)" in out
+    assert f"DAMAGED {FP}/{_key(0)}: layer 1 of 2 missing" in out
+    assert f"DAMAGED {FP}/{_key(1)}: empty commit marker" in out
+    assert f"DAMAGED {FP}/{_key(2)}: corrupted commit marker" in out
+    code, out = _verify(url, "--repair")
+    assert code == 0 and "un-committed 3 chunk(s)" in out
+    assert _lookups(url) == [0, 0, 0, 1]
+    assert not list(client.scan_iter(match=f"pdkv:{FP}:{{{_key(0)}}}:*"))  # its other layer went too
