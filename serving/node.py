@@ -151,10 +151,10 @@ def node_main(role: NodeRole, argv: list[str] | None = None) -> int:
                 check_connector_store(connector, args.kv_store, args.lmcache_config, LMCACHE_SCHEMES)
             except ValueError as e:
                 raise StartupError(str(e)) from None
-        if args.kv_store:
-            check_store(args.kv_store)
         if args.lmcache_config and not os.access(args.lmcache_config, os.R_OK):
             raise StartupError(f"cannot read LMCache config {args.lmcache_config}")
+        if args.kv_store:  # last: a usable store logs its bound, and a failed start-up says one line only
+            check_store(args.kv_store)
 
     async def run(server: Any, sock: socket.socket) -> None:
         servicer = NodeServicer(server, role.name, http_port=sock.getsockname()[1])
