@@ -21,11 +21,11 @@ _CHECKOUT = Path(__file__).resolve().parent.parent
 if (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / "engine" / "__init__.py").is_file():
     __path__.append(str(_CHECKOUT))  # type: ignore[name-defined]  # noqa: F821 (a package's own __path__)
 
-_EXPORTS = {"LLM": "pdserve.serving.llm", "SamplingParams": "pdserve.engine.sampling_params"}
-__all__ = [*_EXPORTS, "__version__"]
+_OFFLINE_API = ("LLM", "SamplingParams")  # where each lives: pdserve.serving's own lazy exports
+__all__ = [*_OFFLINE_API, "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
+    if name not in _OFFLINE_API:
         raise AttributeError(f"module 'pdserve' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+    return getattr(importlib.import_module("pdserve.serving"), name)
