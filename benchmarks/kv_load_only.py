@@ -145,7 +145,9 @@ def _raw_readers(store, items: list[tuple[int, str]], threads: int) -> dict[str,
         raise ValueError(f"no raw reader for {type(store).__name__}")
     n = len(items)
     pool = concurrent.futures.ThreadPoolExecutor(threads)
-    per_layer_items = max(1, n // threads)
+    # whole layers per thread: the compiled reader's tables are per layer, so a bound never splits one
+    layer_items = max(1, n // max(1, len({layer for layer, _ in items})))
+    per_layer_items = max(1, n // threads // layer_items) * layer_items
 
     bounds = [range(i, min(i + per_layer_items, n)) for i in range(0, n, per_layer_items)]
 
