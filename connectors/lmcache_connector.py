@@ -34,6 +34,7 @@ from pdserve.connectors.chunked import ChunkedConnector, ChunkedConnectorMetadat
 from pdserve.connectors.lmcache_cpu import PagedKVCPUConnector
 from pdserve import kernels
 from pdserve.engine.config import KVRole
+from pdserve.kvstore.layout import KVShard
 
 if TYPE_CHECKING:
     from pdserve.engine.config import EngineConfig, KVTransferConfig
@@ -76,6 +77,17 @@ def chunk_hash(item: tuple[int, tuple[int, ...], tuple[Any, ...]]) -> bytes:
                   repr(tuple(extra)).encode())
 
 
+def refuse_parallel_layout(shard: KVShard | None) -> None:
+    """LMCache's chunk keys carry the world size and the worker id, so its KV is only found by a node of the
+    very layout that saved it, and this connector is one worker: refuse anything but the single-process
+    layout at start-up (ValueError, one line), instead of a decode that silently never hits."""
+    if shard is not None and shard.world > 1:
+        raise ValueError(f"the LMCache connector serves one process per node (TP=1, PP=1), not {shard.world} "
+                         "ranks: LMCache's keys carry the world size and worker id, so prefill and decode would "
+                         "have to share one layout; use a file:// or redis:// store for TP/PP (any layout reads "
+                         "any other there)")
+
+
 def salt_configs(cache_salt: str | None) -> dict[str, str] | None:
     """Cache salt as an LMCache key tag: different salts never share a chunk."""
     if not cache_salt:
@@ -84,8 +96,9 @@ def salt_configs(cache_salt: str | None) -> dict[str, str] | None:
 
 
 class LMCacheConnector(ChunkedConnector):
-    def __init__(self, config: EngineConfig, runner: Any) -> None:
+    def __init__(self, config: EngineConfig, runner: Any, shard: KVShard | None = None) -> None:
         kt = config.kv_transfer
+        refuse_parallel_layout(shard or getattr(runner, "kv_shard", None))
         self.lmcache_config = build_lmcache_config(kt)
         chunk_size = self.lmcache_config.chunk_size
         if chunk_size % config.cache.block_size:

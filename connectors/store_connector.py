@@ -10,6 +10,13 @@ once it is done. Saves gather a layer's complete chunks right after the layer wr
 and put them in the background; once every layer's put is done the chunks are committed,
 still in the background. Every store failure turns into "recompute" (loads) or a warning
 (saves), never a failed request or a hang (docs/architecture.md, Invariants).
+
+Parallel layouts (kvstore/layout.py): the connector of each rank is given its `KVShard` (its layers
+and KV heads; the argument, or `runner.kv_shard`, default: everything) and saves and loads only
+those. Layer indices are the model's (global); `register_kv_caches` takes the rank's own layers'
+caches (or every layer's). A chunk saved by another layout is read per writer head group: where a
+group is exactly this rank's heads, the plain whole-object read (into the blocks, on CPU); otherwise
+the groups overlapping its heads are read and their heads assembled in a staging buffer.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from pdserve.connectors.direct_rows import DirectRows
 from pdserve.connectors.staging import HostChunks, make_kv_transfer
 from pdserve.engine.config import KVRole
 from pdserve.kvstore import CorruptObject, KVStore, NotFound, StoreTimeout, StoreUnavailable, open_store
+from pdserve.kvstore.layout import KVShard, WriterLayout
 from pdserve.kvstore.native_reader import native_reader
 
 if TYPE_CHECKING:
@@ -48,6 +56,8 @@ class _Load(InFlightLoad):
     scatter: Any = None  # the transfer's plan of the scatter into `slots` (the same for every layer)
     direct: DirectRows | None = None  # reads straight into the blocks: where each byte goes (every layer)
     events: dict[int, Any] = field(default_factory=dict)  # layer -> the event of its copy into paged memory
+    layouts: list[WriterLayout] | None = None  # each chunk's writer layout (read once, by the first layer read)
+    whole: bool = True  # every chunk has an object of exactly this rank's heads (known once layouts are)
 
 
 @dataclass
@@ -63,19 +73,26 @@ class _Save:
 class StoreConnector(ChunkedConnector):
     """The pdserve kvstore connector: docs/architecture.md's invariants and arithmetic over open_store(url)."""
 
-    def __init__(self, config: EngineConfig, runner: Any, store: KVStore | None = None) -> None:
+    def __init__(self, config: EngineConfig, runner: Any, store: KVStore | None = None,
+                 shard: KVShard | None = None) -> None:
         kt = config.kv_transfer
         super().__init__(KVRole(kt.kv_role or KVRole.BOTH), kt.chunk_size, config.cache.block_size,
                          kt.load_timeout_s, kt.save_timeout_s)
+        shard = shard or getattr(runner, "kv_shard", None) or KVShard()
+        self.num_layers: int = shard.num_layers or runner.num_layers  # the model's, every rank's alike
+        self.num_kv_heads: int = shard.num_kv_heads or runner.num_kv_heads
+        self.shard = shard.resolve(self.num_layers, self.num_kv_heads)
+        self.layout = self.shard.layout(self.num_layers)  # the grid this node writes with
+        self.heads = self.shard.heads_range
+        self.layers = self.shard.layer_range  # the layers this rank saves and loads
         self.fingerprint: str = runner.fingerprint
-        self.num_layers: int = runner.num_layers
-        self.store = store or open_store(kt.kv_store, fingerprint=runner.fingerprint, num_layers=runner.num_layers,
-                                         dtype=runner.dtype, kv_shape=(runner.num_kv_heads, runner.head_dim),
+        self.store = store or open_store(kt.kv_store, fingerprint=runner.fingerprint, num_layers=self.num_layers,
+                                         dtype=runner.dtype, kv_shape=(self.num_kv_heads, runner.head_dim),
                                          timeout=min(kt.load_timeout_s, 5.0))
         self.kv_caches: list[torch.Tensor] = []
         self.transfer = make_kv_transfer(runner.platform)
         self.dtype: torch.dtype = runner.dtype
-        self.kv_shape: tuple[int, int] = (runner.num_kv_heads, runner.head_dim)
+        self.kv_shape: tuple[int, int] = (self.heads[1] - self.heads[0], runner.head_dim)  # this rank's heads
         self._saves: dict[str, _Save] = {}
         self._keys: dict[str, list[str]] = {}  # request id -> its prompt's chunk keys
         self._cache_bytes: list[memoryview] = []  # per layer, when loads read straight into the blocks
@@ -115,14 +132,21 @@ class StoreConnector(ChunkedConnector):
 
     # ---- worker side: loads ----
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        self.kv_caches = list(kv_caches)
+        """This rank's layers' caches, in layer order (or every layer's: then indexed by layer)."""
+        if len(kv_caches) not in (len(self.layers), self.num_layers):
+            raise ValueError(f"{len(kv_caches)} KV caches for layers [{self.layers.start}, {self.layers.stop}) "
+                             f"of {self.num_layers}")
+        offset = self.layers.start if len(kv_caches) == len(self.layers) else 0
+        self.kv_caches = [None] * offset + list(kv_caches)  # indexed by the model's layer index
         # Store reads land straight in the blocks when the caches are host memory of the stored layout
         # (no staging copy); otherwise (CUDA, another layout) through the transfer's staging buffers.
+        own = [self.kv_caches[layer] for layer in self.layers]
         direct = self.transfer.reads_in_place and all(direct_rows.applies_to(c, self.dtype, self.block_size)
-                                                      for c in self.kv_caches)
-        self._cache_bytes = [direct_rows.cache_bytes(c) for c in self.kv_caches] if direct else []
+                                                      for c in own)
+        self._cache_bytes = [None if c is None else direct_rows.cache_bytes(c) for c in self.kv_caches] \
+            if direct else []
         if direct:
-            cache = self.kv_caches[0]
+            cache = own[0]
             self._row_bytes = cache[0, 0, 0].numel() * cache.element_size()  # one token's K (or V) row
             self._half_bytes = cache[0].numel() * cache.element_size()  # one layer's K half
             self._planner = native_reader()  # DirectRows' plan in C (None: in numpy)
@@ -135,11 +159,13 @@ class StoreConnector(ChunkedConnector):
             bounds = [chunk_bounds(idx, plan.num_tokens, self.chunk_size) for idx in plan.chunk_range]
             load = _Load(spec, keys=keys[plan.chunk_range.start:plan.chunk_range.stop],
                          chunk_lens=[end - start for start, end in bounds])
-            if self._cache_bytes:
+            load.layouts = self._known_layouts(load.keys)
+            load.whole = load.layouts is None or self._whole(load.layouts)
+            if self._cache_bytes and load.whole:
                 lo, hi = (at - plan.aligned_start for at in plan.write_range)
                 load.direct = DirectRows.plan(spec.slots, load.chunk_lens, lo, hi, self._row_bytes, self._half_bytes,
                                               self._planner)
-            else:
+            if not self._cache_bytes or load.layouts is None or not load.whole:
                 load.slots = self.transfer.device_slots(spec.slots)
                 load.scatter = self.transfer.scatter_plan(spec.slots, self.block_size)
             loads.append(load)
@@ -147,7 +173,7 @@ class StoreConnector(ChunkedConnector):
         # Layer-major, so layer 0 of every request arrives first. One future per (load, layer), resolved
         # by a few readers on the store's I/O threads that each take the next pair until none is left:
         # a pool task per pair cost a queue round trip and a thread wake-up each (12 per 12-layer load).
-        work = [(load, layer) for layer in range(self.num_layers) for load in loads]
+        work = [(load, layer) for layer in self.layers for load in loads]
         for load, layer in work:
             load.futures[layer] = concurrent.futures.Future()
         pending, lock = iter(work), threading.Lock()
@@ -178,31 +204,83 @@ class StoreConnector(ChunkedConnector):
     def _load_layer(self, load: _Load, layer: int) -> int:
         """Read one layer's chunks and write the rows of tokens [N, N + need) into their slots; the bytes
         read. The copy's event (end of the write into paged memory) goes to `load.events[layer]`."""
-        plan = load.spec.plan
         if load.failed:  # an earlier layer already failed: the request recomputes, skip the read
             return 0
+        if load.layouts is None:
+            with load.lock:  # the first layer read asks the markers, the others wait for it
+                if load.layouts is None:
+                    load.layouts = self.store.layouts(load.keys)
+                    load.whole = self._whole(load.layouts)
+        if not load.whole:
+            return self._load_layer_parts(load, layer)
+        heads = self.heads
         if load.direct is not None:  # straight into the blocks, only inside the load's gate
             scratch = self._scratch(load.direct.scratch_bytes)
             nbytes = self.store.get_layer_spans(layer, load.keys, load.direct.spans(self._cache_bytes[layer], scratch),
-                                                load.chunk_lens, load.gate)
+                                                load.chunk_lens, load.gate, heads=heads)
             with load.lock:
                 load.finished = max(load.finished, time.perf_counter())
             return nbytes
-        bounds = [chunk_bounds(idx, plan.num_tokens, self.chunk_size) for idx in plan.chunk_range]
         target = self.transfer.read_target(load.chunk_lens, self.kv_shape, self.dtype)
         try:  # a chunk holding another number of tokens than its bounds say is CorruptObject
-            nbytes = self.store.get_layer_into(layer, load.keys, target.full, target.chunk_lens)
+            nbytes = self.store.get_layer_into(layer, load.keys, target.full, target.chunk_lens, heads=heads)
         except BaseException:
             self.transfer.load(self.kv_caches[layer], 0, 0, load.slots, target)  # hand the buffer back
             raise
-        first = bounds[0][0]  # == plan.aligned_start
+        self._scatter(load, layer, target)
+        return nbytes
+
+    def _known_layouts(self, keys: list[str]) -> list[WriterLayout] | None:
+        """The chunks' writer layouts when this process's lookup read them (no I/O); else None."""
+        cache = self.store._layout_cache  # noqa: SLF001 (kvstore.base: what the last lookups read)
+        found = [cache.get(key) for key in keys]
+        return None if any(layout is None for layout in found) else found
+
+    def _whole(self, layouts: list[WriterLayout]) -> bool:
+        """Whether every chunk has an object of exactly this rank's heads (the plain whole-object read)."""
+        want = [(self.heads, self.heads)]
+        return all(layout.reads(self.heads, self.num_kv_heads) == want for layout in layouts)
+
+    def _load_layer_parts(self, load: _Load, layer: int) -> int:
+        """One layer of chunks written by another layout: per chunk, the writer's head groups that overlap this
+        rank's heads, each object read whole and checked, and this rank's heads of it put in place in one
+        staging buffer, then scattered as any other load. The bytes read."""
+        target = self.transfer.read_target(load.chunk_lens, self.kv_shape, self.dtype)
+        nbytes, offset, lo = 0, 0, self.heads[0]
+        try:
+            by_group: dict[tuple[int, int], list[int]] = {}
+            for j, layout in enumerate(load.layouts or []):
+                for group, _ in layout.reads(self.heads, self.num_kv_heads):
+                    by_group.setdefault(group, []).append(j)
+            starts = [sum(load.chunk_lens[:j]) for j in range(len(load.chunk_lens))]
+            for group, chunks in by_group.items():
+                tensors = self.store.get_layer(layer, [load.keys[j] for j in chunks], heads=group)
+                a, b = max(group[0], self.heads[0]), min(group[1], self.heads[1])
+                for j, tensor in zip(chunks, tensors):
+                    if tensor.shape[1] != load.chunk_lens[j]:
+                        raise CorruptObject(f"{self.store.object_name(load.keys[j], layer)}: {tensor.shape[1]} "
+                                            f"tokens, expected {load.chunk_lens[j]}")
+                    offset = starts[j]
+                    target.full[:, offset:offset + tensor.shape[1], a - lo:b - lo].copy_(
+                        tensor[:, :, a - group[0]:b - group[0]])
+                    nbytes += tensor.nbytes
+        except BaseException:
+            self.transfer.load(self.kv_caches[layer], 0, 0, load.slots, target)  # hand the buffer back
+            raise
+        self._scatter(load, layer, target)
+        return nbytes
+
+    def _scatter(self, load: _Load, layer: int, target: Any) -> None:
+        """Write the rows of tokens [N, N + need) of a staged layer into their slots (under the load's lock:
+        nothing once the load failed) and keep the copy's event."""
+        plan = load.spec.plan
+        first = plan.aligned_start
         write_start, write_end = plan.write_range
         with load.lock:
             lo, hi = (0, 0) if load.failed else (write_start - first, write_end - first)
             load.events[layer] = self.transfer.load(self.kv_caches[layer], lo, hi, load.slots, target,
                                                     load.scatter)
             load.finished = max(load.finished, time.perf_counter())
-        return nbytes
 
     def _scratch(self, nbytes: int) -> memoryview:
         """This I/O thread's scratch memory for the rows a direct read must not put in the blocks."""
@@ -225,7 +303,7 @@ class StoreConnector(ChunkedConnector):
             event = load.events.get(layer_idx)
             if event is not None:  # the compute stream waits for this layer's copy, the host does not
                 self.transfer.wait(event)
-            if layer_idx == self.num_layers - 1:
+            if layer_idx == self.layers.stop - 1:
                 self._settle_load(load)
 
     def _settle_load(self, load: InFlightLoad) -> bool:
@@ -246,6 +324,8 @@ class StoreConnector(ChunkedConnector):
 
     # ---- worker side: saves ----
     def save_kv_layer(self, layer_idx: int, kv_cache: torch.Tensor, metadata: ChunkedConnectorMetadata) -> None:
+        if not self.shard.writes:  # a replica rank: the rank holding the same heads saves them
+            return
         for spec in metadata.saves:
             if spec.request_id in self._failed:
                 continue
@@ -268,7 +348,7 @@ class StoreConnector(ChunkedConnector):
         started = time.perf_counter()
         try:
             host.ready.synchronize()  # the device->host copy of these chunks has landed
-            self.store.put_layer(layer, dict(zip(keys, host.tensors)))
+            self.store.put_layer(layer, dict(zip(keys, host.tensors)), heads=self.heads)
         finally:
             self.transfer.release(host)
         return time.perf_counter() - started
@@ -276,16 +356,22 @@ class StoreConnector(ChunkedConnector):
     def wait_for_save(self) -> None:
         """Hand this step's saves to the background: each commits once all its layers are written."""
         saves, self._saves = self._saves, {}
-        for rid in self._drop_saves_of_failed_loads():
+        step = list(self._step_saves)
+        dropped = self._drop_saves_of_failed_loads()
+        for rid in dropped:
             saves.pop(rid, None)
         for save in saves.values():
             self._commit_when_written(save, self._track_save(save.spec))
+        if not self.shard.writes:  # a replica: the rank holding the same heads saves them, nothing to wait for
+            for spec in step:
+                if spec.request_id not in dropped and spec.request_id not in self._failed:
+                    self._track_save(spec).done.set_result((0, 0, 0.0))
 
     def _commit_when_written(self, save: _Save, pending: PendingSave) -> None:
         """Resolve `pending.done` after the last put: commit (on an I/O thread) unless a put failed or
         the save was abandoned meanwhile. Callbacks, not a waiting thread: no pool thread blocks."""
-        if len(save.futures) != self.num_layers:
-            pending.done.set_exception(NotFound(f"only {len(save.futures)} of {self.num_layers} layers were written"))
+        if len(save.futures) != len(self.layers):
+            pending.done.set_exception(NotFound(f"only {len(save.futures)} of {len(self.layers)} layers were written"))
             return
         left = [len(save.futures)]
         lock = threading.Lock()
@@ -312,7 +398,7 @@ class StoreConnector(ChunkedConnector):
         if pending.abandoned:
             raise StoreTimeout(f"not committed within {self.save_timeout_s:g}s")
         started = time.perf_counter()
-        self.store.commit(save.keys)
+        self.store.commit(save.keys, layout=self.layout, part=self.layout.part_index(self.shard.layers, self.heads))
         save.io_seconds += time.perf_counter() - started
         return len(save.keys), save.num_bytes, save.io_seconds
 

@@ -91,8 +91,8 @@ class StoreAdmin(ABC):
             raise ValueError("repair needs a store opened for a model fingerprint")
         repaired = 0
         for key in keys:
-            reason, layers = self._guard(self._damage, self.fingerprint, key)
-            for layer in range(layers if reason is None else 0):
+            reason, names = self._guard(self._damage, self.fingerprint, key)
+            for layer in (names if reason is None else []):
                 try:
                     codec.decode(self._guard(self._get, [(layer, key)])[0], self.fingerprint,
                                  name=self.object_name(key, layer), key=key, layer=layer)
@@ -113,7 +113,7 @@ class StoreAdmin(ABC):
     def _chunk_infos(self, fingerprint: str | None) -> Iterator[ChunkInfo]: ...
 
     @abstractmethod
-    def _iter_objects(self, fingerprint: str | None) -> Iterator[tuple[str, str, int, str, Buffer]]:
+    def _iter_objects(self, fingerprint: str | None) -> Iterator[tuple[str, str, int | str, str, Buffer]]:
         """(fingerprint, chunk key, layer, object name, raw bytes) of every stored layer object
         (key and layer as its name says: verify checks the object's binding against them)."""
 
@@ -125,9 +125,9 @@ class StoreAdmin(ABC):
         """(fingerprint, chunk key) of every committed chunk."""
 
     @abstractmethod
-    def _damage(self, fingerprint: str, key: str) -> tuple[str | None, int]:
-        """(what is wrong with a committed chunk's marker or layer set, or None; its layer count). A chunk
-        that is not committed (or gone) is (None, 0)."""
+    def _damage(self, fingerprint: str, key: str) -> tuple[str | None, list[int | str]]:
+        """(what is wrong with a committed chunk's marker or layer set, or None; the names of its layer objects,
+        kvstore/layout.py). A chunk that is not committed (or gone) is (None, [])."""
 
     @abstractmethod
     def _uncommit(self, fingerprint: str, key: str) -> bool:

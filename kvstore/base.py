@@ -84,6 +84,7 @@ import torch
 from pdserve.kvstore import codec
 from pdserve.kvstore.admin import StoreAdmin
 from pdserve.kvstore.errors import StoreError, StoreTimeout
+from pdserve.kvstore.layout import Heads, WriterLayout, object_layer
 from pdserve.kvstore.reads import LayerReads
 from pdserve.kvstore.records import Buffer, StoreStats
 
@@ -108,6 +109,7 @@ class KVStore(LayerReads, StoreAdmin):
         self._stats = StoreStats()
         self._lock = threading.Lock()
         self.io_threads = io_threads  # the I/O pool's threads: how many reads may run at once
+        self._layout_cache: dict[str, WriterLayout] = {}  # chunk key -> its marker's layout (lookups fill it)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvstore-io")
 
     # ---- data path (needs a fingerprint) ----
@@ -118,33 +120,71 @@ class KVStore(LayerReads, StoreAdmin):
         self._count(lookups=1, lookup_chunks=len(keys), hit_chunks=hits)
         return hits
 
-    def put_layer(self, layer: int, chunks: Mapping[str, torch.Tensor]) -> None:
-        """Write layer `layer` of several chunks: {chunk key: [2, n_tokens, H, D] tensor}."""
+    def put_layer(self, layer: int, chunks: Mapping[str, torch.Tensor], heads: Heads | None = None) -> None:
+        """Write layer `layer` of several chunks: {chunk key: [2, n_tokens, H, D] tensor}; with `heads`
+        (lo, hi), the tensors hold KV heads [lo, hi) only: a TP rank's part (kvstore/layout.py)."""
         self._bound(layer)
+        name, kv_shape = self._part(layer, heads)
         start = time.perf_counter()
         objects = []
         for key, tensor in chunks.items():
             if self.dtype is not None and tensor.dtype != self.dtype:
                 raise ValueError(f"chunk {key} layer {layer}: dtype {tensor.dtype}, store holds {self.dtype}")
-            if self.kv_shape is not None and tuple(tensor.shape[2:]) != self.kv_shape:
+            if kv_shape is not None and tuple(tensor.shape[2:]) != kv_shape:
                 raise ValueError(f"chunk {key} layer {layer}: shape {list(tensor.shape)}, store holds "
-                                 f"[2, n, {self.kv_shape[0]}, {self.kv_shape[1]}]")
-            objects.append((key, *codec.encode(tensor, self.fingerprint, key=key, layer=layer)))
-        self._guard(self._put, layer, objects)
+                                 f"[2, n, {kv_shape[0]}, {kv_shape[1]}]")
+            objects.append((key, *codec.encode(tensor, self.fingerprint, key=key, layer=name)))
+        self._guard(self._put, name, objects)
         size = sum(len(h) + sum(v.nbytes for v in p) for _, h, p in objects)
         self._count(objects_written=len(objects), bytes_written=size, write_seconds=time.perf_counter() - start)
 
-    def commit(self, keys: Sequence[str], num_layers: int | None = None) -> None:
+    def commit(self, keys: Sequence[str], num_layers: int | None = None, *, layout: WriterLayout | None = None,
+               part: int = 0) -> None:
         """Make chunks visible once all `num_layers` (default: the store's) layers are written.
 
-        Chunks with a missing layer stay invisible and raise NotFound (after the complete
-        ones were committed)."""
+        With a multi-part `layout` (kvstore/layout.py), commit part `part` of it (its objects must all
+        be written): the chunk becomes visible when the last of its parts is committed, by whichever
+        writer commits that part. Chunks with a missing object stay invisible and raise NotFound
+        (after the complete ones were committed)."""
         self._bound()
         layers = num_layers if num_layers is not None else self.num_layers
-        if not layers or layers < 1:
-            raise ValueError("commit needs num_layers (open the store with num_layers or pass it)")
-        self._guard(self._commit, list(keys), layers)
+        if layout is None:
+            if not layers or layers < 1:
+                raise ValueError("commit needs num_layers (open the store with num_layers or pass it)")
+            layout = WriterLayout(layers)
+        if not layout.single and self.kv_shape is None:
+            raise ValueError("a multi-part commit needs a store opened with kv_shape")
+        if not 0 <= part < layout.num_parts():
+            raise ValueError(f"part {part} of a {layout.num_parts()}-part layout")
+        self._guard(self._commit, list(keys), layout, part)
         self._count(chunks_committed=len(keys))
+
+    def layouts(self, keys: Sequence[str]) -> list[WriterLayout]:
+        """The writer layout of each committed chunk (what its commit marker records; NotFound for a chunk
+        that is not committed). Answered from the last lookup's markers where it read them."""
+        self._bound()
+        keys = list(keys)
+        cache = self._layout_cache
+        found = [cache.get(key) for key in keys]
+        missing = [key for key, layout in zip(keys, found) if layout is None]
+        if missing:
+            read = dict(zip(missing, self._guard(self._read_layouts, missing)))
+            found = [layout or read[key] for key, layout in zip(keys, found)]
+        return found
+
+    def _remember_layouts(self, pairs: Sequence[tuple[str, WriterLayout]]) -> None:
+        """Keep the layouts a lookup read for the load that usually follows it (recent chunks only)."""
+        if len(self._layout_cache) > 8192:
+            self._layout_cache.clear()
+        self._layout_cache.update(pairs)
+
+    def _part(self, layer: int, heads: Heads | None) -> tuple[int | str, tuple[int, ...] | None]:
+        """(object layer name, its [H, D]) of layer `layer`'s object holding KV heads `heads` (None: all)."""
+        if heads is None:
+            return layer, self.kv_shape
+        if self.kv_shape is None or not 0 <= heads[0] < heads[1] <= self.kv_shape[0]:
+            raise ValueError(f"KV heads {heads} of a store holding {self.kv_shape}")
+        return object_layer(layer, heads, self.kv_shape[0]), (heads[1] - heads[0], self.kv_shape[1])
 
     def delete(self, keys: Sequence[str]) -> int:
         """Remove chunks (marker first, so they vanish atomically); returns how many existed."""
@@ -184,7 +224,7 @@ class KVStore(LayerReads, StoreAdmin):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def object_name(self, key: str, layer: int) -> str:
+    def object_name(self, key: str, layer: int | str) -> str:
         """Human-readable object name for error messages."""
         return f"{self.fingerprint}/{key}/{layer}"
 
@@ -222,15 +262,20 @@ class KVStore(LayerReads, StoreAdmin):
     def _lookup(self, keys: list[str]) -> int: ...
 
     @abstractmethod
-    def _put(self, layer: int, objects: list[tuple[str, bytes, list[memoryview]]]) -> None:
+    def _put(self, layer: int | str, objects: list[tuple[str, bytes, list[memoryview]]]) -> None:
         """Store (key, header, payload spans) objects of one layer; each object appears atomically."""
 
     @abstractmethod
-    def _get(self, items: list[tuple[int, str]]) -> list[Buffer]:
-        """Raw object bytes of (layer, key) items, in order; NotFound for a missing one."""
+    def _get(self, items: list[tuple[int | str, str]]) -> list[Buffer]:
+        """Raw object bytes of (layer name, key) items, in order; NotFound for a missing one."""
 
     @abstractmethod
-    def _commit(self, keys: list[str], num_layers: int) -> None: ...
+    def _commit(self, keys: list[str], layout: WriterLayout, part: int) -> None:
+        """Commit part `part` of `layout` of each chunk (the single layout: the whole chunk)."""
+
+    @abstractmethod
+    def _read_layouts(self, keys: list[str]) -> list[WriterLayout]:
+        """The layouts the chunks' commit markers record; NotFound for one not committed."""
 
     @abstractmethod
     def _delete(self, keys: list[str]) -> int: ...

@@ -70,9 +70,11 @@ def fingerprint_bytes(fingerprint: str) -> bytes:
     return raw
 
 
-def binding(key: str, layer: int) -> int:
-    """The 64-bit digest that binds an object to the (chunk key, layer) it is stored under."""
-    return xxhash.xxh3_64_intdigest(b"%s\0%d" % (key.encode(), layer))
+def binding(key: str, layer: int | str) -> int:
+    """The 64-bit digest that binds an object to the (chunk key, layer) it is stored under; `layer` is the
+    object's layer name (kvstore/layout.py object_layer: the layer, or `<layer>.h<lo>-<hi>` for a head
+    group), so a head group's object moved under another group's name is as wrong as under another layer's."""
+    return xxhash.xxh3_64_intdigest(b"%s\0%s" % (key.encode(), str(layer).encode()))
 
 
 def encode(tensor: torch.Tensor, fingerprint: str, *, key: str, layer: int) -> tuple[bytes, list[memoryview]]:

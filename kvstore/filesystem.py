@@ -35,10 +35,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pdserve.kvstore.base import KVStore
-from pdserve.kvstore.errors import NotFound, StoreError, StoreTimeout, StoreUnavailable
+from pdserve.kvstore.errors import CorruptObject, NotFound, StoreError, StoreTimeout, StoreUnavailable
 from pdserve.kvstore import fs_ledger, fs_space
 from pdserve.kvstore.fs_ledger import ChunkLedger
 from pdserve.kvstore.fs_read import FileReads, read_file
+from pdserve.kvstore.layout import WriterLayout, first_layer, object_layer, parse_object_layer
 from pdserve.kvstore.fs_space import InFlight, SpaceKeeping, age, free_bytes
 from pdserve.kvstore.records import Buffer, ChunkInfo
 from pdserve.kvstore.spans import advance
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 MARKER = "commit"
 _MARKER = struct.Struct("<4sHIQ")  # magic, version, num_layers, bytes of the chunk's layer objects
 _MARKER_MAGIC = b"PDKC"
+_MARKER_MAX = 4096  # a marker's bytes at most (a version-2 marker's layout text is far shorter)
 _KEY = re.compile(r"[0-9A-Za-z_-]{3,128}")
 _FP = re.compile(r"[0-9a-f]{32}")
 ORPHAN_GRACE_S = 120.0  # an uncommitted chunk untouched this long was left by a dead writer (a save takes
@@ -112,14 +114,32 @@ class FileSystemStore(FileReads, SpaceKeeping, KVStore):
         return StoreUnavailable(f"{getattr(exc, 'filename', None) or self.root}: {exc}")
 
     def _lookup(self, keys: list[str]) -> int:
-        for i, key in enumerate(keys):
-            if not os.path.exists(f"{self._chunk_dir(key)}/{MARKER}"):
+        found = []
+        for key in keys:
+            try:
+                layout = _read_marker(f"{self._chunk_dir(key)}/{MARKER}")
+            except FileNotFoundError:
                 if not os.path.isdir(self._root):  # deleted or unmounted: an outage, not a miss
-                    raise StoreUnavailable(f"{self._root}: the store directory is gone")
-                return i
-        return len(keys)
+                    raise StoreUnavailable(f"{self._root}: the store directory is gone") from None
+                break
+            found.append((key, layout))  # an unreadable marker (None) still counts: the load fails, repair heals
+        self._remember_layouts([(key, layout) for key, layout in found if layout is not None])
+        return len(found)
 
-    def _put(self, layer: int, objects: list[tuple[str, bytes, list[memoryview]]]) -> None:
+    def _read_layouts(self, keys: list[str]) -> list[WriterLayout]:
+        layouts = []
+        for key in keys:
+            path = f"{self._chunk_dir(key)}/{MARKER}"
+            try:
+                layout = _read_marker(path)
+            except FileNotFoundError:
+                raise NotFound(f"{path}: chunk {key} is not committed") from None
+            if layout is None:
+                raise CorruptObject(f"{path}: corrupted commit marker")
+            layouts.append(layout)
+        return layouts
+
+    def _put(self, layer: int | str, objects: list[tuple[str, bytes, list[memoryview]]]) -> None:
         sizes = [len(header) + sum(p.nbytes for p in payload) for _, header, payload in objects]
         self._make_room(sum(sizes))
         try:
@@ -134,7 +154,7 @@ class FileSystemStore(FileReads, SpaceKeeping, KVStore):
         buffers = []
         for layer, key in items:
             buffers.append(read_file(f"{self._chunk_dir(key)}/{layer}.kv"))
-            if layer == 0:
+            if first_layer(layer):
                 self._refresh(key)
         return buffers
 
@@ -146,17 +166,31 @@ class FileSystemStore(FileReads, SpaceKeeping, KVStore):
         except OSError:  # not committed yet, or evicted: nothing to refresh
             pass
 
-    def _commit(self, keys: list[str], num_layers: int) -> None:
+    def _commit(self, keys: list[str], layout: WriterLayout, part: int) -> None:
         incomplete, committed = [], []
+        heads = layout.num_kv_heads or (self.kv_shape[0] if self.kv_shape else 0)
+        names = [f"{name}.kv" for name in layout.object_layers(heads)]
+        if not layout.single:
+            (lo, hi), group = layout.parts(heads)[part]
+            own = [f"{object_layer(layer, group, heads)}.kv" for layer in range(lo, hi)]
+            parts = layout.part_names(heads)
         for key in keys:
             chunk = self._chunk_dir(key)
             try:
-                size = sum(os.stat(os.path.join(chunk, f"{i}.kv")).st_size for i in range(num_layers))
+                if layout.single:
+                    size = sum(os.stat(os.path.join(chunk, name)).st_size for name in names)
+                else:  # this writer's part, then the chunk once every part's marker is there
+                    for name in own:
+                        os.stat(os.path.join(chunk, name))
+                    self._write_atomic(chunk, f"{MARKER}.{parts[part]}", (b"",), create=False)
+                    if not all(os.path.exists(f"{chunk}/{MARKER}.{name}") for name in parts):
+                        continue  # another writer's part is still on its way: that writer commits the chunk
+                    size = sum(os.stat(os.path.join(chunk, name)).st_size for name in names)
             except FileNotFoundError:
                 incomplete.append(key)
                 continue
             try:  # no directory re-creation here: a marker must never appear in an evicted, empty chunk
-                self._write_atomic(chunk, MARKER, (_MARKER.pack(_MARKER_MAGIC, 1, num_layers, size),), create=False)
+                self._write_atomic(chunk, MARKER, (_marker(layout, size),), create=False)
                 clock = self._touch(os.path.join(chunk, MARKER))
             except FileNotFoundError:
                 incomplete.append(key)
@@ -200,13 +234,14 @@ class FileSystemStore(FileReads, SpaceKeeping, KVStore):
                 continue
             yield info
 
-    def _iter_objects(self, fingerprint: str | None) -> Iterator[tuple[str, str, int, str, Buffer]]:
+    def _iter_objects(self, fingerprint: str | None) -> Iterator[tuple[str, str, int | str, str, Buffer]]:
         for fp, chunk in self._chunks(fingerprint):
             key = os.path.basename(chunk)
             for name in sorted(_list_visible(chunk)):
                 if name.endswith(".kv"):
                     path = os.path.join(chunk, name)
-                    layer = int(name[:-3]) if name[:-3].isdigit() else -1  # -1: no layer binds to it
+                    layer = parse_object_layer(name[:-3])
+                    layer = -1 if layer is None else layer  # -1: no layer binds to it
                     try:
                         yield fp, key, layer, path, read_file(path)
                     except FileNotFoundError:  # evicted while we walked
@@ -225,25 +260,27 @@ class FileSystemStore(FileReads, SpaceKeeping, KVStore):
             if self._committed_dir(chunk):
                 yield fp, os.path.basename(chunk)
 
-    def _damage(self, fingerprint: str, key: str) -> tuple[str | None, int]:
+    def _damage(self, fingerprint: str, key: str) -> tuple[str | None, list[int | str]]:
         chunk = self._chunk_dir(key, fingerprint)
         try:
             with open(f"{chunk}/{MARKER}", "rb") as f:
-                raw = f.read(_MARKER.size + 1)
+                raw = f.read(_MARKER_MAX + 1)
         except FileNotFoundError:
-            return None, 0
+            return None, []
         if not raw:
-            return "empty commit marker", 0
-        if len(raw) != _MARKER.size or raw[:4] != _MARKER_MAGIC or _MARKER.unpack(raw)[2] < 1:
-            return "corrupted commit marker", 0
-        layers, size = _MARKER.unpack(raw)[2:]
+            return "empty commit marker", []
+        layout = _parse_marker(raw)
+        if layout is None:
+            return "corrupted commit marker", []
+        names = layout.object_layers(layout.num_kv_heads)
         found = 0
-        for i in range(layers):
+        for name in names:
             try:
-                found += os.stat(f"{chunk}/{i}.kv").st_size
+                found += os.stat(f"{chunk}/{name}.kv").st_size
             except FileNotFoundError:
-                return f"layer {i} of {layers} missing", layers
-        return (None if found == size else f"layers hold {found} bytes, the marker says {size}"), layers
+                return f"layer {name} of {layout.num_layers} missing", names
+        size = _MARKER.unpack_from(raw)[3]
+        return (None if found == size else f"layers hold {found} bytes, the marker says {size}"), names
 
     def _uncommit(self, fingerprint: str, key: str) -> bool:
         removed = self._remove_dir(self._chunk_dir(key, fingerprint))  # marker and layers vanish in one rename
@@ -398,6 +435,35 @@ def _write_all(fd: int, parts: tuple[Buffer, ...]) -> None:
     while views:
         views = advance(views, os.writev(fd, views))
 
+
+
+def _marker(layout: WriterLayout, size: int) -> bytes:
+    """A commit marker: magic, version, layer count, the chunk's object bytes; version 2 adds the writer's
+    layout (kvstore/layout.py) after them. The single-process layout writes version 1, as before parts."""
+    if layout.single:
+        return _MARKER.pack(_MARKER_MAGIC, 1, layout.num_layers, size)
+    return _MARKER.pack(_MARKER_MAGIC, 2, layout.num_layers, size) + layout.encode().encode()
+
+
+def _parse_marker(raw: bytes) -> WriterLayout | None:
+    """The layout a commit marker records; None for anything that is not a whole marker."""
+    if len(raw) < _MARKER.size or len(raw) > _MARKER_MAX or raw[:4] != _MARKER_MAGIC:
+        return None
+    _, version, layers, _ = _MARKER.unpack_from(raw)
+    try:
+        if version == 1 and len(raw) == _MARKER.size and layers >= 1:
+            return WriterLayout(layers)
+        if version == 2:
+            layout = WriterLayout.decode(raw[_MARKER.size:].decode("ascii"))
+            return layout if layout.num_layers == layers and not layout.single else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return None
+
+
+def _read_marker(path: str) -> WriterLayout | None:
+    with open(path, "rb") as f:
+        return _parse_marker(f.read(_MARKER_MAX + 1))
 
 
 def _marker_bytes(marker: str) -> int:

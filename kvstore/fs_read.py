@@ -24,6 +24,7 @@ import torch
 
 from pdserve.kvstore import codec
 from pdserve.kvstore.errors import CorruptObject
+from pdserve.kvstore.layout import first_layer
 from pdserve.kvstore.gate import NO_GATE, LoadAbandoned, WriteGate
 from pdserve.kvstore.spans import SpanReader, SpanTable, advance, copy_into
 
@@ -64,7 +65,7 @@ class FileReads:
                 os.close(fd)
             codec.check_payload(header, payload, self.fingerprint, dtype, shape, path, key=key, layer=layer,
                                 nbytes=nbytes)
-            if layer == 0:
+            if first_layer(layer):
                 self._refresh(key)
 
     def _get_table(self, items: list[tuple[int, str]], table: SpanTable, shapes: list[tuple[int, ...]],
@@ -107,7 +108,7 @@ class FileReads:
             for i in left:
                 os.close(int(loaded.fds[i]))
         for layer, key in items:
-            if layer == 0:
+            if first_layer(layer):
                 self._refresh(key)
 
     def _layer_objects(self, items: list[tuple[int, str]], shapes: list[tuple[int, ...]], dtype: torch.dtype

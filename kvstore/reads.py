@@ -16,6 +16,7 @@ import torch
 
 from pdserve.kvstore import codec
 from pdserve.kvstore.gate import NO_GATE, WriteGate
+from pdserve.kvstore.layout import Heads
 from pdserve.kvstore.native_reader import native_reader
 from pdserve.kvstore.spans import SpanReader, SpanTable, copy_into
 
@@ -43,17 +44,19 @@ class LayerReads:
     def span_reader(self, reader: SpanReader | None) -> None:
         self._span_reader = reader
 
-    def get_layer(self, layer: int, keys: Sequence[str], out: Sequence[torch.Tensor] | None = None
-                  ) -> list[torch.Tensor]:
+    def get_layer(self, layer: int, keys: Sequence[str], out: Sequence[torch.Tensor] | None = None,
+                  heads: Heads | None = None) -> list[torch.Tensor]:
         """Read and validate layer `layer` of several chunks, in order. NotFound if any is missing.
 
         With `out` (one preallocated CPU tensor per key, of the expected dtype and
         [2, n_tokens, H, D] shape, each half contiguous), the bytes land in those tensors and
         they are returned: a connector reusing staging buffers pays no allocation or page
-        faults per load."""
-        return self.get_layers([layer], keys, None if out is None else [out])[0]
+        faults per load. `heads`: read the objects of that KV head group (kvstore/layout.py) instead of
+        the whole-heads ones."""
+        return self.get_layers([layer], keys, None if out is None else [out], heads=heads)[0]
 
-    def get_layer_into(self, layer: int, keys: Sequence[str], staging: torch.Tensor, chunk_lens: Sequence[int]) -> int:
+    def get_layer_into(self, layer: int, keys: Sequence[str], staging: torch.Tensor, chunk_lens: Sequence[int],
+                       heads: Heads | None = None) -> int:
         """Read layer `layer` of consecutive chunks into one reused contiguous CPU tensor [2, T, H, D]
         (T = sum(chunk_lens)), chunk j at its token slice; returns the payload bytes read.
 
@@ -63,6 +66,7 @@ class LayerReads:
         number of tokens than chunk_lens[j] is CorruptObject, a missing one NotFound."""
         keys = list(keys)
         self._bound(layer)
+        name, kv_shape = self._part(layer, heads)
         if len(chunk_lens) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(chunk_lens)} chunk lengths")
         if staging.device.type != "cpu" or not staging.is_contiguous() or staging.dim() != 4 or \
@@ -71,9 +75,9 @@ class LayerReads:
                              f"got {list(staging.shape)}")
         if self.dtype is not None and staging.dtype != self.dtype:
             raise ValueError(f"staging tensor of dtype {staging.dtype}, store holds {self.dtype}")
-        if self.kv_shape is not None and tuple(staging.shape[2:]) != self.kv_shape:
-            raise ValueError(f"staging shape {list(staging.shape)}, store holds [2, T, {self.kv_shape[0]}, "
-                             f"{self.kv_shape[1]}]")
+        if kv_shape is not None and tuple(staging.shape[2:]) != kv_shape:
+            raise ValueError(f"staging shape {list(staging.shape)}, store holds [2, T, {kv_shape[0]}, "
+                             f"{kv_shape[1]}]")
         start = time.perf_counter()
         whole = codec.tensor_bytes(staging)
         row = whole.nbytes // (2 * staging.shape[1]) if staging.shape[1] else 0
@@ -85,13 +89,13 @@ class LayerReads:
             spans.append([whole[a:b], whole[half + a:half + b]])
             shapes.append((2, n, heads, dim))
             offset += n
-        self._guard(self._get_spans, [(layer, key) for key in keys], spans, shapes, staging.dtype)
+        self._guard(self._get_spans, [(name, key) for key in keys], spans, shapes, staging.dtype)
         self._count(objects_read=len(keys), bytes_read=codec.HEADER_SIZE * len(keys) + whole.nbytes,
                     read_seconds=time.perf_counter() - start)
         return whole.nbytes
 
     def get_layer_spans(self, layer: int, keys: Sequence[str], spans: SpanTable | Sequence[Sequence[memoryview]],
-                        chunk_lens: Sequence[int], gate: WriteGate) -> int:
+                        chunk_lens: Sequence[int], gate: WriteGate, heads: Heads | None = None) -> int:
         """Read layer `layer` of consecutive chunks straight into memory the caller may take back (paged
         KV blocks); returns the payload bytes read.
 
@@ -101,32 +105,35 @@ class LayerReads:
         reach the spans only inside `gate` (kvstore.gate): once the caller closed it, a read that
         returns late writes nothing there and the call raises LoadAbandoned. Each object is checked
         (header, key binding, xxh3) right after it landed; an error leaves the spans partly written
-        (the caller recomputes over them). Needs a store opened with dtype and kv_shape."""
+        (the caller recomputes over them). Needs a store opened with dtype and kv_shape. `heads`: the
+        objects of that KV head group (kvstore/layout.py)."""
         keys = list(keys)
         self._bound(layer)
+        name, kv_shape = self._part(layer, heads)
         if self.dtype is None or self.kv_shape is None:
             raise ValueError("get_layer_spans needs a store opened with dtype and kv_shape")
         if not len(spans) == len(chunk_lens) == len(keys):
             raise ValueError(f"{len(keys)} keys, {len(spans)} span lists and {len(chunk_lens)} chunk lengths")
         start = time.perf_counter()
-        shapes = [(2, n, *self.kv_shape) for n in chunk_lens]
-        items = [(layer, key) for key in keys]
+        shapes = [(2, n, *kv_shape) for n in chunk_lens]
+        items = [(name, key) for key in keys]
         if isinstance(spans, SpanTable):
             self._guard(self._get_table, items, spans, shapes, self.dtype, gate)
         else:
             self._guard(self._get_spans, items, [list(row) for row in spans], shapes, self.dtype, gate)
-        nbytes = 2 * sum(chunk_lens) * self.kv_shape[0] * self.kv_shape[1] * self.dtype.itemsize  # checked per object
+        nbytes = 2 * sum(chunk_lens) * kv_shape[0] * kv_shape[1] * self.dtype.itemsize  # checked per object
         self._count(objects_read=len(keys), bytes_read=codec.HEADER_SIZE * len(keys) + nbytes,
                     read_seconds=time.perf_counter() - start)
         return nbytes
 
     def get_layers(self, layers: Sequence[int], keys: Sequence[str],
-                   out: Sequence[Sequence[torch.Tensor]] | None = None) -> list[list[torch.Tensor]]:
+                   out: Sequence[Sequence[torch.Tensor]] | None = None, heads: Heads | None = None
+                   ) -> list[list[torch.Tensor]]:
         """Layers x chunks in one call: result[i][j] is layer layers[i] of chunk keys[j] (see the
-        module docstring for `out` and the round trips)."""
+        module docstring for `out` and the round trips); `heads`: that KV head group's objects."""
         layers, keys = list(layers), list(keys)
         self._check_request(layers, keys, out)
-        return self._read(layers, keys, out)
+        return self._read(layers, keys, out, heads)
 
     def get_layers_async(self, layers: Sequence[int], keys: Sequence[str],
                          out: Sequence[Sequence[torch.Tensor]] | None = None) -> list[concurrent.futures.Future]:
@@ -140,14 +147,15 @@ class LayerReads:
     def _read_layer(self, layer: int, keys: list[str], out: list[torch.Tensor] | None) -> list[torch.Tensor]:
         return self._read([layer], keys, None if out is None else [out])[0]
 
-    def _read(self, layers: list[int], keys: list[str], out: Sequence[Sequence[torch.Tensor]] | None
-              ) -> list[list[torch.Tensor]]:
+    def _read(self, layers: list[int], keys: list[str], out: Sequence[Sequence[torch.Tensor]] | None,
+              heads: Heads | None = None) -> list[list[torch.Tensor]]:
         """get_layers after its argument checks."""
-        items = [(layer, key) for layer in layers for key in keys]
+        kv_shape = self._part(0, heads)[1]
+        items = [(self._part(layer, heads)[0], key) for layer in layers for key in keys]
         start = time.perf_counter()
         if out is None:
             buffers = self._guard(self._get, items)
-            flat = [self._guard(codec.decode, buf, self.fingerprint, self.dtype, self.kv_shape,
+            flat = [self._guard(codec.decode, buf, self.fingerprint, self.dtype, kv_shape,
                                 self.object_name(key, layer), key=key, layer=layer)
                     for (layer, key), buf in zip(items, buffers)]
         else:

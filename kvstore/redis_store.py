@@ -25,7 +25,8 @@ from redis.retry import Retry
 
 from pdserve.kvstore import codec, resp
 from pdserve.kvstore.base import KVStore
-from pdserve.kvstore.errors import NotFound, StoreError, StoreTimeout, StoreUnavailable
+from pdserve.kvstore.errors import CorruptObject, NotFound, StoreError, StoreTimeout, StoreUnavailable
+from pdserve.kvstore.layout import WriterLayout, object_layer, parse_object_layer
 from pdserve.kvstore.gate import NO_GATE, WriteGate
 from pdserve.kvstore.records import Buffer, ChunkInfo
 from pdserve.kvstore.spans import SpanTable
@@ -112,11 +113,30 @@ class RedisStore(KVStore):
     def _lookup(self, keys: list[str]) -> int:
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:
-            pipe.exists(self._key(key, MARKER))
-        found = pipe.execute()
-        return next((i for i, hit in enumerate(found) if not hit), len(keys))
+            pipe.get(self._key(key, MARKER))  # as cheap as EXISTS, and the load that follows needs the layout
+        found = []
+        for key, marker in zip(keys, pipe.execute()):
+            if marker is None:
+                break
+            found.append((key, _layout(marker)))  # an unreadable one (None) still counts: the load fails, repair heals
+        self._remember_layouts([(key, layout) for key, layout in found if layout is not None])
+        return len(found)
 
-    def _put(self, layer: int, objects: list[tuple[str, bytes, list[memoryview]]]) -> None:
+    def _read_layouts(self, keys: list[str]) -> list[WriterLayout]:
+        pipe = self._redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(self._key(key, MARKER))
+        layouts = []
+        for key, marker in zip(keys, pipe.execute()):
+            if marker is None:
+                raise NotFound(f"{self._key(key, MARKER)}: chunk {key} is not committed")
+            layout = _layout(marker)
+            if layout is None:
+                raise CorruptObject(f"{self._key(key, MARKER)}: corrupted commit marker")
+            layouts.append(layout)
+        return layouts
+
+    def _put(self, layer: int | str, objects: list[tuple[str, bytes, list[memoryview]]]) -> None:
         pipe = self._redis.pipeline(transaction=False)
         for key, header, payload in objects:
             pipe.set(self._key(key, layer), b"".join((header, *payload)), ex=self.ttl)
@@ -197,19 +217,52 @@ class RedisStore(KVStore):
             codec.check_size(name, size, payload, shape, dtype)
             codec.check_payload(header, payload, self.fingerprint, dtype, shape, name, key=key, layer=layer)
 
-    def _commit(self, keys: list[str], num_layers: int) -> None:
+    def _commit(self, keys: list[str], layout: WriterLayout, part: int) -> None:
+        heads = self._heads(layout)
+        names = layout.object_layers(heads)
+        own = names
+        if not layout.single:
+            (lo, hi), group = layout.parts(heads)[part]
+            own = [object_layer(layer, group, heads) for layer in range(lo, hi)]
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:
-            pipe.exists(*(self._key(key, i) for i in range(num_layers)))
-        complete = [key for key, n in zip(keys, pipe.execute()) if n == num_layers]
-        for key in complete:
+            pipe.exists(*(self._key(key, name) for name in own))
+        complete = [key for key, n in zip(keys, pipe.execute()) if n == len(own)]
+        ready = complete
+        if not layout.single:  # this writer's part; the chunk once every part's marker is there
+            parts = [f"{MARKER}.{name}" for name in layout.part_names(heads)]
+            for key in complete:
+                pipe.set(self._key(key, parts[part]), b"", ex=self.ttl)
+                pipe.exists(*(self._key(key, name) for name in parts))
+            found = pipe.execute()[1::2]
+            ready = [key for key, n in zip(complete, found) if n == len(parts)]
+            for key in ready:  # every part's marker follows its own objects: a check of the others' objects
+                pipe.exists(*(self._key(key, name) for name in names))
+            ready = [key for key, n in zip(ready, pipe.execute()) if n == len(names)]
+        for key in ready:
             if self.ttl is not None:  # layers expire together with the marker, not before it
-                for i in range(num_layers):
-                    pipe.expire(self._key(key, i), self.ttl)
-            pipe.set(self._key(key, MARKER), str(num_layers), ex=self.ttl)
+                for name in names:
+                    pipe.expire(self._key(key, name), self.ttl)
+            pipe.set(self._key(key, MARKER), layout.encode(), ex=self.ttl)
         pipe.execute()
         if len(complete) < len(keys):
             raise NotFound(f"{len(keys) - len(complete)} chunk(s) miss layers and stay invisible")
+
+    def _heads(self, layout: WriterLayout) -> int:
+        return layout.num_kv_heads or (self.kv_shape[0] if self.kv_shape else 0)
+
+    def _names(self, key: str, marker: bytes | None, fingerprint: str | None = None) -> list[str]:
+        """Every key of a chunk as its marker (or, without one, the store's layer count) says: its layer
+        objects and its part markers."""
+        layout = _layout(marker) if marker is not None else None
+        if layout is None:
+            if not self.num_layers:
+                return []
+            layout = WriterLayout(self.num_layers)
+        names: list[int | str] = list(layout.object_layers(self._heads(layout)))
+        if not layout.single:
+            names += [f"{MARKER}.{name}" for name in layout.part_names(self._heads(layout))]
+        return [self._key(key, name, fingerprint) for name in names]
 
     def _delete(self, keys: list[str]) -> int:
         pipe = self._redis.pipeline(transaction=False)
@@ -217,10 +270,10 @@ class RedisStore(KVStore):
             pipe.getdel(self._key(key, MARKER))
         markers = pipe.execute()
         for key, marker in zip(keys, markers):
-            layers = self.num_layers or (int(marker) if marker else 0)
-            if layers:
+            names = self._names(key, marker)
+            if names:
                 # one chunk's keys share a slot; the raw command, as cluster pipelines refuse unlink(*keys)
-                pipe.execute_command("UNLINK", *(self._key(key, i) for i in range(layers)))
+                pipe.execute_command("UNLINK", *names)
         pipe.execute()
         return sum(marker is not None for marker in markers)
 
@@ -234,24 +287,25 @@ class RedisStore(KVStore):
                 info = chunks.setdefault((fp, key), ChunkInfo(fp, key, False, 0, 0))
                 if suffix == MARKER:
                     info.committed = True
-                else:
+                elif not suffix.startswith(MARKER + "."):  # a part marker is no object
                     info.objects += 1
                     info.bytes += size
         yield from chunks.values()
 
-    def _iter_objects(self, fingerprint: str | None) -> Iterator[tuple[str, str, int, str, Buffer]]:
+    def _iter_objects(self, fingerprint: str | None) -> Iterator[tuple[str, str, int | str, str, Buffer]]:
         for batch in self._scan_batches(fingerprint, _GET_BATCH, layers_only=True):
             pipe = self._redis.pipeline(transaction=False)
             for raw, _ in batch:
                 pipe.get(raw)
             for (raw, (fp, key, suffix)), value in zip(batch, pipe.execute()):
                 if value is not None:  # expired while we walked
-                    yield fp, key, int(suffix) if suffix.isdigit() else -1, raw.decode(errors="replace"), value
+                    layer = parse_object_layer(suffix)
+                    yield fp, key, -1 if layer is None else layer, raw.decode(errors="replace"), value
 
     def _clear(self, fingerprint: str | None) -> int:
         removed = 0
         for batch in self._scan_batches(fingerprint):
-            removed += sum(1 for _, (_, _, suffix) in batch if suffix != MARKER)
+            removed += sum(1 for _, (_, _, suffix) in batch if _is_object(suffix))
             self._redis.unlink(*(raw for raw, _ in batch))
         return removed
 
@@ -259,24 +313,24 @@ class RedisStore(KVStore):
         for batch in self._scan_batches(fingerprint):
             yield from ((fp, key) for _, (fp, key, suffix) in batch if suffix == MARKER)
 
-    def _damage(self, fingerprint: str, key: str) -> tuple[str | None, int]:
+    def _damage(self, fingerprint: str, key: str) -> tuple[str | None, list[int | str]]:
         marker = self._redis.get(self._key(key, MARKER, fingerprint))
         if marker is None:
-            return None, 0
-        if not marker.isdigit() or int(marker) < 1:
-            return ("empty" if not marker else "corrupted") + " commit marker", 0
-        layers = int(marker)
+            return None, []
+        layout = _layout(marker)
+        if layout is None:
+            return ("empty" if not marker else "corrupted") + " commit marker", []
+        names = layout.object_layers(self._heads(layout))
         pipe = self._redis.pipeline(transaction=False)
-        for i in range(layers):
-            pipe.exists(self._key(key, i, fingerprint))
-        missing = [i for i, n in enumerate(pipe.execute()) if not n]
-        return (f"layer {missing[0]} of {layers} missing" if missing else None), layers
+        for name in names:
+            pipe.exists(self._key(key, name, fingerprint))
+        missing = [name for name, n in zip(names, pipe.execute()) if not n]
+        return (f"layer {missing[0]} of {layout.num_layers} missing" if missing else None), names
 
     def _uncommit(self, fingerprint: str, key: str) -> bool:
         # the marker goes first (the chunk is invisible from then on), then the chunk's layer objects
         marker = self._redis.getdel(self._key(key, MARKER, fingerprint))
-        layers = int(marker) if marker and marker.isdigit() else self.num_layers
-        names = [self._key(key, i, fingerprint) for i in range(layers)] if layers else \
+        names = self._names(key, marker, fingerprint) if marker is not None and _layout(marker) else \
             list(self._redis.scan_iter(match=self._key(key, "*", fingerprint), count=_SCAN_BATCH))
         if names:
             self._redis.execute_command("UNLINK", *names)  # one chunk's keys share a slot
@@ -294,10 +348,25 @@ class RedisStore(KVStore):
         batch = []
         for raw in self._redis.scan_iter(match=match, count=_SCAN_BATCH):
             parsed = self._parse(raw)
-            if parsed is not None and not (layers_only and parsed[2] == MARKER):
+            if parsed is not None and not (layers_only and not _is_object(parsed[2])):
                 batch.append((raw, parsed))
             if len(batch) >= size:
                 yield batch
                 batch = []
         if batch:
             yield batch
+
+
+def _layout(marker: bytes | None) -> WriterLayout | None:
+    """The writer layout a commit marker's value records (kvstore/layout.py); None when absent or unreadable."""
+    if not marker:
+        return None
+    try:
+        return WriterLayout.decode(marker.decode("ascii"))
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def _is_object(suffix: str) -> bool:
+    """Whether a key's suffix names a layer object (not the commit marker or a part marker)."""
+    return suffix != MARKER and not suffix.startswith(MARKER + ".")

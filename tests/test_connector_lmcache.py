@@ -93,3 +93,18 @@ def test_lmcache_hit_across_processes_with_other_hash_seeds(tiny_llama, lm_url, 
 
 def test_lmcache_cache_salts_never_share_chunks(lm_pair, mono, caplog):
     check_salts_never_share(*lm_pair, mono, caplog, seed=5)
+
+
+def test_a_parallel_layout_is_refused_at_start_up_in_one_line():
+    from types import SimpleNamespace
+
+    from pdserve.connectors.lmcache_connector import LMCacheConnector
+    from pdserve.engine.config import EngineConfig
+    from pdserve.kvstore.layout import KVShard
+
+    config = EngineConfig.from_kwargs("unused", kv_store="lm://127.0.0.1:9")  # nothing listens: refused first
+    runner = SimpleNamespace(kv_shard=KVShard.tp_pp(1, 2, 0, 1, 4, 2))
+    with pytest.raises(ValueError, match=r"^the LMCache connector serves one process per node \(TP=1, PP=1\), "
+                                         r"not 2 ranks: LMCache's keys carry the world size") as err:
+        LMCacheConnector(config, runner)
+    assert "\n" not in str(err.value)
