@@ -297,8 +297,13 @@ class ChunkedConnector(KVConnectorBase):
                                 concurrent.futures.CancelledError())
                 return False
         load.num_bytes = sum(future.result() or 0 for future in load.futures.values())
-        self.metrics.on_load(load.spec.request_id, load.spec.plan, load.num_bytes, load.io_seconds)
+        self.metrics.on_load(load.spec.request_id, load.spec.plan, load.num_bytes, load.io_seconds,
+                             self._load_codec(load))
         return True
+
+    def _load_codec(self, load: InFlightLoad) -> str | None:
+        """The codec(s) a finished load's bytes were stored with, for its log line (None: not known)."""
+        return None
 
     def _poll_background_loads(self) -> set[str]:
         """Background loads that ended since the last poll: done, failed, or past their deadline."""

@@ -24,11 +24,12 @@ def lookup_line(request_id: str, plan: LoadPlan) -> str:
             f"KV hit tokens: {plan.hit}, need to load: {plan.need_to_load}")
 
 
-def load_line(request_id: str, plan: LoadPlan, num_bytes: int, seconds: float) -> str:
+def load_line(request_id: str, plan: LoadPlan, num_bytes: int, seconds: float, codec: str | None = None) -> str:
+    """`num_bytes`: the bytes moved (as stored: encoded, when a codec wrote them); `codec`: theirs."""
     need, got = plan.need_to_load, plan.retrieved
     return (f"Reqid: {request_id}, Retrieved {got} tokens from token {plan.aligned_start} (chunk-aligned; "
             f"{need} needed, {got - need} already local or recomputed) of {plan.num_tokens} total. "
-            f"{_rate(num_bytes, seconds)}")
+            f"{_rate(num_bytes, seconds)}" + (f", codec: {codec}" if codec else ""))
 
 
 def save_line(request_id: str, start: int, end: int, num_tokens: int, skip_leading_tokens: int,

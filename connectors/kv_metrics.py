@@ -64,12 +64,13 @@ class KVTransferMetrics:
         self.hit_tokens.inc(plan.hit)
         logger.info(lookup_line(request_id, plan))
 
-    def on_load(self, request_id: str, plan: LoadPlan, num_bytes: int, seconds: float) -> None:
+    def on_load(self, request_id: str, plan: LoadPlan, num_bytes: int, seconds: float,
+                codec: str | None = None) -> None:
         self.loaded_tokens.inc(plan.need_to_load)
         self.retrieved_tokens.inc(plan.retrieved)
         self.load_bytes.inc(num_bytes)
         self.load_seconds.observe(seconds)
-        logger.info(load_line(request_id, plan, num_bytes, seconds))
+        logger.info(load_line(request_id, plan, num_bytes, seconds, codec))
 
     def on_save(self, request_id: str, start: int, end: int, num_tokens: int, skip_leading_tokens: int,
                 num_chunks: int, num_bytes: int, seconds: float) -> None:

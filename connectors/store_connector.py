@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
+import numpy as np
 import torch
 
 from pdserve.common.hashing import chunk_keys
@@ -57,7 +58,8 @@ class _Load(InFlightLoad):
     direct: DirectRows | None = None  # reads straight into the blocks: where each byte goes (every layer)
     events: dict[int, Any] = field(default_factory=dict)  # layer -> the event of its copy into paged memory
     layouts: list[WriterLayout] | None = None  # each chunk's writer layout (read once, by the first layer read)
-    whole: bool = True  # every chunk has an object of exactly this rank's heads (known once layouts are)
+    whole: bool = True  # every chunk has a raw object of exactly this rank's heads (known once layouts are)
+    codecs: set[str] = field(default_factory=set)  # the codecs of the objects read, when not all raw
 
 
 @dataclass
@@ -237,14 +239,16 @@ class StoreConnector(ChunkedConnector):
         return None if any(layout is None for layout in found) else found
 
     def _whole(self, layouts: list[WriterLayout]) -> bool:
-        """Whether every chunk has an object of exactly this rank's heads (the plain whole-object read)."""
+        """Whether every chunk has a raw object of exactly this rank's heads (the plain whole-object read)."""
         want = [(self.heads, self.heads)]
-        return all(layout.reads(self.heads, self.num_kv_heads) == want for layout in layouts)
+        return all(layout.codec == "raw" and layout.reads(self.heads, self.num_kv_heads) == want
+                   for layout in layouts)
 
     def _load_layer_parts(self, load: _Load, layer: int) -> int:
-        """One layer of chunks written by another layout: per chunk, the writer's head groups that overlap this
-        rank's heads, each object read whole and checked, and this rank's heads of it put in place in one
-        staging buffer, then scattered as any other load. The bytes read."""
+        """One layer of chunks written by another layout or with a codec: per chunk, the writer's head groups
+        that overlap this rank's heads, each object read whole, checked and decoded (kvstore/kv_codecs.py),
+        and this rank's heads of it put in place in one staging buffer, then scattered as any other load.
+        The bytes read (as stored: encoded)."""
         target = self.transfer.read_target(load.chunk_lens, self.kv_shape, self.dtype)
         nbytes, offset, lo = 0, 0, self.heads[0]
         try:
@@ -254,16 +258,18 @@ class StoreConnector(ChunkedConnector):
                     by_group.setdefault(group, []).append(j)
             starts = [sum(load.chunk_lens[:j]) for j in range(len(load.chunk_lens))]
             for group, chunks in by_group.items():
-                tensors = self.store.get_layer(layer, [load.keys[j] for j in chunks], heads=group)
+                tensors, stored, codecs = self.store.get_layer_decoded(layer, [load.keys[j] for j in chunks],
+                                                                       heads=group)
+                nbytes += stored
+                load.codecs |= codecs
                 a, b = max(group[0], self.heads[0]), min(group[1], self.heads[1])
                 for j, tensor in zip(chunks, tensors):
                     if tensor.shape[1] != load.chunk_lens[j]:
                         raise CorruptObject(f"{self.store.object_name(load.keys[j], layer)}: {tensor.shape[1]} "
                                             f"tokens, expected {load.chunk_lens[j]}")
                     offset = starts[j]
-                    target.full[:, offset:offset + tensor.shape[1], a - lo:b - lo].copy_(
-                        tensor[:, :, a - group[0]:b - group[0]])
-                    nbytes += tensor.nbytes
+                    _copy(target.full[:, offset:offset + tensor.shape[1], a - lo:b - lo],
+                          tensor[:, :, a - group[0]:b - group[0]])
         except BaseException:
             self.transfer.load(self.kv_caches[layer], 0, 0, load.slots, target)  # hand the buffer back
             raise
@@ -313,6 +319,10 @@ class StoreConnector(ChunkedConnector):
                 if event is not None:
                     self.transfer.wait(event)
         return ok
+
+    def _load_codec(self, load: InFlightLoad) -> str | None:
+        codecs = getattr(load, "codecs", None)
+        return "+".join(sorted(codecs)) if codecs else "raw"
 
     def _fail_load(self, load: InFlightLoad, exc: BaseException) -> None:
         super()._fail_load(load, exc)  # no copy is issued for it from now on
@@ -404,6 +414,11 @@ class StoreConnector(ChunkedConnector):
 
     def shutdown(self) -> None:
         self.store.close()
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[...] = src as bytes in numpy: single-threaded, so an I/O thread starts no OpenMP team of its own."""
+    np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
 
 
 def _resolve(target: concurrent.futures.Future, source: concurrent.futures.Future) -> None:

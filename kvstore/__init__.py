@@ -5,7 +5,8 @@ open_store(url, **options) picks the backend from the URL scheme:
     redis://host:port/db?ttl=3600&prefix=pdkv:    RedisStore (rediss:// for TLS)
     redis+cluster://host:port[,host:port...]/?ttl=3600&prefix=pdkv:
                                                   RedisClusterStore (rediss+cluster:// for TLS)
-Common options (URL query or keyword; keywords win): timeout (seconds), io_threads.
+Common options (URL query or keyword; keywords win): timeout (seconds), io_threads, codec (what writes
+encode KV with: raw, the default; lossless; int8; fp8 — kvstore/kv_codecs.py; reads take any).
 Keywords only: fingerprint, num_layers, dtype, kv_shape (omit all for admin use, as the CLI does).
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from pdserve.common.units import parse_bytes
 from pdserve.kvstore.base import KVStore
+from pdserve.kvstore.kv_codecs import check_name
 from pdserve.kvstore.records import ChunkInfo, StoreStats, Usage, VerifyReport
 from pdserve.kvstore.errors import CorruptObject, NotFound, StoreError, StoreTimeout, StoreUnavailable
 
@@ -30,7 +32,7 @@ def _bool(value: str) -> bool:
     raise ValueError(f"expected a boolean (1/0/true/false), got {value!r}")
 
 
-_COMMON: dict[str, Callable[[str], Any]] = {"timeout": float, "io_threads": int}
+_COMMON: dict[str, Callable[[str], Any]] = {"timeout": float, "io_threads": int, "codec": check_name}
 _QUERY: dict[str, dict[str, Callable[[str], Any]]] = {
     "file": {"max_bytes": parse_bytes, "fsync": _bool},
     "redis": {"ttl": int, "prefix": str, "max_connections": int},

@@ -49,6 +49,9 @@ class StoreAdmin(ABC):
             u.chunks += info.committed
             u.objects += info.objects
             u.bytes += info.bytes
+            u.raw_bytes += info.raw_bytes
+            for name, nbytes in info.codec_bytes.items():
+                u.codec_bytes[name] = u.codec_bytes.get(name, 0) + nbytes
             if info.committed:
                 u.committed_bytes += info.bytes
             elif info.orphaned:

@@ -74,6 +74,7 @@ verify(), clear(). stats() returns this process's counters.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import threading
 import time
 from abc import abstractmethod
@@ -81,7 +82,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from pdserve.kvstore import codec
+from pdserve.kvstore import codec, kv_codecs
+from pdserve.kvstore import codec as object_format  # where a parameter named codec hides the module
 from pdserve.kvstore.admin import StoreAdmin
 from pdserve.kvstore.errors import StoreError, StoreTimeout
 from pdserve.kvstore.layout import Heads, WriterLayout, object_layer
@@ -96,16 +98,17 @@ class KVStore(LayerReads, StoreAdmin):
 
     def __init__(self, fingerprint: str | None = None, num_layers: int | None = None,
                  dtype: torch.dtype | str | None = None, kv_shape: Sequence[int] | None = None,
-                 timeout: float = 5.0, io_threads: int = 4) -> None:
+                 timeout: float = 5.0, io_threads: int = 4, codec: str = kv_codecs.RAW) -> None:
         if fingerprint is not None:
-            codec.fingerprint_bytes(fingerprint)
+            object_format.fingerprint_bytes(fingerprint)
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         self.fingerprint = fingerprint
         self.num_layers = num_layers
-        self.dtype = codec.as_dtype(dtype) if dtype is not None else None
+        self.dtype = object_format.as_dtype(dtype) if dtype is not None else None
         self.kv_shape = tuple(kv_shape) if kv_shape is not None else None
         self.timeout = float(timeout)
+        self.codec = kv_codecs.check_name(codec)  # what this store's writes encode with (reads: any)
         self._stats = StoreStats()
         self._lock = threading.Lock()
         self.io_threads = io_threads  # the I/O pool's threads: how many reads may run at once
@@ -133,7 +136,7 @@ class KVStore(LayerReads, StoreAdmin):
             if kv_shape is not None and tuple(tensor.shape[2:]) != kv_shape:
                 raise ValueError(f"chunk {key} layer {layer}: shape {list(tensor.shape)}, store holds "
                                  f"[2, n, {kv_shape[0]}, {kv_shape[1]}]")
-            objects.append((key, *codec.encode(tensor, self.fingerprint, key=key, layer=name)))
+            objects.append((key, *codec.encode(tensor, self.fingerprint, key=key, layer=name, codec=self.codec)))
         self._guard(self._put, name, objects)
         size = sum(len(h) + sum(v.nbytes for v in p) for _, h, p in objects)
         self._count(objects_written=len(objects), bytes_written=size, write_seconds=time.perf_counter() - start)
@@ -156,6 +159,7 @@ class KVStore(LayerReads, StoreAdmin):
             raise ValueError("a multi-part commit needs a store opened with kv_shape")
         if not 0 <= part < layout.num_parts():
             raise ValueError(f"part {part} of a {layout.num_parts()}-part layout")
+        layout = dataclasses.replace(layout, codec=self.codec)  # readers learn the codec before they read
         self._guard(self._commit, list(keys), layout, part)
         self._count(chunks_committed=len(keys))
 

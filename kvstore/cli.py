@@ -22,13 +22,18 @@ def _gib(n: int) -> str:
 def _stats(store: KVStore, args: argparse.Namespace) -> int:
     usage = {fp: u for fp, u in store.inventory().items() if args.fingerprint in (None, fp)}
     if args.json:
-        print(json.dumps({fp: asdict(u) for fp, u in usage.items()}, indent=1))
+        print(json.dumps({fp: {**asdict(u), "compression_ratio": round(u.compression_ratio, 4)}
+                          for fp, u in usage.items()}, indent=1))
         return 0
     print(f"{'fingerprint':32}  {'chunks':>8}  {'objects':>9}  {'committed':>14}  {'in-flight':>12}  "
           f"{'orphaned':>12}  size")
     for fp, u in sorted(usage.items()):
         print(f"{fp:32}  {u.chunks:>8}  {u.objects:>9}  {u.committed_bytes:>14}  {u.inflight_bytes:>12}  "
               f"{u.orphaned_bytes:>12}  {_gib(u.bytes)}")
+    for fp, u in sorted(usage.items()):
+        by_codec = ", ".join(f"{name} {_gib(n)}" for name, n in sorted(u.codec_bytes.items()))
+        print(f"{fp}  by codec: {by_codec or 'none'}; compression ratio {u.compression_ratio:.2f}x "
+              f"({_gib(u.raw_bytes)} raw in {_gib(u.bytes)})")
     total = sum(u.bytes for u in usage.values())
     print(f"total: {len(usage)} fingerprint(s), {sum(u.chunks for u in usage.values())} committed chunk(s), "
           f"{total} bytes ({_gib(total)}): {sum(u.committed_bytes for u in usage.values())} committed, "

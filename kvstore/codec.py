@@ -1,12 +1,13 @@
 """The on-store object format: one (chunk, layer) KV tensor as raw bytes behind a 64-byte header.
 
 Layout (little endian), format version 2:
-    0  magic b"PDKV" | 4 version u16 | 6 dtype code u8 | 7 reserved u8
+    0  magic b"PDKV" | 4 version u16 | 6 dtype code u8 | 7 codec u8 (kvstore/kv_codecs.py; 0 raw)
     8  shape [2, n_tokens, num_kv_heads, head_dim] as 4 x u32
     24 model fingerprint (16 bytes) | 40 payload length u64
     48 binding u64: xxh3_64 of the chunk key and layer the object was written under
     56 xxh3_64 checksum u64 of bytes [0, 56) and the payload
-    64 payload: the tensor's bytes in C order (64-byte aligned inside the object)
+    64 payload: the tensor's bytes in C order (64-byte aligned inside the object), or the codec's
+       encoding of them (then the payload length is the encoding's; dtype and shape are the tensor's)
 
 The binding ties an object to its name: a valid object copied or renamed under another
 chunk's key (or another layer) fails the load as corrupt instead of feeding a request
@@ -28,6 +29,7 @@ from typing import Sequence
 import torch
 import xxhash
 
+from pdserve.kvstore import kv_codecs
 from pdserve.kvstore.errors import CorruptObject
 
 MAGIC = b"PDKV"
@@ -77,29 +79,34 @@ def binding(key: str, layer: int | str) -> int:
     return xxhash.xxh3_64_intdigest(b"%s\0%s" % (key.encode(), str(layer).encode()))
 
 
-def encode(tensor: torch.Tensor, fingerprint: str, *, key: str, layer: int) -> tuple[bytes, list[memoryview]]:
+def encode(tensor: torch.Tensor, fingerprint: str, *, key: str, layer: int | str, codec: str = kv_codecs.RAW
+           ) -> tuple[bytes, list[memoryview]]:
     """(header, payload spans) of a [2, n_tokens, kv_heads, head_dim] tensor stored as layer `layer`
-    of chunk `key`. The payload is not copied when the tensor's halves are contiguous, so file
-    writes go straight from the tensor (os.writev)."""
+    of chunk `key` under `codec`. A raw payload is not copied when the tensor's halves are contiguous,
+    so file writes go straight from the tensor (os.writev)."""
     if tensor.dim() != 4 or tensor.shape[0] != 2:
         raise ValueError(f"KV layer tensor must be [2, n_tokens, kv_heads, head_dim], got {list(tensor.shape)}")
     code = DTYPE_CODES.get(tensor.dtype)
     if code is None:
         raise ValueError(f"unsupported KV dtype {tensor.dtype}")
     tensor = tensor.detach().cpu()
-    try:
-        payload = payload_views(tensor)
-    except ValueError:
-        payload = payload_views(tensor.contiguous())
+    if codec != kv_codecs.RAW:
+        payload = [memoryview(kv_codecs.encode(tensor.contiguous(), codec))]
+    else:
+        try:
+            payload = payload_views(tensor)
+        except ValueError:
+            payload = payload_views(tensor.contiguous())
     length = sum(v.nbytes for v in payload)
-    head = _HEAD.pack(MAGIC, VERSION, code, 0, *tensor.shape, fingerprint_bytes(fingerprint), length,
-                      binding(key, layer))
+    head = _HEAD.pack(MAGIC, VERSION, code, kv_codecs.CODES[codec], *tensor.shape, fingerprint_bytes(fingerprint),
+                      length, binding(key, layer))
     return head + _SUM.pack(_checksum(head, payload)), payload
 
 
-def encode_bytes(tensor: torch.Tensor, fingerprint: str, *, key: str, layer: int) -> bytes:
+def encode_bytes(tensor: torch.Tensor, fingerprint: str, *, key: str, layer: int | str,
+                 codec: str = kv_codecs.RAW) -> bytes:
     """The whole object as one contiguous value (what a key-value store needs)."""
-    header, payload = encode(tensor, fingerprint, key=key, layer=layer)
+    header, payload = encode(tensor, fingerprint, key=key, layer=layer, codec=codec)
     return b"".join((header, *payload))
 
 
@@ -129,9 +136,10 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 def decode(buf: bytes | bytearray | memoryview, fingerprint: str, dtype: torch.dtype | None = None,
            kv_shape: Sequence[int] | None = None, name: str = "object", *, key: str, layer: int) -> torch.Tensor:
     """Validate everything (including that the object belongs to layer `layer` of chunk `key`) and
-    return the [2, n, H, D] tensor; raises CorruptObject on any mismatch.
+    return the [2, n, H, D] tensor, decoded by the codec its header names; raises CorruptObject on
+    any mismatch.
 
-    The buffer becomes the tensor's storage without a copy. A read-only one (bytes from
+    A raw payload becomes the tensor's storage without a copy. A read-only one (bytes from
     redis) is aliased too: the result is for reading (scatter into paged memory), never for
     writing — copying it into fresh memory would halve redis read throughput (page faults).
     """
@@ -139,9 +147,36 @@ def decode(buf: bytes | bytearray | memoryview, fingerprint: str, dtype: torch.d
     if view.nbytes < HEADER_SIZE:
         raise CorruptObject(f"{name}: {view.nbytes} bytes is shorter than the {HEADER_SIZE}-byte header")
     found, shape = _check(view[:HEADER_SIZE], [view[HEADER_SIZE:]], fingerprint, dtype, kv_shape, name, key, layer)
+    codec = codec_of(view)
+    if codec != kv_codecs.RAW:
+        try:
+            return kv_codecs.decode(view[HEADER_SIZE:], codec, found, shape)
+        except Exception as exc:  # a checksummed payload its codec cannot read: written by a broken writer
+            raise CorruptObject(f"{name}: {codec} payload does not decode: {exc}") from exc
     if view.nbytes == HEADER_SIZE:
         return torch.empty(shape, dtype=found)
     return torch.frombuffer(view, dtype=found, offset=HEADER_SIZE).view(shape)
+
+
+def codec_of(header: bytes | bytearray | memoryview) -> str:
+    """The codec an object's header names (checked by _check: a known one)."""
+    return kv_codecs.NAMES[memoryview(header).cast("B")[7]]
+
+
+def header_codec(header: bytes | bytearray | memoryview) -> tuple[str, int]:
+    """(codec name, bytes its tensor would take raw) of an object's first HEADER_SIZE bytes, unchecked (what
+    `pd-kvstore stats` counts; verify checks); ("unknown", 0) for bytes that are no header."""
+    view = memoryview(header).cast("B")
+    if view.nbytes < HEADER_SIZE or view[:4] != MAGIC or view[7] not in kv_codecs.NAMES:
+        return "unknown", 0
+    return kv_codecs.NAMES[view[7]], raw_bytes(view)
+
+
+def raw_bytes(header: bytes | bytearray | memoryview) -> int:
+    """What an object's tensor would take raw (its payload length when it is raw)."""
+    _, _, code, _, two, n_tokens, heads, head_dim, _, _, _ = _HEAD.unpack_from(header)
+    dtype = CODE_DTYPES.get(code)
+    return two * n_tokens * heads * head_dim * (dtype.itemsize if dtype else 0)
 
 
 def check_size(name: str, size: int, payload: list[memoryview], shape: tuple[int, ...], dtype: torch.dtype,
@@ -205,7 +240,7 @@ def _check(header: memoryview, payload: list[memoryview], fingerprint: str, dtyp
            kv_shape: Sequence[int] | None, name: str, key: str, layer: int
            ) -> tuple[torch.dtype, tuple[int, int, int, int]]:
     """Validate header fields against the expectations and the checksum over header + payload."""
-    magic, version, code, _, two, n_tokens, heads, head_dim, fp, length, bound = _HEAD.unpack_from(header)
+    magic, version, code, codec, two, n_tokens, heads, head_dim, fp, length, bound = _HEAD.unpack_from(header)
     if magic != MAGIC:
         raise CorruptObject(f"{name}: bad magic {magic!r}")
     if version != VERSION:
@@ -220,8 +255,11 @@ def _check(header: memoryview, payload: list[memoryview], fingerprint: str, dtyp
     shape = (two, n_tokens, heads, head_dim)
     if two != 2 or (kv_shape is not None and (heads, head_dim) != tuple(kv_shape)):
         raise CorruptObject(f"{name}: shape {list(shape)}, expected [2, n, *{list(kv_shape or [])}]")
+    if codec not in kv_codecs.NAMES:
+        raise CorruptObject(f"{name}: unknown codec {codec}")
     size = sum(v.nbytes for v in payload)
-    if length != two * n_tokens * heads * head_dim * found.itemsize or size != length:
+    raw = codec == kv_codecs.CODES[kv_codecs.RAW]
+    if (raw and length != two * n_tokens * heads * head_dim * found.itemsize) or size != length:
         raise CorruptObject(f"{name}: {HEADER_SIZE + size} bytes, header says {HEADER_SIZE} + {length} "
                             f"for shape {list(shape)} {found}")
     if _checksum(header[:_HEAD.size], payload) != _SUM.unpack_from(header, _HEAD.size)[0]:

@@ -34,6 +34,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
+from pdserve.kvstore import codec
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import CorruptObject, NotFound, StoreError, StoreTimeout, StoreUnavailable
 from pdserve.kvstore import fs_ledger, fs_space
@@ -228,8 +229,7 @@ class FileSystemStore(FileReads, SpaceKeeping, KVStore):
                         if entry.name == MARKER:
                             info.committed = True
                         elif entry.name.endswith(".kv") and not entry.name.startswith("."):
-                            info.objects += 1
-                            info.bytes += entry.stat().st_size
+                            info.count_object(entry.stat().st_size, _head(entry.path))
             except FileNotFoundError:  # evicted while we walked
                 continue
             yield info
@@ -439,8 +439,8 @@ def _write_all(fd: int, parts: tuple[Buffer, ...]) -> None:
 
 def _marker(layout: WriterLayout, size: int) -> bytes:
     """A commit marker: magic, version, layer count, the chunk's object bytes; version 2 adds the writer's
-    layout (kvstore/layout.py) after them. The single-process layout writes version 1, as before parts."""
-    if layout.single:
+    layout (kvstore/layout.py) after them. The plain layout (one part, raw) writes version 1, as before."""
+    if layout.plain:
         return _MARKER.pack(_MARKER_MAGIC, 1, layout.num_layers, size)
     return _MARKER.pack(_MARKER_MAGIC, 2, layout.num_layers, size) + layout.encode().encode()
 
@@ -455,7 +455,7 @@ def _parse_marker(raw: bytes) -> WriterLayout | None:
             return WriterLayout(layers)
         if version == 2:
             layout = WriterLayout.decode(raw[_MARKER.size:].decode("ascii"))
-            return layout if layout.num_layers == layers and not layout.single else None
+            return layout if layout.num_layers == layers and not layout.plain else None
     except (ValueError, UnicodeDecodeError):
         return None
     return None
@@ -472,6 +472,15 @@ def _marker_bytes(marker: str) -> int:
     if len(raw) != _MARKER.size or raw[:4] != _MARKER_MAGIC:
         return 0
     return _MARKER.unpack(raw)[3]
+
+
+def _head(path: str) -> bytes:
+    """An object's header bytes (b"" when it vanished meanwhile)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(codec.HEADER_SIZE)
+    except FileNotFoundError:
+        return b""
 
 
 def _list_visible(directory: str) -> list[str]:

@@ -126,6 +126,7 @@ class WriterLayout:
     num_kv_heads: int = 0  # 0: the single-process layout, whatever the model's head count
     layer_starts: tuple[int, ...] = (0,)
     head_starts: tuple[int, ...] = (0,)
+    codec: str = "raw"  # what the writer's store encodes payloads with (kvstore/kv_codecs.py)
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or not _valid_starts(self.layer_starts, self.num_layers):
@@ -137,6 +138,11 @@ class WriterLayout:
     def single(self) -> bool:
         """One part holding every layer and head: the single-process layout."""
         return self.layer_starts == (0,) and self.head_starts == (0,)
+
+    @property
+    def plain(self) -> bool:
+        """The single-process layout with raw payloads: the marker of stores from before layouts and codecs."""
+        return self.single and self.codec == "raw"
 
     def head_groups(self, num_kv_heads: int) -> list[Heads]:
         ends = (*self.head_starts[1:], num_kv_heads)
@@ -180,11 +186,11 @@ class WriterLayout:
         return out
 
     def encode(self) -> str:
-        """The marker text: the layer count alone for the single-process layout (as before parts existed)."""
-        if self.single:
+        """The marker text: the layer count alone for the plain layout (as before parts and codecs existed)."""
+        if self.plain:
             return str(self.num_layers)
         return f"{self.num_layers};H={self.num_kv_heads};l={','.join(map(str, self.layer_starts))};" \
-               f"h={','.join(map(str, self.head_starts))}"
+               f"h={','.join(map(str, self.head_starts))};c={self.codec}"
 
     @classmethod
     def decode(cls, text: str) -> WriterLayout:
@@ -192,11 +198,12 @@ class WriterLayout:
         if text.isdigit():
             return cls(int(text))
         fields = text.split(";")
-        if len(fields) != 4 or not fields[0].isdigit() or [f[:2] for f in fields[1:]] != ["H=", "l=", "h="]:
+        if len(fields) != 5 or not fields[0].isdigit() or [f[:2] for f in fields[1:]] != ["H=", "l=", "h=", "c="] \
+                or fields[4][2:] not in ("raw", "lossless", "int8", "fp8"):
             raise ValueError(f"not a commit marker: {text[:80]!r}")
         try:
             return cls(int(fields[0]), int(fields[1][2:]), tuple(int(x) for x in fields[2][2:].split(",")),
-                       tuple(int(x) for x in fields[3][2:].split(",")))
+                       tuple(int(x) for x in fields[3][2:].split(",")), fields[4][2:])
         except ValueError as exc:
             raise ValueError(f"not a commit marker: {text[:80]!r}") from exc
 

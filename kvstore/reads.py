@@ -144,6 +144,24 @@ class LayerReads:
         return [self.submit(self._read_layer, layer, keys, None if out is None else list(out[i]))
                 for i, layer in enumerate(layers)]
 
+    def get_layer_decoded(self, layer: int, keys: Sequence[str], heads: Heads | None = None
+                          ) -> tuple[list[torch.Tensor], int, set[str]]:
+        """Layer `layer` of several chunks (their `heads` group's objects), each decoded by the codec its
+        header names into a fresh tensor: (tensors, the objects' stored bytes, the codecs seen). The read of
+        chunks another layout or a codec wrote (connectors/store_connector.py)."""
+        keys = list(keys)
+        self._bound(layer)
+        name, kv_shape = self._part(layer, heads)
+        items = [(name, key) for key in keys]
+        start = time.perf_counter()
+        buffers = self._guard(self._get, items)
+        views = [memoryview(buf).cast("B") for buf in buffers]
+        tensors = [self._guard(codec.decode, view, self.fingerprint, self.dtype, kv_shape,
+                               self.object_name(key, name), key=key, layer=name) for key, view in zip(keys, views)]
+        stored = sum(view.nbytes for view in views)
+        self._count(objects_read=len(items), bytes_read=stored, read_seconds=time.perf_counter() - start)
+        return tensors, stored, {codec.codec_of(view) for view in views}
+
     def _read_layer(self, layer: int, keys: list[str], out: list[torch.Tensor] | None) -> list[torch.Tensor]:
         return self._read([layer], keys, None if out is None else [out])[0]
 

@@ -3,6 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.kvstore.codec import header_codec
+
+
+def _count_codec(counts: dict[str, int], codec: str, nbytes: int) -> None:
+    counts[codec] = counts.get(codec, 0) + nbytes
+
 Buffer = bytes | bytearray | memoryview  # an object's raw bytes as a backend returns them
 
 
@@ -36,6 +42,13 @@ class Usage:
     inflight_bytes: int = 0
     orphaned_chunks: int = 0  # uncommitted chunks nobody writes any more (a failed save, a dead writer)
     orphaned_bytes: int = 0
+    codec_bytes: dict[str, int] = field(default_factory=dict)  # bytes of layer objects by codec (kvstore/kv_codecs.py)
+    raw_bytes: int = 0  # what those objects' tensors would take raw
+
+    @property
+    def compression_ratio(self) -> float:
+        """raw bytes / stored bytes of the layer objects (1.0: all raw)."""
+        return self.raw_bytes / self.bytes if self.bytes else 1.0
 
 
 @dataclass
@@ -46,6 +59,16 @@ class ChunkInfo:
     objects: int  # layer objects present
     bytes: int
     orphaned: bool = False  # uncommitted and untouched long enough that no writer is saving it
+    codec_bytes: dict[str, int] = field(default_factory=dict)  # its objects' bytes by codec
+    raw_bytes: int = 0  # what its objects' tensors would take raw
+
+    def count_object(self, nbytes: int, header: bytes) -> None:
+        """Add one layer object of `nbytes` whose first bytes are `header` (kvstore.codec.header_codec)."""
+        codec, raw = header_codec(header)
+        self.objects += 1
+        self.bytes += nbytes
+        self.raw_bytes += raw
+        _count_codec(self.codec_bytes, codec, nbytes)
 
 
 @dataclass

@@ -283,13 +283,14 @@ class RedisStore(KVStore):
             pipe = self._redis.pipeline(transaction=False)
             for raw, _ in batch:
                 pipe.strlen(raw)
-            for (_, (fp, key, suffix)), size in zip(batch, pipe.execute()):
+                pipe.getrange(raw, 0, codec.HEADER_SIZE - 1)
+            replies = pipe.execute()
+            for (_, (fp, key, suffix)), size, head in zip(batch, replies[::2], replies[1::2]):
                 info = chunks.setdefault((fp, key), ChunkInfo(fp, key, False, 0, 0))
                 if suffix == MARKER:
                     info.committed = True
                 elif not suffix.startswith(MARKER + "."):  # a part marker is no object
-                    info.objects += 1
-                    info.bytes += size
+                    info.count_object(size, head)
         yield from chunks.values()
 
     def _iter_objects(self, fingerprint: str | None) -> Iterator[tuple[str, str, int | str, str, Buffer]]:

@@ -1,0 +1,133 @@
+"""Stored KV codecs: how a [2, n, H, D] KV tensor's payload is encoded in a store object (issue 29).
+
+A store picks its codec with the URL parameter `codec=` (kvstore/__init__.py); every object's header
+records the one it was written with (kvstore/codec.py, byte 7), so a reader needs no configuration and
+a store holding objects of several codecs reads them all.
+
+- `raw` (default): the tensor's bytes; the only codec loads read straight into paged memory.
+- `lossless`: the tensor's bytes split into byte planes (every element's byte 0, then every byte 1, ...:
+  a bf16 KV's exponent-carrying high bytes compress well, its low bytes hardly), zstd level 1. Exact.
+- `int8` / `fp8` (e4m3): 8-bit per-token-group quantization, one group per (K or V, token, head) of
+  head_dim values, its float32 scale absmax/127 (int8) or absmax/448 (e4m3). Payload: the scales
+  [2, n, H] then the codes [2, n, H, D]; both under the object's checksum. Lossy, opt-in, measured
+  (docs/benchmarks.md), never asserted equal.
+
+Everything here runs on a store's I/O threads (encode in the save's background put, decode in the
+load), in numpy: single-threaded by construction, so an I/O thread never starts an OpenMP team of its
+own (docs/architecture.md, "One OpenMP team").
+"""
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy as np
+import torch
+
+RAW, LOSSLESS, INT8, FP8 = "raw", "lossless", "int8", "fp8"
+CODES = {RAW: 0, LOSSLESS: 1, INT8: 2, FP8: 3}  # the header's byte 7
+NAMES = {code: name for name, code in CODES.items()}
+_QMAX = {INT8: 127.0, FP8: 448.0}
+_ZSTD_LEVEL = 1  # level 3 gained little ratio on SmolLM2's KV for several times the encode time
+_local = threading.local()
+
+
+def check_name(name: str) -> str:
+    if name not in CODES:
+        raise ValueError(f"unknown KV codec {name!r}; known: {', '.join(CODES)}")
+    return name
+
+
+def encode(tensor: torch.Tensor, name: str) -> bytes:
+    """The payload of a contiguous CPU tensor [2, n, H, D] under codec `name` (not raw)."""
+    if name == LOSSLESS:
+        raw = tensor.reshape(-1).view(torch.uint8).numpy().reshape(-1, tensor.element_size())
+        return _compressor().compress(np.ascontiguousarray(raw.T).tobytes())
+    qmax = _QMAX[name]
+    x = _as_float32(tensor)  # [2, n, H, D]
+    absmax = np.abs(x).max(axis=-1, keepdims=True) if x.size else np.zeros((*x.shape[:-1], 1), np.float32)
+    scales = np.where(absmax > 0, absmax / qmax, np.float32(1.0)).astype(np.float32)
+    y = x / scales
+    if name == INT8:
+        codes = np.clip(np.rint(y), -127, 127).astype(np.int8).view(np.uint8)
+    else:
+        codes = _to_e4m3(y)
+    return scales.tobytes() + codes.tobytes()
+
+
+def decode(payload: memoryview, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A fresh tensor of `dtype` and `shape` from a payload of codec `name` (not raw); ValueError when the
+    payload does not decode to that shape."""
+    count = int(np.prod(shape))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if name == LOSSLESS:
+        planes = _decompressor().decompress(bytes(payload), max_output_size=count * itemsize)
+        if len(planes) != count * itemsize:
+            raise ValueError(f"{len(planes)} decompressed bytes, expected {count * itemsize}")
+        raw = np.frombuffer(planes, np.uint8).reshape(itemsize, count).T.copy()
+        return torch.from_numpy(raw.reshape(-1)).view(dtype).view(shape)
+    groups = count // shape[-1] if shape[-1] else 0
+    if payload.nbytes != 4 * groups + count:
+        raise ValueError(f"{payload.nbytes} payload bytes, expected {4 * groups + count} for {list(shape)}")
+    scales = np.frombuffer(payload, np.float32, groups).reshape(*shape[:-1], 1)
+    codes = np.frombuffer(payload, np.uint8, count, offset=4 * groups).reshape(shape)
+    values = (codes.view(np.int8).astype(np.float32) if name == INT8 else _E4M3[codes]) * scales
+    return _from_float32(values, dtype)
+
+
+def _as_float32(tensor: torch.Tensor) -> np.ndarray:
+    if tensor.dtype == torch.float32:
+        return tensor.numpy()
+    if tensor.dtype == torch.bfloat16:
+        return (tensor.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    if tensor.dtype == torch.float16:
+        return tensor.view(torch.int16).numpy().view(np.float16).astype(np.float32)
+    raise ValueError(f"no 8-bit codec for {tensor.dtype} KV")
+
+
+def _from_float32(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.float32:
+        return torch.from_numpy(np.ascontiguousarray(values, np.float32))
+    if dtype == torch.float16:
+        return torch.from_numpy(values.astype(np.float16).view(np.int16)).view(torch.float16)
+    if dtype == torch.bfloat16:  # round to nearest even, as torch's float -> bfloat16
+        bits = np.ascontiguousarray(values, np.float32).view(np.uint32)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+    raise ValueError(f"no 8-bit codec for {dtype} KV")
+
+
+@functools.cache
+def _e4m3_table() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(value of each of the 256 codes, the 127 non-negative finite values ascending, their midpoints)."""
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    positive = values[:127]  # codes 0..126: 0 .. 448 ascending (127 is NaN)
+    return np.nan_to_num(values), positive, (positive[1:] + positive[:-1]) / 2
+
+
+_E4M3 = _e4m3_table()[0]
+
+
+def _to_e4m3(y: np.ndarray) -> np.ndarray:
+    """e4m3 codes of values within [-448, 448], to the nearest code (ties up in magnitude)."""
+    _, _, mids = _e4m3_table()
+    magnitude = np.searchsorted(mids, np.minimum(np.abs(y), 448.0), side="right").astype(np.uint8)
+    return magnitude | (np.signbit(y).astype(np.uint8) << 7)
+
+
+def _compressor():
+    found = getattr(_local, "compressor", None)
+    if found is None:
+        import zstandard
+
+        found = _local.compressor = zstandard.ZstdCompressor(level=_ZSTD_LEVEL)
+    return found
+
+
+def _decompressor():
+    found = getattr(_local, "decompressor", None)
+    if found is None:
+        import zstandard
+
+        found = _local.decompressor = zstandard.ZstdDecompressor()
+    return found
