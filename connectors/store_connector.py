@@ -161,7 +161,7 @@ class StoreConnector(ChunkedConnector):
             bounds = [chunk_bounds(idx, plan.num_tokens, self.chunk_size) for idx in plan.chunk_range]
             load = _Load(spec, keys=keys[plan.chunk_range.start:plan.chunk_range.stop],
                          chunk_lens=[end - start for start, end in bounds])
-            load.layouts = self._known_layouts(load.keys)
+            load.layouts = self.store.cached_layouts(load.keys)
             load.whole = load.layouts is None or self._whole(load.layouts)
             if self._cache_bytes and load.whole:
                 lo, hi = (at - plan.aligned_start for at in plan.write_range)
@@ -231,12 +231,6 @@ class StoreConnector(ChunkedConnector):
             raise
         self._scatter(load, layer, target)
         return nbytes
-
-    def _known_layouts(self, keys: list[str]) -> list[WriterLayout] | None:
-        """The chunks' writer layouts when this process's lookup read them (no I/O); else None."""
-        cache = self.store._layout_cache  # noqa: SLF001 (kvstore.base: what the last lookups read)
-        found = [cache.get(key) for key in keys]
-        return None if any(layout is None for layout in found) else found
 
     def _whole(self, layouts: list[WriterLayout]) -> bool:
         """Whether every chunk has a raw object of exactly this rank's heads (the plain whole-object read)."""

@@ -68,6 +68,12 @@ no ttl and no maxmemory, or a policy that never evicts our keys, or a file store
 max_bytes=0), else None; `bounds_note()` says which bound a store got (a file store's default:
 kvstore/fs_space.py). Nodes log both at start-up.
 
+Parallel layouts and codecs: put_layer(layer, chunks, heads=(lo, hi)) writes a TP rank's KV heads only,
+commit(keys, layout=..., part=i) commits one part of a multi-rank writer (kvstore/layout.py), and
+layouts(keys) says what each committed chunk's writer saved (its head groups, its codec); the read
+calls take heads= too, and get_layer_decoded reads objects of any codec (kvstore/kv_codecs.py; a store
+writes with the `codec` it was opened with).
+
 Administration (any fingerprint, used by the `pd-kvstore` CLI; kvstore/admin.py): inventory(), list_chunks(),
 verify(), clear(). stats() returns this process's counters.
 """
@@ -175,6 +181,12 @@ class KVStore(LayerReads, StoreAdmin):
             read = dict(zip(missing, self._guard(self._read_layouts, missing)))
             found = [layout or read[key] for key, layout in zip(keys, found)]
         return found
+
+    def cached_layouts(self, keys: Sequence[str]) -> list[WriterLayout] | None:
+        """The chunks' layouts when this process's lookups read all of them (no I/O), else None."""
+        cache = self._layout_cache
+        found = [cache.get(key) for key in keys]
+        return None if any(layout is None for layout in found) else found
 
     def _remember_layouts(self, pairs: Sequence[tuple[str, WriterLayout]]) -> None:
         """Keep the layouts a lookup read for the load that usually follows it (recent chunks only)."""

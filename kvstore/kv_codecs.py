@@ -13,8 +13,9 @@ a store holding objects of several codecs reads them all.
   (docs/benchmarks.md), never asserted equal.
 
 Everything here runs on a store's I/O threads (encode in the save's background put, decode in the
-load), in numpy: single-threaded by construction, so an I/O thread never starts an OpenMP team of its
-own (docs/architecture.md, "One OpenMP team").
+load), in numpy (single-threaded by construction) and, for the e4m3 conversion, in torch slices below its
+parallel grain: an I/O thread never starts an OpenMP team of its own (docs/architecture.md, "One OpenMP
+team").
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ NAMES = {code: name for name, code in CODES.items()}
 _QMAX = {INT8: 127.0, FP8: 448.0}
 _ZSTD_LEVEL = 1  # level 3 gained little ratio on SmolLM2's KV for several times the encode time
 _local = threading.local()
+_GRAIN = 32768  # torch's internal::GRAIN_SIZE: an elementwise op on fewer elements runs on the calling thread
 
 
 def check_name(name: str) -> str:
@@ -98,21 +100,22 @@ def _from_float32(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 
 @functools.cache
-def _e4m3_table() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(value of each of the 256 codes, the 127 non-negative finite values ascending, their midpoints)."""
-    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
-    positive = values[:127]  # codes 0..126: 0 .. 448 ascending (127 is NaN)
-    return np.nan_to_num(values), positive, (positive[1:] + positive[:-1]) / 2
+def _e4m3_table() -> np.ndarray:
+    """The value of each of the 256 e4m3 codes (the two NaN codes as 0: quantized codes are never NaN)."""
+    return np.nan_to_num(torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy())
 
 
-_E4M3 = _e4m3_table()[0]
+_E4M3 = _e4m3_table()
 
 
 def _to_e4m3(y: np.ndarray) -> np.ndarray:
-    """e4m3 codes of values within [-448, 448], to the nearest code (ties up in magnitude)."""
-    _, _, mids = _e4m3_table()
-    magnitude = np.searchsorted(mids, np.minimum(np.abs(y), 448.0), side="right").astype(np.uint8)
-    return magnitude | (np.signbit(y).astype(np.uint8) << 7)
+    """e4m3 codes of values within [-448, 448] (torch's conversion: round to nearest even), in slices below
+    torch's parallel grain, so the conversion never starts an OpenMP team on an I/O thread."""
+    flat = torch.from_numpy(np.ascontiguousarray(y, np.float32).reshape(-1))
+    out = torch.empty(flat.numel(), dtype=torch.float8_e4m3fn)
+    for start in range(0, flat.numel(), _GRAIN):
+        out[start:start + _GRAIN] = flat[start:start + _GRAIN]
+    return out.view(torch.uint8).numpy().reshape(y.shape)
 
 
 def _compressor():
