@@ -58,6 +58,7 @@ class _Load(InFlightLoad):
     direct: DirectRows | None = None  # reads straight into the blocks: where each byte goes (every layer)
     events: dict[int, Any] = field(default_factory=dict)  # layer -> the event of its copy into paged memory
     layouts: list[WriterLayout] | None = None  # each chunk's writer layout (read once, by the first layer read)
+    layouts_lock: threading.Lock = field(default_factory=threading.Lock)
     whole: bool = True  # every chunk has a raw object of exactly this rank's heads (known once layouts are)
     codecs: set[str] = field(default_factory=set)  # the codecs of the objects read, when not all raw
 
@@ -209,7 +210,9 @@ class StoreConnector(ChunkedConnector):
         if load.failed:  # an earlier layer already failed: the request recomputes, skip the read
             return 0
         if load.layouts is None:
-            with load.lock:  # the first layer read asks the markers, the others wait for it
+            # The first layer read asks the markers, the others wait for it; not under load.lock, which the
+            # engine thread takes to cancel a load and must never wait for the store.
+            with load.layouts_lock:
                 if load.layouts is None:
                     load.layouts = self.store.layouts(load.keys)
                     load.whole = self._whole(load.layouts)
