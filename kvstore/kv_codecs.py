@@ -71,10 +71,19 @@ def decode(payload: memoryview, name: str, dtype: torch.dtype, shape: tuple[int,
     groups = count // shape[-1] if shape[-1] else 0
     if payload.nbytes != 4 * groups + count:
         raise ValueError(f"{payload.nbytes} payload bytes, expected {4 * groups + count} for {list(shape)}")
-    scales = np.frombuffer(payload, np.float32, groups).reshape(*shape[:-1], 1)
-    codes = np.frombuffer(payload, np.uint8, count, offset=4 * groups).reshape(shape)
-    values = (codes.view(np.int8).astype(np.float32) if name == INT8 else _E4M3[codes]) * scales
-    return _from_float32(values, dtype)
+    scales = torch.frombuffer(payload, dtype=torch.float32, count=groups).view(*shape[:-1], 1)
+    # int8 codes go to the multiply as they are; e4m3 ones through a table (torch's own float8 -> float
+    # conversion is ~15x slower on CPU)
+    if name == INT8:
+        values = torch.frombuffer(payload, dtype=torch.int8, count=count, offset=4 * groups)
+    else:
+        values = torch.from_numpy(_E4M3[np.frombuffer(payload, np.uint8, count, offset=4 * groups)])
+    out = torch.empty(shape, dtype=dtype)
+    rows = max(1, _GRAIN // max(1, shape[-1]))  # one multiply per slice below torch's parallel grain
+    flat_out, flat_values, flat_scales = out.view(-1, shape[-1]), values.view(-1, shape[-1]), scales.view(-1, 1)
+    for start in range(0, flat_out.shape[0], rows):
+        torch.mul(flat_values[start:start + rows], flat_scales[start:start + rows], out=flat_out[start:start + rows])
+    return out
 
 
 def _as_float32(tensor: torch.Tensor) -> np.ndarray:
@@ -85,18 +94,6 @@ def _as_float32(tensor: torch.Tensor) -> np.ndarray:
     if tensor.dtype == torch.float16:
         return tensor.view(torch.int16).numpy().view(np.float16).astype(np.float32)
     raise ValueError(f"no 8-bit codec for {tensor.dtype} KV")
-
-
-def _from_float32(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    if dtype == torch.float32:
-        return torch.from_numpy(np.ascontiguousarray(values, np.float32))
-    if dtype == torch.float16:
-        return torch.from_numpy(values.astype(np.float16).view(np.int16)).view(torch.float16)
-    if dtype == torch.bfloat16:  # round to nearest even, as torch's float -> bfloat16
-        bits = np.ascontiguousarray(values, np.float32).view(np.uint32)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-        return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
-    raise ValueError(f"no 8-bit codec for {dtype} KV")
 
 
 @functools.cache
