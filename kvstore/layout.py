@@ -52,8 +52,8 @@ class KVShard:
               stage_layers: list[tuple[int, int]] | None = None) -> KVShard:
         """The shard of TP rank `tp_rank` in PP stage `pp_rank` (global rank pp_rank * tp_size + tp_rank,
         vLLM's order). KV heads split evenly across TP ranks, or replicated tp_size // num_kv_heads times
-        when TP exceeds them (vLLM's rule); `stage_layers` is each stage's [lo, hi) (default: even split,
-        the remainder to the first stages)."""
+        when TP exceeds them (vLLM's rule); `stage_layers` is each stage's [lo, hi) (default: vLLM's
+        get_pp_indices, an even split whose remainder goes one layer each to the stages before the last)."""
         if tp_size < 1 or pp_size < 1 or not 0 <= tp_rank < tp_size or not 0 <= pp_rank < pp_size:
             raise ValueError(f"rank tp {tp_rank}/{tp_size}, pp {pp_rank}/{pp_size} is not a rank of that layout")
         if tp_size <= num_kv_heads:
@@ -69,7 +69,9 @@ class KVShard:
             heads, writes, starts = (head, head + 1), tp_rank % replicas == 0, tuple(range(num_kv_heads))
         if stage_layers is None:
             base, extra = divmod(num_layers, pp_size)
-            sizes = [base + (i < extra) for i in range(pp_size)]
+            sizes = [base] * pp_size
+            for i in range(2, extra + 2):
+                sizes[-i] += 1
             stage_layers = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(pp_size)]
         if len(stage_layers) != pp_size or stage_layers[0][0] != 0 or stage_layers[-1][1] != num_layers or \
                 any(a[1] != b[0] for a, b in zip(stage_layers, stage_layers[1:])) or \

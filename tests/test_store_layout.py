@@ -196,8 +196,18 @@ def test_shards_of_vllm_layouts():
     tp4 = _shards(4, 1)
     assert [(s.heads, s.writes) for s in tp4] == [((0, 1), True), ((0, 1), False), ((1, 2), True), ((1, 2), False)]
     pp = KVShard.tp_pp(0, 1, 2, 3, 7, 2)
-    assert pp.layers == (5, 7) and pp.layer_starts == (0, 3, 5)  # uneven: the first stages take the extra layers
+    assert pp.layers == (5, 7) and pp.layer_starts == (0, 2, 5)  # uneven: vLLM's split, [2, 3, 2]
+    assert KVShard.tp_pp(0, 1, 0, 2, 5, 2).layers == (0, 3)
     with pytest.raises(ValueError, match="do not split"):
         KVShard.tp_pp(0, 3, 0, 1, 4, 4)
     assert WriterLayout.decode(WriterLayout(4, 2, (0, 2), (0, 1)).encode()) == WriterLayout(4, 2, (0, 2), (0, 1))
     assert WriterLayout(30).encode() == "30"  # the single-process marker, as before layouts existed
+
+
+def test_uneven_pipeline_stages_hand_off_both_ways(tmp_path):
+    url = f"file://{tmp_path}"
+    assert [s.layers for s in _shards(1, 3)] == [(0, 1), (1, 3), (3, 4)]  # 4 layers over 3 stages
+    for seed, (writer, reader) in enumerate([((1, 3), (2, 1)), ((2, 1), (1, 3)), ((1, 3), (4, 1))], start=80):
+        tokens, truth = _prompt(seed)
+        _save(url, writer, truth, tokens)
+        assert _load(url, reader, truth, tokens) == TOKENS, (writer, reader)
