@@ -131,3 +131,16 @@ def test_an_8bit_hand_off_loads_and_names_its_codec(tiny_llama, tmp_path, caplog
     finally:
         producer.engine.shutdown()
         consumer.engine.shutdown()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_the_compiled_decode_equals_the_torch_one_bit_for_bit(codec, dtype, monkeypatch):
+    from pdserve.kvstore import kv_codecs
+
+    assert kv_codecs._dequant_library() is not None  # noqa: SLF001 (gcc is part of this machine's setup)
+    tensor = (torch.randn(2, 40, 3, 64, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)
+    payload = memoryview(kv_codecs.encode(tensor, codec))
+    compiled = kv_codecs.decode(payload, codec, dtype, tuple(tensor.shape))
+    monkeypatch.setattr(kv_codecs, "_dequant_library", lambda: None)  # the path without a library
+    assert torch.equal(compiled, kv_codecs.decode(payload, codec, dtype, tuple(tensor.shape)))
