@@ -12,6 +12,7 @@ import re
 import pytest
 import torch
 
+from pdserve.connectors.kv_hits import parse_line
 from pdserve.kvstore import CorruptObject, open_store
 from pdserve.kvstore.cli import main as pd_kvstore
 from tests.connector_helpers import (GREEDY, PREFILL, capture, check_full_handoff, engine_pair, hf_greedy, prompt,
@@ -127,6 +128,7 @@ def test_an_8bit_hand_off_loads_and_names_its_codec(tiny_llama, tmp_path, caplog
         assert len(token_ids(out)[0]) == GREEDY.max_tokens and out[0].num_cached_tokens == 299
         loads = [r.getMessage() for r in caplog.records if "Retrieved" in r.getMessage()]
         assert len(loads) == 1 and loads[0].endswith("codec: int8")
+        assert parse_line(loads[0]).values["need"] == 299  # pd-kv-hits reads the line as before
         assert not [r for r in caplog.records if "KV load failed" in r.getMessage()]
     finally:
         producer.engine.shutdown()
