@@ -155,12 +155,37 @@ class KVTransferConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """vLLM's tensor_parallel_size / pipeline_parallel_size: one process per rank (engine/parallel/).
+
+    `distributed_timeout_s` bounds every collective of a step and the ranks' join at start-up, so a rank
+    that hangs or never arrives fails the engine instead of blocking it (gloo cannot be interrupted)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.kv_transfer.enabled and self.kv_transfer.chunk_size % self.cache.block_size:
@@ -171,9 +196,9 @@ class EngineConfig:
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
         """Build from flat keyword options (LLM(...) and the CLIs); unknown names are an error."""
         parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "kv_transfer": {},
-                                            "device": {}}
+                                            "device": {}, "parallel": {}}
         classes = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                   "kv_transfer": KVTransferConfig, "device": DeviceConfig}
+                   "kv_transfer": KVTransferConfig, "device": DeviceConfig, "parallel": ParallelConfig}
         for key, value in kwargs.items():
             for part, klass in classes.items():
                 if key in {f.name for f in dataclasses.fields(klass)}:
@@ -183,4 +208,5 @@ class EngineConfig:
                 raise TypeError(f"unknown engine option {key!r}")
         return cls(model=ModelConfig(model=str(model), **parts["model"]), cache=CacheConfig(**parts["cache"]),
                    scheduler=SchedulerConfig(**parts["scheduler"]),
-                   kv_transfer=KVTransferConfig(**parts["kv_transfer"]), device=DeviceConfig(**parts["device"]))
+                   kv_transfer=KVTransferConfig(**parts["kv_transfer"]), device=DeviceConfig(**parts["device"]),
+                   parallel=ParallelConfig(**parts["parallel"]))

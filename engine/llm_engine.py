@@ -414,3 +414,4 @@ class LLMEngine:
     def shutdown(self) -> None:
         if self.connector is not None:
             self.connector.shutdown()
+        self.model_runner.shutdown()

@@ -20,6 +20,7 @@ from pdserve.engine.device import Platform, resolve_device
 from pdserve.engine.input_batch import InputBatchBuilder, StepInputs
 from pdserve.engine.loader import iterate_weights
 from pdserve.engine.models import build_model
+from pdserve.engine.parallel import setup as parallel_setup
 from pdserve.engine.prompt_logprobs import compute_prompt_logprobs
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
@@ -28,6 +29,7 @@ from pdserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_connector import KVConnectorBase
+    from pdserve.engine.parallel.group import RankGroup
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,10 @@ def resolve_dtype(requested: str, hf_config: Any) -> torch.dtype:
 class ModelRunner:
     """Flattens a SchedulerOutput into one batch, runs the model over paged KV, samples tokens."""
 
-    def __init__(self, config: EngineConfig, connector: KVConnectorBase | None = None) -> None:
+    def __init__(self, config: EngineConfig, connector: KVConnectorBase | None = None,
+                 group: RankGroup | None = None) -> None:
+        """`group`: given on ranks other than 0 (engine/parallel/worker.py); rank 0 of a parallel engine
+        starts the other ranks itself."""
         self.config = config
         self.connector = connector
         model_dir = config.model.model
@@ -65,6 +70,8 @@ class ModelRunner:
         self.platform = Platform(resolve_device(config.device.device))
         self.device = device = self.platform.device
         self.dtype = resolve_dtype(config.model.dtype, cfg)
+        # The whole model's counts (the fingerprint and the store's objects are layout-free); this rank's
+        # share of them is self.shard (engine/parallel/setup.py).
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -73,10 +80,13 @@ class ModelRunner:
         self.max_model_len = self._max_model_len()
 
         snapshot = kv_cache_sizing.MemorySnapshot.take(self.platform) if self.platform.is_cuda else None
+        self.shard = shard = parallel_setup.RankShard.make(config, cfg, self.platform, group)
         with torch.device(device):  # parameters and buffers are created on the engine's device
-            self.model = build_model(cfg, self.dtype, max_positions=self.max_model_len)
-        self.model.load_weights(iterate_weights(model_dir, device))
+            self.model = build_model(shard.hf_config, self.dtype, max_positions=self.max_model_len,
+                                     shard=shard.model_shard)
+        self.model.load_weights(shard.weights(iterate_weights(model_dir, device)))
         self.model.eval()
+        self.driver = shard.driver(self.model, self.dtype, self)
         self.attn_backend = select_attention_backend(device, config.device.attention_backend)
         self.sampler = Sampler(config.model.seed, device)
         sc = config.scheduler
@@ -84,24 +94,25 @@ class ModelRunner:
                                         -(-self.max_model_len // self.block_size))
 
         dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
-        self.bytes_per_block_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim * dtype_bytes
+        kv_heads, layers = shard.num_kv_heads, shard.num_layers  # this rank's
+        self.bytes_per_block_layer = 2 * self.block_size * kv_heads * self.head_dim * dtype_bytes
         budget = kv_cache_sizing.fixed_budget(config.cache, self.platform)
         if budget is None:
             budget = self._profile_kv_budget(snapshot)
         self.kv_cache_memory = budget
-        self.num_blocks = budget // (self.num_layers * self.bytes_per_block_layer)
+        self.num_blocks = budget // (layers * self.bytes_per_block_layer)
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory={budget} bytes is less than one block for "
-                             f"all layers ({self.num_layers * self.bytes_per_block_layer} bytes)")
-        logger.info("KV block size: 2 x %d tokens x %d kv heads x %d head dim x %d bytes (%s) = %d bytes/block/layer",
-                    self.block_size, self.num_kv_heads, self.head_dim, dtype_bytes, str(self.dtype).removeprefix(
-                        "torch."), self.bytes_per_block_layer)
-        logger.info("KV cache: %d bytes budget // (%d layers x %d bytes/block/layer) = %d blocks (%d tokens, "
-                    "%.1f MiB) on %s", budget, self.num_layers, self.bytes_per_block_layer,
+                             f"all layers ({layers * self.bytes_per_block_layer} bytes)")
+        logger.info("%sKV block size: 2 x %d tokens x %d kv heads x %d head dim x %d bytes (%s) = %d "
+                    "bytes/block/layer", shard.prefix, self.block_size, kv_heads, self.head_dim, dtype_bytes,
+                    str(self.dtype).removeprefix("torch."), self.bytes_per_block_layer)
+        logger.info("%sKV cache: %d bytes budget // (%d layers x %d bytes/block/layer) = %d blocks (%d tokens, "
+                    "%.1f MiB) on %s", shard.prefix, budget, layers, self.bytes_per_block_layer,
                     self.num_blocks, self.num_blocks * self.block_size,
-                    self.num_blocks * self.num_layers * self.bytes_per_block_layer / 2**20, self.platform.describe())
-        self.kv_caches = self.platform.allocate_kv_caches(self.num_layers, self.num_blocks, self.block_size,
-                                                          self.num_kv_heads, self.head_dim, self.dtype)
+                    self.num_blocks * layers * self.bytes_per_block_layer / 2**20, self.platform.describe())
+        self.num_blocks = shard.agree_num_blocks(self.num_blocks)
+        self.kv_caches = shard.allocate_kv_caches(self.num_blocks, self.block_size, self.head_dim, self.dtype)
         identity = {k: v for k, v in cfg.to_dict().items() if k not in _NON_IDENTITY_KEYS}
         self.fingerprint = model_fingerprint(identity, str(self.dtype), self.num_layers, self.num_kv_heads,
                                              self.head_dim)
@@ -135,7 +146,7 @@ class ModelRunner:
         with torch.inference_mode():
             inputs = self._dummy_batch(num_tokens, num_reqs)
             hidden = self._forward(inputs, scratch)
-            self.model.compute_logits(hidden[inputs.logits_indices]).argmax(dim=-1)  # the logits' memory too
+            self.compute_logits(hidden[inputs.logits_indices]).argmax(dim=-1)  # the logits' memory too
         del scratch, hidden
         profile = kv_cache_sizing.measure_profile(
             self.platform, snapshot, after_load, torch.cuda.max_memory_allocated(device),
@@ -164,7 +175,21 @@ class ModelRunner:
         ctx = ForwardContext(attn_metadata=inputs.attn_metadata, kv_caches=kv_caches, attn_backend=self.attn_backend,
                              connector=connector, connector_metadata=connector_metadata)
         with set_forward_context(ctx):
-            return self.model(inputs.input_ids, inputs.positions, keep_rows)
+            if self.driver is None:
+                return self.model(inputs.input_ids, inputs.positions, keep_rows)
+            return self.driver.forward(parallel_setup.step_layout(inputs, keep_rows),
+                                       lambda carry: self.model(inputs.input_ids, inputs.positions, keep_rows, carry))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary fp32 logits of hidden rows (gathered over the tensor-parallel ranks)."""
+        if self.driver is None:
+            return self.model.compute_logits(hidden)
+        return self.driver.compute_logits(self.model, hidden)
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a parallel engine (nothing to do for one process)."""
+        if self.driver is not None:
+            self.driver.close()
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -197,7 +222,7 @@ class ModelRunner:
         if prompt_logprobs:
             self._prompt_logprobs(so, inputs, hidden, output)
         if keep:
-            logits = self.model.compute_logits(sampled if len(keep) == len(reqs) else sampled[keep])
+            logits = self.compute_logits(sampled if len(keep) == len(reqs) else sampled[keep])
             kept = [reqs[i] for i in keep]
             # Choice 0 of an n > 1 request finishing its prompt: its forks sample from the same logits.
             forked = [(row, f) for row, r in enumerate(kept) for f in r.forks]
@@ -220,14 +245,17 @@ class ModelRunner:
         num_new = [so.num_scheduled_tokens[r.request_id] for r in reqs]
         query_starts = inputs.attn_metadata.query_start_loc_cpu[:-1]
         output.prompt_logprobs.update(compute_prompt_logprobs(
-            self.model.compute_logits, hidden, reqs, [r.num_computed_tokens for r in reqs], num_new, query_starts))
+            self.compute_logits, hidden, reqs, [r.num_computed_tokens for r in reqs], num_new, query_starts))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks (every layer, K and V) from source to destination ids, on the device."""
-        device = self.kv_caches[0].device
+        if self.driver is not None:
+            self.driver.copy_blocks(pairs)
+        kv_caches = [kv for kv in self.kv_caches if kv is not None]  # a pipeline stage holds its layers only
+        device = kv_caches[0].device
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long).to(device, non_blocking=True)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long).to(device, non_blocking=True)
-        for kv in self.kv_caches:
+        for kv in kv_caches:
             kv.index_copy_(1, dst, kv.index_select(1, src))
 
     def _finish_connector_step(self, so: SchedulerOutput, output: ModelRunnerOutput) -> None:

@@ -8,6 +8,7 @@ from torch import nn
 
 from pdserve.engine.models.gemma3 import Gemma3ForCausalLM
 from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.parallel.group import ModelShard
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -28,5 +29,7 @@ def get_model_class(hf_config: Any) -> type[nn.Module]:
                      f"supported: {', '.join(MODEL_REGISTRY)}")
 
 
-def build_model(hf_config: Any, dtype: torch.dtype, max_positions: int | None = None) -> nn.Module:
-    return get_model_class(hf_config)(hf_config, dtype, max_positions)
+def build_model(hf_config: Any, dtype: torch.dtype, max_positions: int | None = None,
+                shard: ModelShard | None = None) -> nn.Module:
+    """`shard` (engine/parallel): this rank's layers and tensor-parallel ops; None builds the whole model."""
+    return get_model_class(hf_config)(hf_config, dtype, max_positions, shard)

@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.models.linear import Linear
-from pdserve.engine.models.llama import Attention, LlamaForCausalLM, RotaryEmbedding, parse_rope, rope_settings
+from pdserve.engine.models.llama import (Attention, LlamaForCausalLM, RotaryEmbedding, parse_rope, rope_settings,
+                                         stage_layers)
+from pdserve.engine.parallel.group import SINGLE, ModelShard, TPOps
 
 
 class GemmaRMSNorm(nn.Module):
@@ -41,8 +43,9 @@ class GemmaRMSNorm(nn.Module):
 
 
 class GemmaMLP(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Any, dtype: torch.dtype, tp: TPOps = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None)
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise ValueError(f"Gemma 3 MLP activation {act!r} is not supported; supported: gelu_pytorch_tanh")
@@ -52,20 +55,20 @@ class GemmaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.tp.reduce(self.down_proj(F.gelu(gate, approximate="tanh") * up))
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Any, layer_idx: int, dtype: torch.dtype, tp: TPOps = SINGLE) -> None:
         super().__init__()
         eps, hidden = cfg.rms_norm_eps, cfg.hidden_size
         bias = bool(getattr(cfg, "attention_bias", False))
         self.input_layernorm = GemmaRMSNorm(hidden, eps, dtype)
         self.self_attn = Attention(cfg, layer_idx, bias, bias, dtype, GemmaRMSNorm,
-                                   scale=cfg.query_pre_attn_scalar ** -0.5)
+                                   scale=cfg.query_pre_attn_scalar ** -0.5, tp=tp)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, dtype)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype)
-        self.mlp = GemmaMLP(cfg, dtype)
+        self.mlp = GemmaMLP(cfg, dtype, tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, dtype)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -88,8 +91,12 @@ def _layer_rope_settings(cfg: Any, layer_type: str) -> tuple[float, dict[str, An
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: Any, dtype: torch.dtype, max_positions: int | None = None) -> None:
+    carries_residual = False  # its layers add their own residual: a stage hands on one stream
+
+    def __init__(self, cfg: Any, dtype: torch.dtype, max_positions: int | None = None,
+                 shard: ModelShard | None = None) -> None:
         nn.Module.__init__(self)
+        self.shard = shard = shard or ModelShard.whole(cfg.num_hidden_layers)
         self.arch = "Gemma3ForCausalLM"
         if getattr(cfg, "attn_logit_softcapping", None) is not None:
             raise ValueError("attention logit soft-capping (attn_logit_softcapping) is not supported")
@@ -101,27 +108,22 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.rotary = nn.ModuleDict({t: RotaryEmbedding(head_dim, positions, *_layer_rope_settings(cfg, t), dtype)
                                      for t in sorted(set(self.layer_types))})
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
-        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
-                                         requires_grad=False)
         self.register_buffer("normalizer", torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype), persistent=False)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens
+        self.layers = stage_layers(cfg, shard, lambda i: GemmaDecoderLayer(cfg, i, dtype, shard.tp))
+        self._ends(cfg, dtype, GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if shard.last else None)
         self.final_logit_softcapping = getattr(cfg, "final_logit_softcapping", None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_tokens) * self.normalizer
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep_rows: torch.Tensor | None = None,
+                carry: tuple[torch.Tensor, None] | None = None) -> Any:
+        x = self.shard.tp.embed(input_ids, self.embed_tokens) * self.normalizer if carry is None else carry[0]
         ropes = {t: rotary(positions) for t, rotary in self.rotary.items()}
         last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            x = layer(x, ropes[self.layer_types[i]], keep_rows if i == last else None)
-        return self.norm(x)
+        for i in range(*self.shard.layers):
+            x = self.layers[i](x, ropes[self.layer_types[i]], keep_rows if i == last else None)
+        return self.norm(x) if self.shard.last else (x, None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+        logits = self.shard.tp.gather_logits(self.lm_head(hidden))
         cap = self.final_logit_softcapping
         if cap is not None:  # in the weights' dtype, as transformers does
             logits = torch.tanh(logits / cap) * cap

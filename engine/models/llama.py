@@ -20,6 +20,7 @@ from torch import nn
 from pdserve.engine.attention import PagedAttention
 from pdserve.engine.models import block_ops
 from pdserve.engine.models.linear import Linear
+from pdserve.engine.parallel.group import SINGLE, ModelShard, TPOps
 
 
 class RMSNorm(nn.Module):
@@ -101,8 +102,9 @@ class Attention(nn.Module):
     before RoPE; `scale` defaults to head_dim ** -0.5."""
 
     def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool, o_bias: bool, dtype: torch.dtype,
-                 qk_norm: type[nn.Module] | None = None, scale: float | None = None) -> None:
+                 qk_norm: type[nn.Module] | None = None, scale: float | None = None, tp: TPOps = SINGLE) -> None:
         super().__init__()
+        self.tp = tp  # under tensor parallelism cfg holds this rank's head counts (engine/parallel/sharding.py)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
@@ -125,12 +127,13 @@ class Attention(nn.Module):
         qk = block_ops.rope(qk, *rope)  # q and k heads side by side: one rotation for both
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         out = self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], v)
-        return self.o_proj(out)
+        return self.tp.reduce(self.o_proj(out))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Any, dtype: torch.dtype, tp: TPOps = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
         if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "mlp_bias", False):
             raise ValueError("only SwiGLU MLPs without bias (hidden_act='silu') are supported")
         self.intermediate = cfg.intermediate_size
@@ -138,17 +141,17 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.intermediate, cfg.hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(block_ops.silu_mul(self.gate_up_proj(x)))
+        return self.tp.reduce(self.down_proj(block_ops.silu_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool, o_bias: bool, dtype: torch.dtype,
-                 qk_norm: bool = False) -> None:
+                 qk_norm: bool = False, tp: TPOps = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, layer_idx, qkv_bias, o_bias, dtype, RMSNorm if qk_norm else None)
+        self.self_attn = Attention(cfg, layer_idx, qkv_bias, o_bias, dtype, RMSNorm if qk_norm else None, tp=tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype)
+        self.mlp = MLP(cfg, dtype, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 keep_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,12 +167,29 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class _OtherStage(nn.Identity):
+    """A layer another pipeline stage holds: keeps layer indices global, holds no weights."""
+
+
+def stage_layers(cfg: Any, shard: ModelShard, make: Any) -> nn.ModuleList:
+    lo, hi = shard.layers
+    return nn.ModuleList(make(i) if lo <= i < hi else _OtherStage() for i in range(cfg.num_hidden_layers))
+
+
 class LlamaForCausalLM(nn.Module):
     """Also Qwen2 (bias on q/k/v, usually tied embeddings), Mistral (same math as Llama) and Qwen3 (q/k
-    RMSNorm per head, head_dim independent of hidden_size / heads, no qkv bias unless attention_bias)."""
+    RMSNorm per head, head_dim independent of hidden_size / heads, no qkv bias unless attention_bias).
 
-    def __init__(self, cfg: Any, dtype: torch.dtype, max_positions: int | None = None) -> None:
+    Under pipeline parallelism (`shard`) the layers of other stages are placeholders, the first stage alone
+    embeds and has the LM head, the last alone has the final norm; `forward` then takes and returns the
+    stage's (hidden, residual) `carry`."""
+
+    carries_residual = True  # a stage hands on (hidden, residual), not one stream
+
+    def __init__(self, cfg: Any, dtype: torch.dtype, max_positions: int | None = None,
+                 shard: ModelShard | None = None) -> None:
         super().__init__()
+        self.shard = shard = shard or ModelShard.whole(cfg.num_hidden_layers)
         self.arch = arch = (getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])[0]
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         qkv_bias = arch == "Qwen2ForCausalLM" or attention_bias
@@ -179,33 +199,39 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(head_dim, max_positions or cfg.max_position_embeddings, theta, rope_params,
                                       dtype)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
-                                         requires_grad=False)
         qk_norm = arch == "Qwen3ForCausalLM"
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, qkv_bias, o_bias, dtype, qk_norm)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens
+        self.layers = stage_layers(cfg, shard, lambda i: DecoderLayer(cfg, i, qkv_bias, o_bias, dtype, qk_norm,
+                                                                      shard.tp))
+        self._ends(cfg, dtype, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if shard.last else None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def _ends(self, cfg: Any, dtype: torch.dtype, norm: nn.Module | None) -> None:
+        """The embedding and LM head (first stage), the final norm (last stage)."""
+        self.embed_tokens = self.lm_head = None
+        if self.shard.first:
+            self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
+                                             requires_grad=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+            if self.tie_word_embeddings:
+                self.lm_head.weight = self.embed_tokens
+        self.norm = norm
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, keep_rows: torch.Tensor | None = None,
+                carry: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> Any:
         """Hidden states [n, hidden] of a flattened batch (layout in the forward context); with
         `keep_rows`, only those rows' [len(keep_rows), hidden], in that order.
 
         Rows are independent after the last layer's attention: a prompt's rows whose logits nobody
         reads need their K/V from every layer, but not the last layer's MLP (docs/architecture.md,
         "Last-layer rows")."""
-        x, residual = F.embedding(input_ids, self.embed_tokens), None
+        x, residual = (self.shard.tp.embed(input_ids, self.embed_tokens), None) if carry is None else carry
         rope = self.rotary(positions)
         last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, rope, keep_rows if i == last else None)
-        return self.norm(x, residual)[0]
+        for i in range(*self.shard.layers):
+            x, residual = self.layers[i](x, residual, rope, keep_rows if i == last else None)
+        return self.norm(x, residual)[0] if self.shard.last else (x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.shard.tp.gather_logits(self.lm_head(hidden)).float()
 
     # ---- weights ----
     def _target(self, name: str) -> tuple[torch.Tensor, int, int] | None:

@@ -1,0 +1,116 @@
+"""Rank 0 starts ranks 1..N-1 as child processes and supervises them.
+
+Each child is `python -m pdserve.engine.parallel.worker`, reading its rank, the rendezvous port and the
+engine config as one JSON line on stdin. The rendezvous is a TCPStore on a free port of 127.0.0.1 (the
+ranks of a node share its machine). A child dies with its parent (engine/parallel/worker.py); rank 0
+polls its children and, when one exits, logs it, stops the others and calls `on_death` (a server exits:
+engine/async_engine.py; the offline LLM's next step raises).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from pdserve.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.2
+_STOP_WAIT_S = 10.0
+
+
+def joined_key(rank: int) -> str:
+    return f"joined/{rank}"
+
+
+def config_to_json(config: EngineConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+class RankFailure(RuntimeError):
+    """A rank died or never joined: the engine cannot step any more."""
+
+
+class RankProcesses:
+    def __init__(self, config: EngineConfig) -> None:
+        par = config.parallel
+        self.world = par.world_size
+        self.timeout_s = par.distributed_timeout_s
+        self.store = dist.TCPStore("127.0.0.1", 0, self.world, True,
+                                   timeout=datetime.timedelta(seconds=self.timeout_s), wait_for_workers=False)
+        self.port = self.store.port
+        self.on_death: Callable[[int, int | None], None] | None = None
+        self.failure: str | None = None
+        self._stopping = False
+        self.procs: dict[int, subprocess.Popen] = {}
+        spec = config_to_json(config)
+        for rank in range(1, self.world):
+            proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.parallel.worker"], stdin=subprocess.PIPE)
+            proc.stdin.write(json.dumps({"rank": rank, "port": self.port, "config": spec}).encode() + b"\n")
+            proc.stdin.close()
+            self.procs[rank] = proc
+        logger.info("parallel: started ranks %s (pids %s), rendezvous 127.0.0.1:%d",
+                    list(self.procs), [p.pid for p in self.procs.values()], self.port)
+
+    def wait_joined(self) -> None:
+        """Until every child has loaded its shard and connected; a child that exits or a deadline fails."""
+        deadline = time.monotonic() + self.timeout_s
+        keys = [joined_key(r) for r in self.procs]
+        while not self.store.check(keys):
+            for rank, proc in self.procs.items():
+                if proc.poll() is not None:
+                    self.kill()
+                    raise RankFailure(f"rank {rank} exited with code {proc.returncode} before joining "
+                                      "(its error is logged above)")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RankFailure(f"ranks did not join within distributed_timeout_s={self.timeout_s:g} s")
+            time.sleep(_POLL_S / 4)
+
+    def supervise(self) -> None:
+        threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self._stopping:
+            for rank, proc in self.procs.items():
+                if proc.poll() is not None and not self._stopping:
+                    self.failure = f"rank {rank} (pid {proc.pid}) exited with code {proc.returncode}"
+                    logger.error("parallel: %s; stopping the other ranks", self.failure)
+                    self.kill()
+                    if self.on_death is not None:
+                        self.on_death(rank, proc.returncode)
+                    return
+            time.sleep(_POLL_S)
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise RankFailure(f"the engine lost a rank: {self.failure}")
+
+    def kill(self) -> None:
+        self._stopping = True
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs.values():
+            proc.wait()
+
+    def stop(self) -> None:
+        """End every child: they were told STOP already when the engine shut down cleanly."""
+        self._stopping = True
+        deadline = time.monotonic() + _STOP_WAIT_S
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,115 @@
+"""A rank other than 0: `python -m pdserve.engine.parallel.worker`, its spec as one JSON line on stdin.
+
+It joins rank 0's rendezvous, builds its shard of the model and KV cache through the ordinary ModelRunner,
+then follows rank 0's commands until STOP (engine/parallel/step_codec.py). It dies with its parent.
+"""
+from __future__ import annotations
+
+import ctypes
+import datetime
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from pdserve.engine.config import (CacheConfig, DeviceConfig, EngineConfig, KVTransferConfig, ModelConfig,
+                                   ParallelConfig, SchedulerConfig)
+from pdserve.engine.parallel.launcher import joined_key
+
+logger = logging.getLogger("pdserve.engine.parallel.worker")
+_PR_SET_PDEATHSIG = 1
+
+
+def config_from_json(d: dict) -> EngineConfig:
+    return EngineConfig(model=ModelConfig(**d["model"]), cache=CacheConfig(**d["cache"]),
+                        scheduler=SchedulerConfig(**d["scheduler"]), kv_transfer=KVTransferConfig(**d["kv_transfer"]),
+                        device=DeviceConfig(**d["device"]), parallel=ParallelConfig(**d["parallel"]))
+
+
+def die_with_parent() -> None:
+    """SIGKILL when the parent exits (Linux), and a poll for where prctl is missing."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def serve(runner, group) -> None:
+    from pdserve.engine.attention import ForwardContext, build_attention_metadata, set_forward_context
+    from pdserve.engine.parallel.stage import StageExecutor
+    from pdserve.engine.parallel.step_codec import HEADER, Command, StepLayout
+
+    stage = StageExecutor(group, runner.hf_config.hidden_size, runner.dtype, runner.model.carries_residual)
+    h = torch.empty(HEADER, dtype=torch.int64)
+    with torch.inference_mode():
+        while True:
+            group.broadcast(h, idle=True)
+            command = Command(int(h[0]))
+            if command == Command.STOP:
+                return
+            if command == Command.COPY:
+                pairs = group.broadcast(torch.empty(2 * int(h[1]), dtype=torch.int64)).view(-1, 2).tolist()
+                runner.copy_blocks(pairs)
+            elif command == Command.LOGITS:
+                rows = group.broadcast(torch.empty(int(h[1]), int(h[2]), dtype=runner.dtype))
+                if group.layout.is_first_stage:
+                    runner.model.compute_logits(rows)
+            elif command == Command.STEP:
+                layout = StepLayout.decode(h, group.broadcast(torch.empty(StepLayout.payload_size(h),
+                                                                          dtype=torch.int64)))
+                meta = build_attention_metadata(layout.query_start_loc, layout.seq_lens, layout.block_tables,
+                                                layout.slot_mapping)
+                ctx = ForwardContext(attn_metadata=meta, kv_caches=runner.kv_caches, attn_backend=runner.attn_backend)
+                with set_forward_context(ctx):
+                    stage.forward(lambda carry: runner.model(layout.input_ids, layout.positions, layout.keep_rows,
+                                                             carry),
+                                  layout.input_ids.numel(), 0)
+
+
+def main() -> int:
+    die_with_parent()
+    spec = json.loads(sys.stdin.readline())
+    rank = spec["rank"]
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s")
+    config = config_from_json(spec["config"])
+    from pdserve.engine.model_runner import ModelRunner, load_hf_config
+    from pdserve.engine.parallel.group import RankGroup
+    from pdserve.engine.parallel.layout import ModelDims, ParallelLayout
+
+    par = config.parallel
+    layout = ParallelLayout(par.tensor_parallel_size, par.pipeline_parallel_size, rank,
+                            ModelDims.from_hf(load_hf_config(config.model.model)))
+    store = dist.TCPStore("127.0.0.1", spec["port"], layout.world_size, False,
+                          timeout=datetime.timedelta(seconds=par.distributed_timeout_s))
+    store.set(joined_key(rank), "1")
+    group = RankGroup(store, layout, par.distributed_timeout_s)
+    runner = ModelRunner(config, group=group)
+    try:
+        serve(runner, group)
+    except RuntimeError as e:  # rank 0 went away mid-collective: its supervision reports it, not us
+        logger.error("rank %d: %s; exiting", rank, str(e).splitlines()[0])
+        return 1
+    finally:
+        group.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
