@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from pdserve.engine.outputs import RequestOutput, Resume
+from pdserve.engine.parallel.launcher import exit_process
 from pdserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,9 @@ class AsyncLLMEngine:
         self.num_steps = 0  # steps started (written by the step thread only)
         self._step_started: float | None = None
         self._go = threading.Event()  # build(): the waiting step thread may begin (or end: no loop)
+        driver = getattr(getattr(engine, "model_runner", None), "driver", None)
+        if driver is not None:  # a parallel engine: a server that lost a rank exits within seconds
+            driver.ranks.on_death = exit_process
 
     @classmethod
     def build(cls, factory: Callable[[], Any], max_waiting_requests: int = 256) -> AsyncLLMEngine:
@@ -233,6 +237,9 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         try:
             self._step_loop()
+            runner = getattr(self.engine, "model_runner", None)
+            if runner is not None:  # a parallel engine's ranks stop here, on the thread that steps them
+                runner.shutdown()
         except BaseException:  # a bug outside step(): stop taking requests rather than hang them
             logger.exception("engine step thread died; the server stops accepting requests")
             self._post(self._on_thread_died)

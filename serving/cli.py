@@ -14,7 +14,7 @@ import sys
 from typing import Any, NoReturn
 
 from pdserve.engine.config import (ATTENTION_BACKENDS, DEFAULT_GPU_MEMORY_UTILIZATION, DEVICE_RE, DTYPES, CacheConfig,
-                           DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig)
+                           DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig)
 from pdserve.serving.limits import add_http_timeout_args
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -99,6 +99,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--long-prefill-token-threshold", type=_non_negative_int, default=None,
                    help="max prompt tokens of one request per step; 0: no limit")
     g.add_argument("--seed", type=int, default=None, help="default sampling seed of the engine")
+    g.add_argument("-tp", "--tensor-parallel-size", type=_positive_int, default=None,
+                   help="ranks that split each layer's heads and MLP (one process each; default 1)")
+    g.add_argument("-pp", "--pipeline-parallel-size", type=_positive_int, default=None,
+                   help="ranks that split the layers into stages (one process each; default 1)")
     return parser
 
 
@@ -129,7 +133,8 @@ def add_response_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
-_ENGINE_FIELDS = [f.name for cls in (ModelConfig, CacheConfig, SchedulerConfig, KVTransferConfig, DeviceConfig)
+_ENGINE_FIELDS = [f.name for cls in (ModelConfig, CacheConfig, SchedulerConfig, KVTransferConfig, DeviceConfig,
+                                                ParallelConfig)
                   for f in dataclasses.fields(cls) if f.name != "model"]
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -39,6 +40,14 @@ def config_to_json(config: EngineConfig) -> dict[str, Any]:
 
 class RankFailure(RuntimeError):
     """A rank died or never joined: the engine cannot step any more."""
+
+
+def exit_process(rank: int, code: int | None) -> None:
+    """A server's policy: without one of its ranks it cannot answer, so it exits at once (non-zero) and its
+    clients' proxy routes elsewhere; the other ranks were killed already."""
+    logger.critical("parallel: rank %d exited (code %s); this server exits", rank, code)
+    logging.shutdown()
+    os._exit(1)
 
 
 class RankProcesses:

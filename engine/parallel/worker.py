@@ -5,12 +5,10 @@ then follows rank 0's commands until STOP (engine/parallel/step_codec.py). It di
 """
 from __future__ import annotations
 
-import ctypes
 import datetime
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -23,7 +21,6 @@ from pdserve.engine.config import (CacheConfig, DeviceConfig, EngineConfig, KVTr
 from pdserve.engine.parallel.launcher import joined_key
 
 logger = logging.getLogger("pdserve.engine.parallel.worker")
-_PR_SET_PDEATHSIG = 1
 
 
 def config_from_json(d: dict) -> EngineConfig:
@@ -33,12 +30,9 @@ def config_from_json(d: dict) -> EngineConfig:
 
 
 def die_with_parent() -> None:
-    """SIGKILL when the parent exits (Linux), and a poll for where prctl is missing."""
+    """Exit within half a second of the parent process. (Not prctl's PDEATHSIG: it fires when the parent
+    *thread* that started us ends, and an engine may be built in a thread that ends before the engine.)"""
     parent = os.getppid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
 
     def watch() -> None:
         while os.getppid() == parent:
