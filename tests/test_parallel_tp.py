@@ -11,6 +11,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from pdserve.engine.builtin_model import make_model
 from pdserve.engine.parallel.launcher import RankFailure
@@ -60,12 +61,16 @@ def test_tp2_every_model_family_matches_hf(tmp_path, arch):
 
 def test_tp1_engine_after_tp2_in_the_same_process(tiny_llama, llama_refs):
     """The TP group belongs to its engine: a later TP=1 engine never all-reduces against the TP=2 one's peer,
-    whether that engine is still alive or already shut down."""
+    whether that engine is still alive or already shut down. While the TP=2 engine runs, its ranks share the
+    CPUs (torch threads: an equal share each); the process gets its threads back when it stops."""
+    threads = torch.get_num_threads()
     with parallel_llm(tiny_llama, tp=2) as tp2:
+        assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // 2)
         assert generate(tp2, PROMPTS[:2]) == llama_refs[:2]
         single = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="16MiB")
         assert generate(single, PROMPTS[:2]) == llama_refs[:2]
         assert generate(tp2, PROMPTS[2:3]) == llama_refs[2:3]
+    assert torch.get_num_threads() == threads
     assert generate(single, PROMPTS[2:3]) == llama_refs[2:3]
     assert generate(LLM(str(tiny_llama), dtype="float32", kv_cache_memory="16MiB"), PROMPTS[:1]) == llama_refs[:1]
 

@@ -13,7 +13,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.parallel.group import RankGroup
-from pdserve.engine.parallel.launcher import RankFailure, RankProcesses
+from pdserve.engine.parallel.launcher import RankProcesses
 from pdserve.engine.parallel.layout import ParallelLayout
 from pdserve.engine.parallel.stage import StageExecutor
 from pdserve.engine.parallel.step_codec import Command, StepLayout, header
@@ -48,8 +48,7 @@ class ParallelDriver:
             if payload is not None:
                 self.group.broadcast(payload)
         except RuntimeError as e:
-            self.ranks.check()
-            raise RankFailure(f"a rank did not take the step: {e}") from None
+            raise self.ranks.failed(e, "a rank did not take the step") from None
 
     def forward(self, layout: StepLayout, run: Callable[[Any], Any]) -> torch.Tensor:
         """Send the step, run rank 0's stage; the final hidden rows (all, or layout.keep_rows)."""
@@ -59,8 +58,7 @@ class ParallelDriver:
         try:
             return self.stage.forward(run, num_tokens, num_final)
         except RuntimeError as e:
-            self.ranks.check()
-            raise RankFailure(f"a collective of the step failed: {e}") from None
+            raise self.ranks.failed(e, "a collective of the step failed") from None
 
     def compute_logits(self, model: Any, hidden: torch.Tensor) -> torch.Tensor:
         """The full logits of `hidden`'s rows; with tensor parallelism each rank computes its vocabulary part."""
@@ -68,7 +66,10 @@ class ParallelDriver:
             return model.compute_logits(hidden)
         hidden = hidden.contiguous()
         self._command(header(Command.LOGITS, hidden.shape[0], hidden.shape[1]), hidden)
-        return model.compute_logits(hidden)
+        try:
+            return model.compute_logits(hidden)
+        except RuntimeError as e:
+            raise self.ranks.failed(e, "the logits' all-gather failed") from None
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self._command(header(Command.COPY, len(pairs)), torch.tensor(pairs, dtype=torch.int64).reshape(-1))

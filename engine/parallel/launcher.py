@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from pdserve.engine.config import EngineConfig
@@ -28,6 +29,15 @@ logger = logging.getLogger(__name__)
 
 _POLL_S = 0.2
 _STOP_WAIT_S = 10.0
+
+
+def threads_per_rank(world: int) -> int | None:
+    """The ranks of a node share its CPUs: each gets an equal share of torch threads, unless the operator
+    set OMP_NUM_THREADS. Two ranks with a full team each on the same cores make libgomp's teams wait on
+    each other's spinning threads (docs/architecture.md, "One OpenMP team")."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // world)
 
 
 def joined_key(rank: int) -> str:
@@ -63,13 +73,20 @@ class RankProcesses:
         self._stopping = False
         self.procs: dict[int, subprocess.Popen] = {}
         spec = config_to_json(config)
+        threads = threads_per_rank(self.world)
+        env = dict(os.environ) if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
         for rank in range(1, self.world):
-            proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.parallel.worker"], stdin=subprocess.PIPE)
+            proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.parallel.worker"], stdin=subprocess.PIPE,
+                                    env=env)
             proc.stdin.write(json.dumps({"rank": rank, "port": self.port, "config": spec}).encode() + b"\n")
             proc.stdin.close()
             self.procs[rank] = proc
-        logger.info("parallel: started ranks %s (pids %s), rendezvous 127.0.0.1:%d",
-                    list(self.procs), [p.pid for p in self.procs.values()], self.port)
+        self._threads_before = torch.get_num_threads()
+        if threads is not None:  # given back when the ranks stop: a later engine in this process gets all
+            torch.set_num_threads(threads)
+        logger.info("parallel: started ranks %s (pids %s), rendezvous 127.0.0.1:%d, %s torch threads per rank",
+                    list(self.procs), [p.pid for p in self.procs.values()], self.port,
+                    threads or f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
 
     def wait_joined(self) -> None:
         """Until every child has loaded its shard and connected; a child that exits or a deadline fails."""
@@ -101,12 +118,28 @@ class RankProcesses:
                     return
             time.sleep(_POLL_S)
 
+    def failed(self, error: Exception, what: str, wait_s: float = 2.0) -> RankFailure:
+        """The failure behind a broken collective: which rank exited, once the OS says so (a peer's reset
+        connection usually arrives before its exit status)."""
+        deadline = time.monotonic() + wait_s
+        while self.failure is None and time.monotonic() < deadline:
+            for rank, proc in self.procs.items():
+                if proc.poll() is not None:
+                    self.failure = f"rank {rank} (pid {proc.pid}) exited with code {proc.returncode}"
+                    break
+            else:
+                time.sleep(0.02)
+        if self.failure is not None:
+            return RankFailure(f"the engine lost a rank: {self.failure}")
+        return RankFailure(f"{what}: {str(error).splitlines()[0]}")
+
     def check(self) -> None:
         if self.failure is not None:
             raise RankFailure(f"the engine lost a rank: {self.failure}")
 
     def kill(self) -> None:
         self._stopping = True
+        torch.set_num_threads(self._threads_before)
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.kill()
@@ -116,6 +149,7 @@ class RankProcesses:
     def stop(self) -> None:
         """End every child: they were told STOP already when the engine shut down cleanly."""
         self._stopping = True
+        torch.set_num_threads(self._threads_before)
         deadline = time.monotonic() + _STOP_WAIT_S
         for proc in self.procs.values():
             try:
