@@ -81,38 +81,39 @@ class ModelRunner:
 
         snapshot = kv_cache_sizing.MemorySnapshot.take(self.platform) if self.platform.is_cuda else None
         self.shard = shard = parallel_setup.RankShard.make(config, cfg, self.platform, group)
-        with torch.device(device):  # parameters and buffers are created on the engine's device
-            self.model = build_model(shard.hf_config, self.dtype, max_positions=self.max_model_len,
-                                     shard=shard.model_shard)
-        self.model.load_weights(shard.weights(iterate_weights(model_dir, device)))
-        self.model.eval()
-        self.driver = shard.driver(self.model, self.dtype, self)
-        self.attn_backend = select_attention_backend(device, config.device.attention_backend)
-        self.sampler = Sampler(config.model.seed, device)
-        sc = config.scheduler
-        self.inputs = InputBatchBuilder(self.platform, self.block_size, sc.max_num_batched_tokens, sc.max_num_seqs,
-                                        -(-self.max_model_len // self.block_size))
+        with shard.stop_ranks_on_error():  # a parallel engine that fails to start leaves no rank behind
+            with torch.device(device):  # parameters and buffers are created on the engine's device
+                self.model = build_model(shard.hf_config, self.dtype, max_positions=self.max_model_len,
+                                         shard=shard.model_shard)
+            self.model.load_weights(shard.weights(iterate_weights(model_dir, device)))
+            self.model.eval()
+            self.driver = shard.driver(self.model, self.dtype, self)
+            self.attn_backend = select_attention_backend(device, config.device.attention_backend)
+            self.sampler = Sampler(config.model.seed, device)
+            sc = config.scheduler
+            self.inputs = InputBatchBuilder(self.platform, self.block_size, sc.max_num_batched_tokens, sc.max_num_seqs,
+                                            -(-self.max_model_len // self.block_size))
 
-        dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
-        kv_heads, layers = shard.num_kv_heads, shard.num_layers  # this rank's
-        self.bytes_per_block_layer = 2 * self.block_size * kv_heads * self.head_dim * dtype_bytes
-        budget = kv_cache_sizing.fixed_budget(config.cache, self.platform)
-        if budget is None:
-            budget = self._profile_kv_budget(snapshot)
-        self.kv_cache_memory = budget
-        self.num_blocks = budget // (layers * self.bytes_per_block_layer)
-        if self.num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={budget} bytes is less than one block for "
-                             f"all layers ({layers * self.bytes_per_block_layer} bytes)")
-        logger.info("%sKV block size: 2 x %d tokens x %d kv heads x %d head dim x %d bytes (%s) = %d "
-                    "bytes/block/layer", shard.prefix, self.block_size, kv_heads, self.head_dim, dtype_bytes,
-                    str(self.dtype).removeprefix("torch."), self.bytes_per_block_layer)
-        logger.info("%sKV cache: %d bytes budget // (%d layers x %d bytes/block/layer) = %d blocks (%d tokens, "
-                    "%.1f MiB) on %s", shard.prefix, budget, layers, self.bytes_per_block_layer,
-                    self.num_blocks, self.num_blocks * self.block_size,
-                    self.num_blocks * layers * self.bytes_per_block_layer / 2**20, self.platform.describe())
-        self.num_blocks = shard.agree_num_blocks(self.num_blocks)
-        self.kv_caches = shard.allocate_kv_caches(self.num_blocks, self.block_size, self.head_dim, self.dtype)
+            dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
+            kv_heads, layers = shard.num_kv_heads, shard.num_layers  # this rank's
+            self.bytes_per_block_layer = 2 * self.block_size * kv_heads * self.head_dim * dtype_bytes
+            budget = kv_cache_sizing.fixed_budget(config.cache, self.platform)
+            if budget is None:
+                budget = self._profile_kv_budget(snapshot)
+            self.kv_cache_memory = budget
+            self.num_blocks = budget // (layers * self.bytes_per_block_layer)
+            if self.num_blocks < 1:
+                raise ValueError(f"kv_cache_memory={budget} bytes is less than one block for "
+                                 f"all layers ({layers * self.bytes_per_block_layer} bytes)")
+            logger.info("%sKV block size: 2 x %d tokens x %d kv heads x %d head dim x %d bytes (%s) = %d "
+                        "bytes/block/layer", shard.prefix, self.block_size, kv_heads, self.head_dim, dtype_bytes,
+                        str(self.dtype).removeprefix("torch."), self.bytes_per_block_layer)
+            logger.info("%sKV cache: %d bytes budget // (%d layers x %d bytes/block/layer) = %d blocks (%d tokens, "
+                        "%.1f MiB) on %s", shard.prefix, budget, layers, self.bytes_per_block_layer,
+                        self.num_blocks, self.num_blocks * self.block_size,
+                        self.num_blocks * layers * self.bytes_per_block_layer / 2**20, self.platform.describe())
+            self.num_blocks = shard.agree_num_blocks(self.num_blocks)
+            self.kv_caches = shard.allocate_kv_caches(self.num_blocks, self.block_size, self.head_dim, self.dtype)
         identity = {k: v for k, v in cfg.to_dict().items() if k not in _NON_IDENTITY_KEYS}
         self.fingerprint = model_fingerprint(identity, str(self.dtype), self.num_layers, self.num_kv_heads,
                                              self.head_dim)

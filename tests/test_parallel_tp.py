@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -113,3 +114,32 @@ def test_a_killed_rank_fails_the_engine_within_seconds(tiny_llama):
     assert time.monotonic() - start < 10  # far below the 60 s collective timeout
     llm.engine.shutdown()
     assert not wait_gone({rank1})
+
+
+
+def test_a_rank_killed_during_start_up_fails_it_clearly(tiny_llama):
+    """Rank 1 is killed as soon as it exists: start-up fails naming it, well before the collective timeout,
+    and no process is left."""
+    before = child_pids()
+    killed: list[int] = []
+
+    def kill_new_rank() -> None:
+        deadline = time.monotonic() + 30
+        while not killed and time.monotonic() < deadline:
+            for pid in child_pids() - before:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_new_rank)
+    killer.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(RankFailure, match="rank 1"):
+            LLM(str(tiny_llama), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=2,
+                distributed_timeout_s=60)
+    finally:
+        killer.join()
+    assert time.monotonic() - start < 20
+    assert killed and not wait_gone(set(killed))
+    assert child_pids() == before

@@ -8,6 +8,7 @@ minimum, since rank 0's block tables address every rank's cache.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from collections.abc import Iterable, Iterator
@@ -59,6 +60,23 @@ class RankShard:
                                 ModelDims.from_hf(hf_config))
         ranks, group = start_ranks(config, layout)
         return cls(platform, hf_config, layout, group, ranks)
+
+    @contextlib.contextmanager
+    def stop_ranks_on_error(self) -> Iterator[None]:
+        """Rank 0: the other ranks are killed if the engine fails to start (they would wait for it until
+        their collective timeout); a collective broken by a rank's exit names the rank."""
+        try:
+            yield
+        except RuntimeError as e:
+            if self.ranks is None:
+                raise
+            failure = self.ranks.failed(e, "starting the ranks failed", wait_s=0.5)
+            self.ranks.kill()
+            raise failure from None
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.kill()
+            raise
 
     def weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(weights) if self.layout is None else shard_weights(weights, self.layout)
