@@ -63,7 +63,7 @@ class LLMEngine:
         """
         self.config = config
         self.model_name = config.model.model
-        self.model_runner = ModelRunner(config)  # first: it explains a bad model path
+        self.model_runner = ModelRunner(config, connector_factory=connector_factory)  # first: explains a bad path
         self.tokenizer = load_tokenizer(config.model.model)
         runner = self.model_runner
         connector = None
@@ -72,7 +72,7 @@ class LLMEngine:
                 raise ValueError("kv_store / lmcache_config need a KV connector: build the engine through "
                                  "serving (serving.LLM, pd-prefill, pd-decode), which supplies one")
             # The runner comes first (the connector needs its shapes and registers its KV tensors).
-            connector = connector_factory(config, runner)
+            connector = runner.make_connector(connector_factory)
             runner.connector = connector
         self.connector = connector
         self.kv_cache_manager = KVCacheManager(runner.num_blocks, runner.block_size, runner.fingerprint,

@@ -59,9 +59,9 @@ class ModelRunner:
     """Flattens a SchedulerOutput into one batch, runs the model over paged KV, samples tokens."""
 
     def __init__(self, config: EngineConfig, connector: KVConnectorBase | None = None,
-                 group: RankGroup | None = None) -> None:
+                 group: RankGroup | None = None, connector_factory: Any = None) -> None:
         """`group`: given on ranks other than 0 (engine/parallel/worker.py); rank 0 of a parallel engine
-        starts the other ranks itself."""
+        starts the other ranks itself, each making its KV connector with `connector_factory`."""
         self.config = config
         self.connector = connector
         model_dir = config.model.model
@@ -80,7 +80,8 @@ class ModelRunner:
         self.max_model_len = self._max_model_len()
 
         snapshot = kv_cache_sizing.MemorySnapshot.take(self.platform) if self.platform.is_cuda else None
-        self.shard = shard = parallel_setup.RankShard.make(config, cfg, self.platform, group)
+        self.shard = shard = parallel_setup.RankShard.make(config, cfg, self.platform, group,
+                                                                  connector_factory)
         with shard.stop_ranks_on_error():  # a parallel engine that fails to start leaves no rank behind
             with torch.device(device):  # parameters and buffers are created on the engine's device
                 self.model = build_model(shard.hf_config, self.dtype, max_positions=self.max_model_len,
@@ -186,6 +187,12 @@ class ModelRunner:
         if self.driver is None:
             return self.model.compute_logits(hidden)
         return self.driver.compute_logits(self.model, hidden)
+
+    def make_connector(self, factory: Any) -> KVConnectorBase | None:
+        """The engine's connector, `factory(config, self)`; with other ranks, one that drives theirs too
+        (engine/parallel/kv_ranks.py). If it cannot be made, the other ranks stop."""
+        with self.shard.stop_ranks_on_error():
+            return self.shard.connector(factory(self.config, self), self.driver)
 
     def shutdown(self) -> None:
         """Stop the other ranks of a parallel engine (nothing to do for one process)."""

@@ -92,7 +92,7 @@ def test_prompt_logprobs_under_tp2_equal_one_process(tiny_llama):
     (dict(tensor_parallel_size=3), "must divide the model's 4 attention heads"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be an integer >= 1"),
     (dict(pipeline_parallel_size=5), "pipeline_parallel_size=5 exceeds the model's 4 layers"),
-    (dict(tensor_parallel_size=2, kv_store="file:///tmp/x", kv_role="kv_producer"), "layout-free store"),
+    (dict(tensor_parallel_size=2, kv_store="lm://127.0.0.1:1", kv_role="kv_producer"), "LMCache connector serves one"),
 ])
 def test_bad_layouts_are_clear_errors_and_start_no_process(tiny_llama, options, message):
     before = child_pids()

@@ -13,6 +13,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.parallel.group import RankGroup
+from pdserve.engine.parallel.kv_ranks import RankConnector, broadcast_bytes, recv_bytes
 from pdserve.engine.parallel.launcher import RankProcesses
 from pdserve.engine.parallel.layout import ParallelLayout
 from pdserve.engine.parallel.stage import StageExecutor
@@ -21,11 +22,12 @@ from pdserve.engine.parallel.step_codec import Command, StepLayout, header
 logger = logging.getLogger(__name__)
 
 
-def start_ranks(config: EngineConfig, layout: ParallelLayout) -> tuple[RankProcesses, RankGroup]:
+def start_ranks(config: EngineConfig, layout: ParallelLayout,
+                connector_factory: str | None = None) -> tuple[RankProcesses, RankGroup]:
     """Start ranks 1..N-1, join them (deadline: distributed_timeout_s) and make rank 0's groups."""
     for line in layout.describe():
         logger.info("%s", line)
-    ranks = RankProcesses(config)
+    ranks = RankProcesses(config, connector_factory)
     try:
         ranks.wait_joined()
         group = RankGroup(ranks.store, layout, config.parallel.distributed_timeout_s)
@@ -39,20 +41,24 @@ def start_ranks(config: EngineConfig, layout: ParallelLayout) -> tuple[RankProce
 class ParallelDriver:
     def __init__(self, ranks: RankProcesses, group: RankGroup, stage: StageExecutor) -> None:
         self.ranks, self.group, self.stage = ranks, group, stage
+        self.kv: RankConnector | None = None  # with a KV connector: its message rides every step
         self.closed = False
 
-    def _command(self, h: torch.Tensor, payload: torch.Tensor | None = None) -> None:
+    def _command(self, h: torch.Tensor, payload: torch.Tensor | None = None, message: bytes | None = None) -> None:
         self.ranks.check()
         try:
             self.group.broadcast(h)
             if payload is not None:
                 self.group.broadcast(payload)
+            if message:
+                broadcast_bytes(self.group, message, len(message))
         except RuntimeError as e:
             raise self.ranks.failed(e, "a rank did not take the step") from None
 
     def forward(self, layout: StepLayout, run: Callable[[Any], Any]) -> torch.Tensor:
         """Send the step, run rank 0's stage; the final hidden rows (all, or layout.keep_rows)."""
-        self._command(*layout.encode())
+        message = self.kv.step_message() if self.kv is not None else None
+        self._command(*layout.encode(len(message or b"")), message=message)
         num_tokens = layout.input_ids.numel()
         num_final = num_tokens if layout.keep_rows is None else layout.keep_rows.numel()
         try:
@@ -70,6 +76,17 @@ class ParallelDriver:
             return model.compute_logits(hidden)
         except RuntimeError as e:
             raise self.ranks.failed(e, "the logits' all-gather failed") from None
+
+    def send_connector_step(self, message: bytes) -> None:
+        """A step that computed nothing: the other ranks' connectors still poll their I/O."""
+        self._command(header(Command.CONNECTOR, len(message)), message=message)
+
+    def collect_reports(self) -> list[bytes]:
+        """Each other rank's connector report of this step (engine/parallel/kv_ranks.py), in rank order."""
+        try:
+            return [recv_bytes(self.group, rank) for rank in range(1, self.group.layout.world_size)]
+        except RuntimeError as e:
+            raise self.ranks.failed(e, "a rank's connector report did not arrive") from None
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self._command(header(Command.COPY, len(pairs)), torch.tensor(pairs, dtype=torch.int64).reshape(-1))

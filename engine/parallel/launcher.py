@@ -61,7 +61,8 @@ def exit_process(rank: int, code: int | None) -> None:
 
 
 class RankProcesses:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, connector_factory: str | None = None) -> None:
+        """`connector_factory`: `module:qualname` of the KV connector factory every rank makes its connector with."""
         par = config.parallel
         self.world = par.world_size
         self.timeout_s = par.distributed_timeout_s
@@ -78,7 +79,8 @@ class RankProcesses:
         for rank in range(1, self.world):
             proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.parallel.worker"], stdin=subprocess.PIPE,
                                     env=env)
-            proc.stdin.write(json.dumps({"rank": rank, "port": self.port, "config": spec}).encode() + b"\n")
+            proc.stdin.write(json.dumps({"rank": rank, "port": self.port, "config": spec,
+                                         "connector_factory": connector_factory}).encode() + b"\n")
             proc.stdin.close()
             self.procs[rank] = proc
         self._threads_before = torch.get_num_threads()

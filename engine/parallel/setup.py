@@ -20,6 +20,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.device import Platform
 from pdserve.engine.parallel.driver import ParallelDriver, start_ranks
 from pdserve.engine.parallel.group import ModelShard, RankGroup
+from pdserve.engine.parallel.kv_ranks import RankConnector
 from pdserve.engine.parallel.layout import ModelDims, ParallelLayout
 from pdserve.engine.parallel.sharding import shard_config, shard_weights
 from pdserve.engine.parallel.stage import StageExecutor
@@ -43,22 +44,22 @@ class RankShard:
         self.prefix = "" if layout is None else f"rank {layout.rank}: "
 
     @classmethod
-    def make(cls, config: EngineConfig, hf_config: Any, platform: Platform, group: RankGroup | None) -> RankShard:
+    def make(cls, config: EngineConfig, hf_config: Any, platform: Platform, group: RankGroup | None,
+             connector_factory: Any = None) -> RankShard:
         par = config.parallel
         if group is None and par.world_size == 1:
             return cls(platform, hf_config)
         if platform.is_cuda:
             raise ValueError("tensor_parallel_size / pipeline_parallel_size > 1 run on the CPU (gloo) in this "
                              "version; use --device cpu")
-        if config.kv_transfer.enabled:
-            raise ValueError("a KV store (kv_store / lmcache_config) with tensor_parallel_size or "
-                             "pipeline_parallel_size > 1 needs the layout-free store hand-off (issue 28), "
-                             "not available yet")
         if group is not None:
             return cls(platform, hf_config, group.layout, group)
         layout = ParallelLayout(par.tensor_parallel_size, par.pipeline_parallel_size, 0,
                                 ModelDims.from_hf(hf_config))
-        ranks, group = start_ranks(config, layout)
+        factory = None
+        if config.kv_transfer.enabled and connector_factory is not None:
+            factory = f"{connector_factory.__module__}:{connector_factory.__qualname__}"
+        ranks, group = start_ranks(config, layout, factory)
         return cls(platform, hf_config, layout, group, ranks)
 
     @contextlib.contextmanager
@@ -89,6 +90,14 @@ class RankShard:
         driver = ParallelDriver(self.ranks, self.group, stage)
         weakref.finalize(owner, driver.close)
         return driver
+
+    def connector(self, connector: Any, driver: ParallelDriver | None) -> Any:
+        """Rank 0's connector as its scheduler sees it: its own plus the other ranks' (kv_ranks.py)."""
+        if connector is None or driver is None:
+            return connector
+        driver.kv = RankConnector(connector, self.layout.world_size, driver.send_connector_step,
+                                  driver.collect_reports)
+        return driver.kv
 
     def agree_num_blocks(self, num_blocks: int) -> int:
         if self.group is None:

@@ -4,6 +4,7 @@ STEP carries the batch layout rank 0 flattened (engine/input_batch.py): token id
 starts, sequence lengths, block tables and the rows kept past the last layer (docs/architecture.md,
 "Last-layer rows"). LOGITS asks the tensor-parallel ranks for their vocabulary columns of some hidden rows
 (the rows follow as one broadcast in the model's dtype). COPY copies KV blocks; STOP ends the worker loop.
+With a KV connector, STEP and CONNECTOR are followed by the connector's message as JSON bytes.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class Command(enum.IntEnum):
     STEP = 1
     LOGITS = 2
     COPY = 3
+    CONNECTOR = 4  # a step that computed nothing: the connectors' I/O only
 
 
 def header(command: Command, *fields: int) -> torch.Tensor:
@@ -39,7 +41,8 @@ class StepLayout:
     block_tables: torch.Tensor  # [num_reqs, width] int32
     keep_rows: torch.Tensor | None  # rows past the last layer's attention; None: all
 
-    def encode(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, kv_bytes: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """`kv_bytes`: the length of the connector message (engine/parallel/kv_ranks.py) that follows."""
         num_reqs, width = self.block_tables.shape
         keep = self.keep_rows
         parts = [self.input_ids, self.positions, self.slot_mapping,
@@ -49,8 +52,12 @@ class StepLayout:
             parts.append(keep)
         payload = torch.cat([p.to("cpu", torch.int64) for p in parts])
         h = header(Command.STEP, self.input_ids.numel(), num_reqs, width, -1 if keep is None else keep.numel(),
-                   payload.numel())
+                   payload.numel(), kv_bytes)
         return h, payload
+
+    @staticmethod
+    def kv_bytes(h: torch.Tensor) -> int:
+        return int(h[6])
 
     @staticmethod
     def payload_size(h: torch.Tensor) -> int:

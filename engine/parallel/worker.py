@@ -6,6 +6,7 @@ then follows rank 0's commands until STOP (engine/parallel/step_codec.py). It di
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import logging
 import os
@@ -29,6 +30,17 @@ def config_from_json(d: dict) -> EngineConfig:
                         device=DeviceConfig(**d["device"]), parallel=ParallelConfig(**d["parallel"]))
 
 
+def import_factory(name: str):
+    """`module:qualname` of a pdserve connector factory (engine.kv_connector.ConnectorFactory)."""
+    module, _, qualname = name.partition(":")
+    if not module.startswith("pdserve."):
+        raise ValueError(f"connector factory {name!r} is not pdserve's")
+    factory = importlib.import_module(module)
+    for part in qualname.split("."):
+        factory = getattr(factory, part)
+    return factory
+
+
 def die_with_parent() -> None:
     """Exit within half a second of the parent process. (Not prctl's PDEATHSIG: it fires when the parent
     *thread* that started us ends, and an engine may be built in a thread that ends before the engine.)"""
@@ -44,8 +56,9 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def serve(runner, group) -> None:
+def serve(runner, group, kv) -> None:
     from pdserve.engine.attention import ForwardContext, build_attention_metadata, set_forward_context
+    from pdserve.engine.parallel.kv_ranks import broadcast_bytes, send_bytes
     from pdserve.engine.parallel.stage import StageExecutor
     from pdserve.engine.parallel.step_codec import HEADER, Command, StepLayout
 
@@ -64,16 +77,26 @@ def serve(runner, group) -> None:
                 rows = group.broadcast(torch.empty(int(h[1]), int(h[2]), dtype=runner.dtype))
                 if group.layout.is_first_stage:
                     runner.model.compute_logits(rows)
+            elif command == Command.CONNECTOR:
+                finished, _, delayed = kv.begin(broadcast_bytes(group, None, int(h[1])))
+                send_bytes(group, kv.end(finished, delayed), 0)
             elif command == Command.STEP:
                 layout = StepLayout.decode(h, group.broadcast(torch.empty(StepLayout.payload_size(h),
                                                                           dtype=torch.int64)))
+                connector = connector_meta = None
+                if StepLayout.kv_bytes(h):
+                    finished, connector_meta, delayed = kv.begin(broadcast_bytes(group, None, StepLayout.kv_bytes(h)))
+                    connector = kv.connector
                 meta = build_attention_metadata(layout.query_start_loc, layout.seq_lens, layout.block_tables,
                                                 layout.slot_mapping)
-                ctx = ForwardContext(attn_metadata=meta, kv_caches=runner.kv_caches, attn_backend=runner.attn_backend)
+                ctx = ForwardContext(attn_metadata=meta, kv_caches=runner.kv_caches, attn_backend=runner.attn_backend,
+                                     connector=connector, connector_metadata=connector_meta)
                 with set_forward_context(ctx):
                     stage.forward(lambda carry: runner.model(layout.input_ids, layout.positions, layout.keep_rows,
                                                              carry),
                                   layout.input_ids.numel(), 0)
+                if connector is not None:
+                    send_bytes(group, kv.end(finished, delayed), 0)
 
 
 def main() -> int:
@@ -95,12 +118,22 @@ def main() -> int:
     store.set(joined_key(rank), "1")
     group = RankGroup(store, layout, par.distributed_timeout_s)
     runner = ModelRunner(config, group=group)
+    kv = None
+    if spec.get("connector_factory"):  # the same factory rank 0's engine was given, with this rank's shard
+        from pdserve.engine.parallel.kv_ranks import WorkerKV
+
+        runner.connector = import_factory(spec["connector_factory"])(config, runner)
+        kv = WorkerKV(runner.connector)
+        # rank 0 writes the KV lines, one per request (lookups happen there alone); failures still show here
+        logging.getLogger("pdserve.connectors.kv_log").setLevel(logging.WARNING)
     try:
-        serve(runner, group)
+        serve(runner, group, kv)
     except RuntimeError as e:  # rank 0 went away mid-collective: its supervision reports it, not us
         logger.error("rank %d: %s; exiting", rank, str(e).splitlines()[0])
         return 1
     finally:
+        if runner.connector is not None:
+            runner.connector.shutdown()
         group.shutdown()
     return 0
 

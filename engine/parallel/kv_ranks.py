@@ -1,0 +1,168 @@
+"""The KV connector across ranks: every rank's connector saves and loads its own part (its KVShard), rank 0's
+scheduler sees one connector (docs/parallelism.md, "The engine's side of the hand-off").
+
+Rank 0 wraps its connector in `RankConnector`. Each step the other ranks receive the requests rank 0's
+scheduler finished since the last step (their connectors' `request_finished` closes a background load's
+write gate before rank 0 reuses the blocks) and the connector metadata; after the step each rank reports
+its finished saves and loads and its failed loads. Rank 0 then reports to its scheduler
+- a failed load when any rank's failed (a background load's failure once every rank's load ended);
+- a background load finished once every rank's has;
+- a finished request's save done once every rank that was saving it is done (the scheduler is always
+  told to hold a finished request of a saving node until then: a prefill reply means every part is
+  committed).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pdserve.engine.kv_connector import KVConnectorBase, KVConnectorMetadata
+from pdserve.engine.parallel import meta_codec
+from pdserve.engine.parallel.group import RankGroup
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
+
+
+def send_bytes(group: RankGroup, data: bytes, dst: int) -> None:
+    group.send(torch.tensor([len(data)], dtype=torch.int64), dst)
+    if data:
+        group.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst)
+
+
+def recv_bytes(group: RankGroup, src: int) -> bytes:
+    n = int(group.recv(torch.empty(1, dtype=torch.int64), src).item())
+    return bytes(group.recv(torch.empty(n, dtype=torch.uint8), src).numpy()) if n else b""
+
+
+def broadcast_bytes(group: RankGroup, data: bytes | None, size: int) -> bytes:
+    """Rank 0 passes `data`, the others None and the size from the header."""
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None else \
+        torch.empty(size, dtype=torch.uint8)
+    return bytes(group.broadcast(t).numpy())
+
+
+class WorkerKV:
+    """A rank other than 0: its own connector, driven by what rank 0 sends."""
+
+    def __init__(self, connector: KVConnectorBase) -> None:
+        self.connector = connector
+
+    def begin(self, message: bytes) -> tuple[list[str], Any, list[str]]:
+        """Finish the requests rank 0 finished, start this step's loads: (finished, metadata, delayed)."""
+        body = json.loads(message)
+        finished = body["finished"]
+        delayed = [rid for rid in finished
+                   if self.connector.request_finished(Request(rid, [], SamplingParams()), [])[0]]
+        meta = meta_codec.decode(body["meta"].encode())
+        self.connector.start_load_kv(meta)
+        return finished, meta, delayed
+
+    def end(self, finished: list[str], delayed: list[str]) -> bytes:
+        """After the forward pass: hand the saves over and report what this rank's I/O finished."""
+        c = self.connector
+        c.wait_for_save()
+        sending, recving = c.get_finished(set(finished))
+        failed = c.get_failed_loads()
+        return json.dumps({"delayed": delayed, "sending": sorted(sending or ()), "recving": sorted(recving or ()),
+                           "failed": sorted(failed)}).encode()
+
+
+class RankConnector(KVConnectorBase):
+    """Rank 0's connector as its scheduler and model runner see it: its own connector plus the other ranks'."""
+
+    def __init__(self, inner: KVConnectorBase, world: int, send_connector_step: Callable[[bytes], None],
+                 collect_reports: Callable[[], list[bytes]]) -> None:
+        super().__init__(inner.role)
+        self.inner, self.world = inner, world
+        self._send_connector_step, self._collect = send_connector_step, collect_reports
+        self._finished: list[str] = []  # told to the other ranks with the next step
+        self._saving: dict[str, set[int]] = {}  # finished request -> ranks still saving it
+        self._loaded: dict[str, set[int]] = {}  # background load -> ranks whose load ended
+        self._held_failures: set[str] = set()  # background loads failed somewhere, until every rank's ended
+        self._failed: set[str] = set()
+        self._message: bytes | None = None
+        self._sent = False
+
+    def __getattr__(self, name: str) -> Any:  # the connector's own figures (metrics, stores) stay reachable
+        return getattr(self.inner, name)
+
+    # ---- scheduler side ----
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.inner.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        self.inner.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self.inner.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = self.inner.request_finished(request, block_ids)
+        rid = request.request_id
+        self._finished.append(rid)
+        if not self.role.saves:
+            return delay, params
+        self._saving[rid] = {0} if delay else set()
+        return True, params
+
+    # ---- worker side ----
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        self.inner.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        self.inner.start_load_kv(metadata)
+        finished, self._finished = self._finished, []  # the other ranks' delays for them come with the reports
+        self._message = json.dumps({"finished": finished, "meta": meta_codec.encode(metadata).decode()}).encode()
+        self._sent = False
+
+    def step_message(self) -> bytes:
+        """What the other ranks' connectors need this step (sent with the STEP command)."""
+        assert self._message is not None, "start_load_kv comes first"
+        self._sent = True
+        return self._message
+
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        self.inner.wait_for_layer_load(layer_idx)
+
+    def save_kv_layer(self, layer_idx: int, kv_cache: torch.Tensor, metadata: KVConnectorMetadata) -> None:
+        self.inner.save_kv_layer(layer_idx, kv_cache, metadata)
+
+    def wait_for_save(self) -> None:
+        self.inner.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if not self._sent:  # a step that computed nothing: the other ranks' I/O moves too
+            self._send_connector_step(self.step_message())
+        sending0, recving0 = self.inner.get_finished(finished_req_ids)
+        reports = [{"delayed": [], "sending": sorted(sending0 or ()), "recving": sorted(recving0 or ()),
+                    "failed": sorted(self.inner.get_failed_loads())}]
+        reports += [json.loads(r) for r in self._collect()]
+        for rank, report in enumerate(reports):
+            for rid in report["delayed"]:
+                if rid in self._saving:
+                    self._saving[rid].add(rank)
+            for rid in report["sending"]:
+                self._saving.get(rid, set()).discard(rank)
+            for rid in report["recving"]:
+                self._loaded.setdefault(rid, set()).add(rank)
+            for rid in report["failed"]:
+                (self._held_failures if rid in report["recving"] else self._failed).add(rid)
+        sending = {rid for rid, ranks in self._saving.items() if not ranks}
+        for rid in sending:
+            del self._saving[rid]
+        recving = {rid for rid, ranks in self._loaded.items() if len(ranks) == self.world}
+        for rid in recving:
+            del self._loaded[rid]
+        self._failed |= self._held_failures & recving
+        self._held_failures -= recving
+        return sending, recving
+
+    def get_failed_loads(self) -> set[str]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
