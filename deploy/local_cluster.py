@@ -75,7 +75,28 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{KEEP_RUN_LOGS} runs' are kept)")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for the cluster to be healthy")
     p.add_argument("--device", default=None, help="engine device of both nodes: auto|cpu|cuda|cuda:N (default auto)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=_positive, default=None,
+                   help="ranks (processes) per node splitting each layer, both nodes (default 1)")
+    p.add_argument("-pp", "--pipeline-parallel-size", type=_positive, default=None,
+                   help="ranks (processes) per node splitting the layers, both nodes (default 1)")
     return p
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def parallel_args(args: argparse.Namespace) -> list[str]:
+    """The nodes' -tp/-pp flags (docs/parallelism.md), only those given."""
+    flags = {"--tensor-parallel-size": args.tensor_parallel_size,
+             "--pipeline-parallel-size": args.pipeline_parallel_size}
+    return [part for flag, value in flags.items() if value is not None for part in (flag, str(value))]
 
 
 def resolve_model(model: str) -> tuple[str, str | None]:
@@ -187,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster: LocalCluster | None = None
     try:
         model, served_name = resolve_model(args.model)
-        node_args = (["--device", args.device] if args.device else []) + \
+        node_args = (["--device", args.device] if args.device else []) + parallel_args(args) + \
             (["--served-model-name", served_name] if served_name else [])
         log_dir = Path(args.log_dir) if args.log_dir else run_log_dir()
         bound = f"?max_bytes={args.kv_store_max_bytes}" if args.kv_store_max_bytes else ""  # else the store's own

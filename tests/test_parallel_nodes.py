@@ -12,6 +12,8 @@ import signal
 import time
 from urllib.parse import urlparse
 
+import pytest
+
 from pdserve.serving import LLM, SamplingParams
 from tests.parallel_helpers import child_pids, wait_gone
 from tests.serve_helpers import ServerProcess
@@ -68,3 +70,13 @@ def test_pd_serve_exits_within_seconds_when_a_rank_dies_mid_stream(tiny_llama):
         assert not wait_gone({rank1})
     finally:
         server.stop()
+
+
+def test_make_serve_passes_the_layout_flags_to_both_nodes():
+    from pdserve.deploy.local_cluster import build_parser, parallel_args
+
+    assert parallel_args(build_parser().parse_args(["-tp", "2", "--pipeline-parallel-size", "3"])) == \
+        ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "3"]
+    assert parallel_args(build_parser().parse_args([])) == []
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["-tp", "0"])
