@@ -76,7 +76,7 @@ class AsyncLLMEngine:
         self._go = threading.Event()  # build(): the waiting step thread may begin (or end: no loop)
         driver = getattr(getattr(engine, "model_runner", None), "driver", None)
         if driver is not None:  # a parallel engine: a server that lost a rank exits within seconds
-            driver.ranks.on_death = exit_process
+            driver.ranks.watch_death(exit_process)
 
     @classmethod
     def build(cls, factory: Callable[[], Any], max_waiting_requests: int = 256) -> AsyncLLMEngine:

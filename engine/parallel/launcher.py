@@ -120,6 +120,14 @@ class RankProcesses:
                     return
             time.sleep(_POLL_S)
 
+    def watch_death(self, on_death: Callable[[int, int | None], None]) -> None:
+        """Call `on_death(rank, exit code)` when a rank exits, at once if one already has."""
+        self.on_death = on_death
+        for rank, proc in self.procs.items():
+            if self.failure is not None and proc.poll() is not None:
+                on_death(rank, proc.returncode)
+                return
+
     def failed(self, error: Exception, what: str, wait_s: float = 2.0) -> RankFailure:
         """The failure behind a broken collective: which rank exited, once the OS says so (a peer's reset
         connection usually arrives before its exit status)."""
