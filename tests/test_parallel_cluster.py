@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from pdserve.serving import LLM, SamplingParams
-from tests.cluster_helpers import NODE_ARGS, log_lines, start_cluster, wait_until
+from tests.cluster_helpers import NODE_ARGS, log_lines, wait_until
 from tests.parallel_helpers import child_pids, wait_gone
 
 rng = random.Random(7)

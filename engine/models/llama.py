@@ -14,7 +14,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.attention import PagedAttention
