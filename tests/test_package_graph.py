@@ -126,3 +126,15 @@ def test_first_party_imports_name_the_pdserve_namespace(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60,
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_every_python_folder_is_packaged():
+    """A folder of modules the wheel leaves out imports in the checkout and fails once installed: every folder
+    under a top-level package that holds an __init__.py is in pyproject.toml's packages."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {"pdserve." + ".".join(init.parent.relative_to(REPO).parts)
+               for top in ALLOWED for init in (REPO / top).rglob("__init__.py")
+               if "__pycache__" not in init.parts and "csrc" not in init.parts}
+    assert folders - listed == set(), f"missing from pyproject.toml [tool.setuptools] packages: {folders - listed}"

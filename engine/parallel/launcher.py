@@ -8,6 +8,7 @@ engine/async_engine.py; the offline LLM's next step raises).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -79,10 +80,14 @@ class RankProcesses:
         for rank in range(1, self.world):
             proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.parallel.worker"], stdin=subprocess.PIPE,
                                     env=env)
-            proc.stdin.write(json.dumps({"rank": rank, "port": self.port, "config": spec,
-                                         "connector_factory": connector_factory}).encode() + b"\n")
-            proc.stdin.close()
             self.procs[rank] = proc
+            try:
+                proc.stdin.write(json.dumps({"rank": rank, "port": self.port, "config": spec,
+                                             "connector_factory": connector_factory}).encode() + b"\n")
+                proc.stdin.close()
+            except BrokenPipeError:  # it died before reading its config: wait_joined names it as the failed rank
+                with contextlib.suppress(BrokenPipeError):
+                    proc.stdin.close()
         self._threads_before = torch.get_num_threads()
         if threads is not None:  # given back when the ranks stop: a later engine in this process gets all
             torch.set_num_threads(threads)
