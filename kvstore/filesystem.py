@@ -17,8 +17,8 @@ every process of one directory the same max_bytes (the default bound is the same
 store opened with max_bytes=0 does not keep the ledger (its chunks are counted at the next reconciling
 walk, every 10 minutes in the background, which also removes chunks that dead writers left half-written).
 
-Reads into caller memory (a load straight into paged KV blocks, through its write gate) are
-kvstore/fs_read.py's.
+Commit markers and the commit rule are kvstore/fs_commit.py's; reads into caller memory (a load
+straight into paged KV blocks, through its write gate) are kvstore/fs_read.py's.
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ import logging
 import os
 import re
 import shutil
-import struct
 import threading
 import time
 import uuid
@@ -36,28 +35,25 @@ from typing import Any, Iterator
 
 from pdserve.kvstore import codec
 from pdserve.kvstore.base import KVStore
-from pdserve.kvstore.errors import CorruptObject, NotFound, StoreError, StoreTimeout, StoreUnavailable
+from pdserve.kvstore.errors import NotFound, StoreError, StoreTimeout, StoreUnavailable
 from pdserve.kvstore import fs_ledger, fs_space
 from pdserve.kvstore.fs_ledger import ChunkLedger
+from pdserve.kvstore.fs_commit import MARKER, MARKER_FORMAT, MARKER_MAX, FileCommits, marker_bytes, parse_marker
 from pdserve.kvstore.fs_read import FileReads, read_file
-from pdserve.kvstore.layout import WriterLayout, first_layer, object_layer, parse_object_layer
+from pdserve.kvstore.layout import first_layer, parse_object_layer
 from pdserve.kvstore.fs_space import InFlight, SpaceKeeping, age, free_bytes
 from pdserve.kvstore.records import Buffer, ChunkInfo
 from pdserve.kvstore.spans import advance
 
 logger = logging.getLogger(__name__)
 
-MARKER = "commit"
-_MARKER = struct.Struct("<4sHIQ")  # magic, version, num_layers, bytes of the chunk's layer objects
-_MARKER_MAGIC = b"PDKC"
-_MARKER_MAX = 4096  # a marker's bytes at most (a version-2 marker's layout text is far shorter)
 _KEY = re.compile(r"[0-9A-Za-z_-]{3,128}")
 _FP = re.compile(r"[0-9a-f]{32}")
 ORPHAN_GRACE_S = 120.0  # an uncommitted chunk untouched this long was left by a dead writer (a save takes
                         # save_timeout_s at most: 10 s by default)
 
 
-class FileSystemStore(FileReads, SpaceKeeping, KVStore):
+class FileSystemStore(FileReads, FileCommits, SpaceKeeping, KVStore):
     def __init__(self, root: str | os.PathLike, *, max_bytes: int | None = None, fsync: bool = False,
                  **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -114,32 +110,6 @@ class FileSystemStore(FileReads, SpaceKeeping, KVStore):
             return StoreTimeout(f"{getattr(exc, 'filename', '')}: {exc}")
         return StoreUnavailable(f"{getattr(exc, 'filename', None) or self.root}: {exc}")
 
-    def _lookup(self, keys: list[str]) -> int:
-        found = []
-        for key in keys:
-            try:
-                layout = _read_marker(f"{self._chunk_dir(key)}/{MARKER}")
-            except FileNotFoundError:
-                if not os.path.isdir(self._root):  # deleted or unmounted: an outage, not a miss
-                    raise StoreUnavailable(f"{self._root}: the store directory is gone") from None
-                break
-            found.append((key, layout))  # an unreadable marker (None) still counts: the load fails, repair heals
-        self._remember_layouts([(key, layout) for key, layout in found if layout is not None])
-        return len(found)
-
-    def _read_layouts(self, keys: list[str]) -> list[WriterLayout]:
-        layouts = []
-        for key in keys:
-            path = f"{self._chunk_dir(key)}/{MARKER}"
-            try:
-                layout = _read_marker(path)
-            except FileNotFoundError:
-                raise NotFound(f"{path}: chunk {key} is not committed") from None
-            if layout is None:
-                raise CorruptObject(f"{path}: corrupted commit marker")
-            layouts.append(layout)
-        return layouts
-
     def _put(self, layer: int | str, objects: list[tuple[str, bytes, list[memoryview]]]) -> None:
         sizes = [len(header) + sum(p.nbytes for p in payload) for _, header, payload in objects]
         self._make_room(sum(sizes))
@@ -166,50 +136,6 @@ class FileSystemStore(FileReads, SpaceKeeping, KVStore):
             os.utime(f"{self._chunk_dir(key)}/{MARKER}", ns=(now, now))
         except OSError:  # not committed yet, or evicted: nothing to refresh
             pass
-
-    def _commit(self, keys: list[str], layout: WriterLayout, part: int) -> None:
-        incomplete, committed = [], []
-        heads = layout.num_kv_heads or (self.kv_shape[0] if self.kv_shape else 0)
-        names = [f"{name}.kv" for name in layout.object_layers(heads)]
-        if not layout.single:
-            (lo, hi), group = layout.parts(heads)[part]
-            own = [f"{object_layer(layer, group, heads)}.kv" for layer in range(lo, hi)]
-            parts = layout.part_names(heads)
-        for key in keys:
-            chunk = self._chunk_dir(key)
-            try:
-                if layout.single:
-                    size = sum(os.stat(os.path.join(chunk, name)).st_size for name in names)
-                else:  # this writer's part, then the chunk once every part's marker is there
-                    for name in own:
-                        os.stat(os.path.join(chunk, name))
-                    self._write_atomic(chunk, f"{MARKER}.{parts[part]}", (b"",), create=False)
-                    if not all(os.path.exists(f"{chunk}/{MARKER}.{name}") for name in parts):
-                        continue  # another writer's part is still on its way: that writer commits the chunk
-                    size = sum(os.stat(os.path.join(chunk, name)).st_size for name in names)
-            except FileNotFoundError:
-                incomplete.append(key)
-                continue
-            try:  # no directory re-creation here: a marker must never appear in an evicted, empty chunk
-                self._write_atomic(chunk, MARKER, (_marker(layout, size),), create=False)
-                clock = self._touch(os.path.join(chunk, MARKER))
-            except FileNotFoundError:
-                incomplete.append(key)
-                continue
-            committed.append((f"{self.fingerprint}/{key}", size, clock))
-        self._inflight.drop([key for key in keys if key not in incomplete])
-        if self._ledger is not None:
-            with self._ledger.locked() as ledger:
-                ledger.add(committed)
-                self._evict(ledger)
-                ledger.maybe_compact()
-                due = ledger.reconcile_due()
-            if due and not (self._reconciling and self._reconciling.is_alive()):
-                self._reconciling = threading.Thread(target=self._reconcile_quietly, name="kvstore-reconcile",
-                                                     daemon=True)
-                self._reconciling.start()
-        if incomplete:
-            raise NotFound(f"{len(incomplete)} chunk(s) miss layers and stay invisible: {incomplete[0]}...")
 
     def _delete(self, keys: list[str]) -> int:
         removed = sum(self._remove_dir(self._chunk_dir(key)) for key in keys)
@@ -264,12 +190,12 @@ class FileSystemStore(FileReads, SpaceKeeping, KVStore):
         chunk = self._chunk_dir(key, fingerprint)
         try:
             with open(f"{chunk}/{MARKER}", "rb") as f:
-                raw = f.read(_MARKER_MAX + 1)
+                raw = f.read(MARKER_MAX + 1)
         except FileNotFoundError:
             return None, []
         if not raw:
             return "empty commit marker", []
-        layout = _parse_marker(raw)
+        layout = parse_marker(raw)
         if layout is None:
             return "corrupted commit marker", []
         names = layout.object_layers(layout.num_kv_heads)
@@ -279,7 +205,7 @@ class FileSystemStore(FileReads, SpaceKeeping, KVStore):
                 found += os.stat(f"{chunk}/{name}.kv").st_size
             except FileNotFoundError:
                 return f"layer {name} of {layout.num_layers} missing", names
-        size = _MARKER.unpack_from(raw)[3]
+        size = MARKER_FORMAT.unpack_from(raw)[3]
         return (None if found == size else f"layers hold {found} bytes, the marker says {size}"), names
 
     def _uncommit(self, fingerprint: str, key: str) -> bool:
@@ -425,7 +351,7 @@ class FileSystemStore(FileReads, SpaceKeeping, KVStore):
     def _marker_size(self, rel: str) -> int | None:
         fp, _, key = rel.partition("/")
         try:
-            return _marker_bytes(f"{self._chunk_dir(key, fp)}/{MARKER}")
+            return marker_bytes(f"{self._chunk_dir(key, fp)}/{MARKER}")
         except FileNotFoundError:
             return None
 
@@ -435,43 +361,6 @@ def _write_all(fd: int, parts: tuple[Buffer, ...]) -> None:
     while views:
         views = advance(views, os.writev(fd, views))
 
-
-
-def _marker(layout: WriterLayout, size: int) -> bytes:
-    """A commit marker: magic, version, layer count, the chunk's object bytes; version 2 adds the writer's
-    layout (kvstore/layout.py) after them. The plain layout (one part, raw) writes version 1, as before."""
-    if layout.plain:
-        return _MARKER.pack(_MARKER_MAGIC, 1, layout.num_layers, size)
-    return _MARKER.pack(_MARKER_MAGIC, 2, layout.num_layers, size) + layout.encode().encode()
-
-
-def _parse_marker(raw: bytes) -> WriterLayout | None:
-    """The layout a commit marker records; None for anything that is not a whole marker."""
-    if len(raw) < _MARKER.size or len(raw) > _MARKER_MAX or raw[:4] != _MARKER_MAGIC:
-        return None
-    _, version, layers, _ = _MARKER.unpack_from(raw)
-    try:
-        if version == 1 and len(raw) == _MARKER.size and layers >= 1:
-            return WriterLayout(layers)
-        if version == 2:
-            layout = WriterLayout.decode(raw[_MARKER.size:].decode("ascii"))
-            return layout if layout.num_layers == layers and not layout.plain else None
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return None
-
-
-def _read_marker(path: str) -> WriterLayout | None:
-    with open(path, "rb") as f:
-        return _parse_marker(f.read(_MARKER_MAX + 1))
-
-
-def _marker_bytes(marker: str) -> int:
-    with open(marker, "rb") as f:
-        raw = f.read(_MARKER.size)
-    if len(raw) != _MARKER.size or raw[:4] != _MARKER_MAGIC:
-        return 0
-    return _MARKER.unpack(raw)[3]
 
 
 def _head(path: str) -> bytes:
