@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from pdserve import kernels
+from pdserve.kvstore.spans import SpanTable
 if TYPE_CHECKING:
     from pdserve.engine.device import Platform  # the engine's device calls (the engine passes it in)
 
@@ -98,6 +99,19 @@ class ReadTarget:
     buffer: torch.Tensor
     full: torch.Tensor
     chunk_lens: list[int]
+
+    def span_table(self) -> SpanTable:
+        """Each chunk's K rows, then its V rows, in `full`, as one kvstore.spans.SpanTable (the pieces a coded
+        read decodes into, kvstore/coded_reads.py)."""
+        total = sum(self.chunk_lens)
+        region = memoryview(self.full.view(-1).view(torch.uint8).numpy())
+        row = region.nbytes // (2 * total) if total else 0
+        starts = np.cumsum([0, *self.chunk_lens], dtype=np.int64)[:-1] * row
+        sizes = np.asarray(self.chunk_lens, np.int64) * row
+        desc = np.zeros((2 * len(self.chunk_lens), 3), np.int64)
+        desc[0::2, 1], desc[1::2, 1] = starts, starts + total * row
+        desc[0::2, 2] = desc[1::2, 2] = sizes
+        return SpanTable([region], desc, np.arange(0, 2 * len(self.chunk_lens) + 1, 2, dtype=np.int64))
 
     @property
     def out(self) -> list[torch.Tensor]:

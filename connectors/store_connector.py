@@ -14,9 +14,8 @@ still in the background. Every store failure turns into "recompute" (loads) or a
 Parallel layouts (kvstore/layout.py): the connector of each rank is given its `KVShard` (its layers
 and KV heads; the argument, or `runner.kv_shard`, default: everything) and saves and loads only
 those. Layer indices are the model's (global); `register_kv_caches` takes the rank's own layers'
-caches (or every layer's). A chunk saved by another layout is read per writer head group: where a
-group is exactly this rank's heads, the plain whole-object read (into the blocks, on CPU); otherwise
-the groups overlapping its heads are read and their heads assembled in a staging buffer.
+caches (or every layer's). A chunk saved by another layout, or with a codec, is read by
+connectors/coded_load.py.
 """
 from __future__ import annotations
 
@@ -26,12 +25,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
-import numpy as np
 import torch
 
 from pdserve.common.hashing import chunk_keys
 from pdserve.connectors.chunk_math import chunk_bounds, hit_tokens
 from pdserve.connectors import direct_rows
+from pdserve.connectors.coded_load import CodedLoads
 from pdserve.connectors.chunked import (ChunkedConnector, ChunkedConnectorMetadata, InFlightLoad, LoadSpec, PendingSave,
                                 SaveSpec)
 from pdserve.connectors.direct_rows import DirectRows
@@ -59,7 +58,8 @@ class _Load(InFlightLoad):
     events: dict[int, Any] = field(default_factory=dict)  # layer -> the event of its copy into paged memory
     layouts: list[WriterLayout] | None = None  # each chunk's writer layout (read once, by the first layer read)
     layouts_lock: threading.Lock = field(default_factory=threading.Lock)
-    whole: bool = True  # every chunk has a raw object of exactly this rank's heads (known once layouts are)
+    whole: bool = True  # every chunk has an object of exactly this rank's heads (known once layouts are)
+    coded: bool = False  # some chunk was written with a codec (known once layouts are)
     codecs: set[str] = field(default_factory=set)  # the codecs of the objects read, when not all raw
 
 
@@ -73,7 +73,7 @@ class _Save:
     io_seconds: float = 0.0  # gather + put + commit time (puts overlap compute, so not wall time)
 
 
-class StoreConnector(ChunkedConnector):
+class StoreConnector(CodedLoads, ChunkedConnector):
     """The pdserve kvstore connector: docs/architecture.md's invariants and arithmetic over open_store(url)."""
 
     def __init__(self, config: EngineConfig, runner: Any, store: KVStore | None = None,
@@ -164,6 +164,7 @@ class StoreConnector(ChunkedConnector):
                          chunk_lens=[end - start for start, end in bounds])
             load.layouts = self.store.cached_layouts(load.keys)
             load.whole = load.layouts is None or self._whole(load.layouts)
+            load.coded = load.layouts is not None and _coded(load.layouts)
             if self._cache_bytes and load.whole:
                 lo, hi = (at - plan.aligned_start for at in plan.write_range)
                 load.direct = DirectRows.plan(spec.slots, load.chunk_lens, lo, hi, self._row_bytes, self._half_bytes,
@@ -215,9 +216,11 @@ class StoreConnector(ChunkedConnector):
             with load.layouts_lock:
                 if load.layouts is None:
                     load.layouts = self.store.layouts(load.keys)
-                    load.whole = self._whole(load.layouts)
+                    load.whole, load.coded = self._whole(load.layouts), _coded(load.layouts)
         if not load.whole:
             return self._load_layer_parts(load, layer)
+        if load.coded:
+            return self._load_layer_coded(load, layer)
         heads = self.heads
         if load.direct is not None:  # straight into the blocks, only inside the load's gate
             scratch = self._scratch(load.direct.scratch_bytes)
@@ -236,42 +239,10 @@ class StoreConnector(ChunkedConnector):
         return nbytes
 
     def _whole(self, layouts: list[WriterLayout]) -> bool:
-        """Whether every chunk has a raw object of exactly this rank's heads (the plain whole-object read)."""
+        """Whether every chunk has an object of exactly this rank's heads (the whole-object read: raw, or
+        coded through connectors/coded_load.py)."""
         want = [(self.heads, self.heads)]
-        return all(layout.codec == "raw" and layout.reads(self.heads, self.num_kv_heads) == want
-                   for layout in layouts)
-
-    def _load_layer_parts(self, load: _Load, layer: int) -> int:
-        """One layer of chunks written by another layout or with a codec: per chunk, the writer's head groups
-        that overlap this rank's heads, each object read whole, checked and decoded (kvstore/kv_codecs.py),
-        and this rank's heads of it put in place in one staging buffer, then scattered as any other load.
-        The bytes read (as stored: encoded)."""
-        target = self.transfer.read_target(load.chunk_lens, self.kv_shape, self.dtype)
-        nbytes, offset, lo = 0, 0, self.heads[0]
-        try:
-            by_group: dict[tuple[int, int], list[int]] = {}
-            for j, layout in enumerate(load.layouts or []):
-                for group, _ in layout.reads(self.heads, self.num_kv_heads):
-                    by_group.setdefault(group, []).append(j)
-            starts = [sum(load.chunk_lens[:j]) for j in range(len(load.chunk_lens))]
-            for group, chunks in by_group.items():
-                tensors, stored, codecs = self.store.get_layer_decoded(layer, [load.keys[j] for j in chunks],
-                                                                       heads=group)
-                nbytes += stored
-                load.codecs |= codecs
-                a, b = max(group[0], self.heads[0]), min(group[1], self.heads[1])
-                for j, tensor in zip(chunks, tensors):
-                    if tensor.shape[1] != load.chunk_lens[j]:
-                        raise CorruptObject(f"{self.store.object_name(load.keys[j], layer)}: {tensor.shape[1]} "
-                                            f"tokens, expected {load.chunk_lens[j]}")
-                    offset = starts[j]
-                    _copy(target.full[:, offset:offset + tensor.shape[1], a - lo:b - lo],
-                          tensor[:, :, a - group[0]:b - group[0]])
-        except BaseException:
-            self.transfer.load(self.kv_caches[layer], 0, 0, load.slots, target)  # hand the buffer back
-            raise
-        self._scatter(load, layer, target)
-        return nbytes
+        return all(layout.reads(self.heads, self.num_kv_heads) == want for layout in layouts)
 
     def _scatter(self, load: _Load, layer: int, target: Any) -> None:
         """Write the rows of tokens [N, N + need) of a staged layer into their slots (under the load's lock:
@@ -413,9 +384,8 @@ class StoreConnector(ChunkedConnector):
         self.store.close()
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[...] = src as bytes in numpy: single-threaded, so an I/O thread starts no OpenMP team of its own."""
-    np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
+def _coded(layouts: list[WriterLayout]) -> bool:
+    return any(layout.codec != "raw" for layout in layouts)
 
 
 def _resolve(target: concurrent.futures.Future, source: concurrent.futures.Future) -> None:

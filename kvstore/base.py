@@ -93,11 +93,12 @@ from pdserve.kvstore import codec as object_format  # where a parameter named co
 from pdserve.kvstore.admin import StoreAdmin
 from pdserve.kvstore.errors import StoreError, StoreTimeout
 from pdserve.kvstore.layout import Heads, WriterLayout, object_layer
+from pdserve.kvstore.coded_reads import CodedReads
 from pdserve.kvstore.reads import LayerReads
 from pdserve.kvstore.records import Buffer, StoreStats
 
 
-class KVStore(LayerReads, StoreAdmin):
+class KVStore(LayerReads, CodedReads, StoreAdmin):
     """A chunked, per-layer KV store bound to one model fingerprint (see the module docstring): the
     write path, commits and deletes, the I/O pool and the backend hooks here; reads in
     kvstore/reads.py, administration in kvstore/admin.py, result types in kvstore/records.py."""

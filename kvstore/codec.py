@@ -158,6 +158,27 @@ def decode(buf: bytes | bytearray | memoryview, fingerprint: str, dtype: torch.d
     return torch.frombuffer(view, dtype=found, offset=HEADER_SIZE).view(shape)
 
 
+def check_object(view: memoryview, fingerprint: str, dtype: torch.dtype, kv_shape: Sequence[int], name: str, *,
+                 key: str, layer: int | str, n_tokens: int) -> str:
+    """Validate a whole object of any codec (as decode does, without decoding it) holding `n_tokens` tokens of
+    a `dtype` [2, n, *kv_shape] tensor of layer `layer` of chunk `key`; its codec's name. The batched coded
+    load's check: one compare of the header bytes it must have and one xxh3 pass; CorruptObject (with the
+    precise reason, worked out only then) otherwise."""
+    shape = (2, n_tokens, *kv_shape)
+    if view.nbytes >= HEADER_SIZE and view[7] in kv_codecs.NAMES:
+        length = view.nbytes - HEADER_SIZE
+        raw = view[7] == kv_codecs.CODES[kv_codecs.RAW]
+        want = _HEAD.pack(MAGIC, VERSION, DTYPE_CODES[dtype], view[7], *shape, fingerprint_bytes(fingerprint), length,
+                          binding(key, layer))
+        if view[:_HEAD.size] == want and (not raw or length == shape[1] * shape[2] * shape[3] * 2 * dtype.itemsize) \
+                and _checksum(view[:_HEAD.size], [view[HEADER_SIZE:]]) == _SUM.unpack_from(view, _HEAD.size)[0]:
+            return kv_codecs.NAMES[view[7]]
+    if view.nbytes < HEADER_SIZE:
+        raise CorruptObject(f"{name}: {view.nbytes} bytes is shorter than the {HEADER_SIZE}-byte header")
+    _, found = _check(view[:HEADER_SIZE], [view[HEADER_SIZE:]], fingerprint, dtype, kv_shape, name, key, layer)
+    raise CorruptObject(f"{name}: {found[1]} tokens, expected {n_tokens}")
+
+
 def codec_of(header: bytes | bytearray | memoryview) -> str:
     """The codec an object's header names (checked by _check: a known one)."""
     return kv_codecs.NAMES[memoryview(header).cast("B")[7]]

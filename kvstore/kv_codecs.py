@@ -98,6 +98,55 @@ def decode(payload: memoryview, name: str, dtype: torch.dtype, shape: tuple[int,
     return out
 
 
+def layer_source(payload: memoryview, name: str, count: int, dim: int, itemsize: int) -> memoryview:
+    """What decode_spans reads of one object's payload under codec `name`: the payload itself (raw, 8-bit:
+    its size checked) or its byte planes decompressed (lossless: zstd is per object by nature). ValueError
+    when the payload cannot hold `count` values."""
+    if name == LOSSLESS:
+        planes = _decompressor().decompress(bytes(payload), max_output_size=count * itemsize)
+        if len(planes) != count * itemsize:
+            raise ValueError(f"{len(planes)} decompressed bytes, expected {count * itemsize}")
+        return memoryview(planes)
+    want = count * itemsize if name == RAW else 4 * (count // dim if dim else 0) + count
+    if payload.nbytes != want or (name != RAW and dim and count % dim):
+        raise ValueError(f"{payload.nbytes} payload bytes, expected {want} for {count} values")
+    return payload
+
+
+def decode_spans(names: list[str], sources: list[memoryview], counts: list[int], dim: int, dtype: torch.dtype,
+                 desc: np.ndarray, first: np.ndarray, bases: np.ndarray, views: Any) -> None:
+    """Object i (codec names[i], its layer_source sources[i], counts[i] values of `dtype`) decoded into its
+    pieces desc[first[i]:first[i + 1]] of a span table (kvstore/spans.py), in order, as its raw payload would
+    fill them: a whole layer in one call of kvstore/csrc/kv_dequant.c (pd_decode_spans, the GIL released).
+    Without the library, object by object through decode() into `views()` (the table's memoryviews)."""
+    lib = _dequant_library()
+    if lib is not None and dtype in _DTYPE_CODES and len(names):
+        # every array C reads is held by a name until it returns (a temporary's address dangles at once)
+        keep = [np.frombuffer(src, np.uint8) for src in sources]
+        codes = np.array([CODES[n] for n in names], np.int64)
+        addresses = np.array([a.ctypes.data for a in keep], np.uint64)
+        values = np.array(counts, np.int64)
+        status = lib.pd_decode_spans(len(names), codes.ctypes.data, addresses.ctypes.data, values.ctypes.data, dim,
+                                     desc.ctypes.data, first.ctypes.data, bases.ctypes.data, _E4M3.ctypes.data,
+                                     _DTYPE_CODES[dtype])
+        if status == 0:
+            return
+        if status == -2:
+            raise ValueError("the span table does not hold the objects' values")
+    itemsize = dtype.itemsize
+    for name, src, count, spans in zip(names, sources, counts, views()):
+        if name == RAW:
+            data = src
+        elif name == LOSSLESS:
+            data = memoryview(np.frombuffer(src, np.uint8).reshape(itemsize, count).T.copy()).cast("B")
+        else:
+            data = memoryview(decode(src, name, dtype, (count // dim, dim)).reshape(-1).view(torch.uint8).numpy())
+        offset = 0
+        for span in spans:
+            span[:] = data[offset:offset + span.nbytes]
+            offset += span.nbytes
+
+
 def _as_float32(tensor: torch.Tensor) -> np.ndarray:
     if tensor.dtype == torch.float32:
         return tensor.numpy()
@@ -121,6 +170,9 @@ def _load_dequant() -> Any:
     lib.pd_dequant.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                ctypes.c_void_p, ctypes.c_int]
     lib.pd_dequant.restype = ctypes.c_int
+    lib.pd_decode_spans.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.pd_decode_spans.restype = ctypes.c_int
     return lib
 
 

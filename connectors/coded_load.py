@@ -1,0 +1,94 @@
+"""The store connector's loads of chunks that are not one raw object of exactly this rank's heads.
+
+Two ways, both ending as any load does (rows [N, N + need) into their slots, connectors/staging.py):
+
+- **coded, this rank's heads** (a chunk written with `?codec=int8|fp8|lossless`, or a mix of coded and raw
+  chunks, by a writer of this rank's head split): the layer's objects in one batched read, checked, and
+  decoded in one C call (kvstore/coded_reads.py) straight into the blocks where raw loads read into them
+  (connectors/direct_rows.py: the same span table), else into the staging buffer that is then scattered.
+- **another layout** (a writer of another TP split): per chunk, the writer's head groups that overlap this
+  rank's heads, each object read whole, checked and decoded, and this rank's heads of it put in place in
+  one staging buffer.
+
+`CodedLoads` is mixed into connectors/store_connector.StoreConnector (its store, transfer, heads, caches,
+_scratch and _scatter).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from pdserve.kvstore import CorruptObject
+from pdserve.kvstore.gate import NO_GATE
+
+
+class CodedLoads:
+    """_load_layer_coded and _load_layer_parts of a StoreConnector."""
+
+    store: Any
+    transfer: Any
+    heads: tuple[int, int]
+
+    def _load_layer_coded(self, load: Any, layer: int) -> int:
+        """One layer of chunks of this rank's heads, some of them coded: one batched read and one decode of
+        the whole layer; the bytes read (as stored)."""
+        if load.direct is not None:  # straight into the blocks, only inside the load's gate
+            table = load.direct.spans(self._cache_bytes[layer], self._scratch(load.direct.scratch_bytes))
+            nbytes, codecs = self.store.get_layer_coded(layer, load.keys, table, load.chunk_lens, load.gate,
+                                                        heads=self.heads)
+            with load.lock:
+                load.codecs |= codecs
+                load.finished = max(load.finished, time.perf_counter())
+            return nbytes
+        target = self.transfer.read_target(load.chunk_lens, self.kv_shape, self.dtype)
+        try:  # the staging buffer is this thread's until the scatter: no gate
+            nbytes, codecs = self.store.get_layer_coded(layer, load.keys, target.span_table(), load.chunk_lens,
+                                                        NO_GATE, heads=self.heads)
+        except BaseException:
+            self.transfer.load(self.kv_caches[layer], 0, 0, load.slots, target)  # hand the buffer back
+            raise
+        with load.lock:
+            load.codecs |= codecs
+        self._scatter(load, layer, target)
+        return nbytes
+
+    def _load_layer_parts(self, load: Any, layer: int) -> int:
+        """One layer of chunks written by another layout: per chunk, the writer's head groups that overlap
+        this rank's heads, each object read whole, checked and decoded (kvstore/kv_codecs.py), and this rank's
+        heads of it put in place in one staging buffer, then scattered as any other load. The bytes read (as
+        stored: encoded)."""
+        target = self.transfer.read_target(load.chunk_lens, self.kv_shape, self.dtype)
+        nbytes, offset, lo = 0, 0, self.heads[0]
+        try:
+            by_group: dict[tuple[int, int], list[int]] = {}
+            for j, layout in enumerate(load.layouts or []):
+                for group, _ in layout.reads(self.heads, self.num_kv_heads):
+                    by_group.setdefault(group, []).append(j)
+            starts = [sum(load.chunk_lens[:j]) for j in range(len(load.chunk_lens))]
+            for group, chunks in by_group.items():
+                tensors, stored, codecs = self.store.get_layer_decoded(layer, [load.keys[j] for j in chunks],
+                                                                       heads=group)
+                nbytes += stored
+                with load.lock:
+                    load.codecs |= codecs
+                a, b = max(group[0], self.heads[0]), min(group[1], self.heads[1])
+                for j, tensor in zip(chunks, tensors):
+                    if tensor.shape[1] != load.chunk_lens[j]:
+                        raise CorruptObject(f"{self.store.object_name(load.keys[j], layer)}: {tensor.shape[1]} "
+                                            f"tokens, expected {load.chunk_lens[j]}")
+                    offset = starts[j]
+                    _copy(target.full[:, offset:offset + tensor.shape[1], a - lo:b - lo],
+                          tensor[:, :, a - group[0]:b - group[0]])
+        except BaseException:
+            self.transfer.load(self.kv_caches[layer], 0, 0, load.slots, target)  # hand the buffer back
+            raise
+        self._scatter(load, layer, target)
+        return nbytes
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[...] = src as bytes in numpy: single-threaded, so an I/O thread starts no OpenMP team of its own."""
+    np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())

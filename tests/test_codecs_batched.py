@@ -1,0 +1,118 @@
+"""The batched coded load (kvstore/coded_reads.py, connectors/coded_load.py): a layer's coded objects in one read
+and one C decode, straight into the blocks or the staging buffer.
+
+Over a real directory and a real redis-server: it writes bit for bit what the per-object path (get_layer_decoded)
+decodes, lossless equal to the raw tensor; through a P/D pair of the tiny model, a flipped byte in one coded
+object fails that request's load only (it recomputes, exact) and a chunk written raw next to one written with a
+codec still loads (raw + lossless: token-identical to HF).
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from pdserve.connectors.staging import ReadTarget
+from pdserve.kvstore import CorruptObject, kv_codecs
+from pdserve.kvstore.gate import NO_GATE
+from tests.connector_helpers import (FALLBACK_RE, GREEDY, PREFILL, capture, engine_pair, hf_greedy, lines, prompt,
+                                     token_ids)
+from tests.kvstore_helpers import KV_SHAPE, make_chunks, open_test_store, write_all
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _staging(chunk_lens: list[int], dtype: torch.dtype) -> ReadTarget:
+    full = torch.full((2, sum(chunk_lens), *KV_SHAPE), float("nan"), dtype=dtype)
+    return ReadTarget(full.view(-1).view(torch.uint8), full, list(chunk_lens))
+
+
+def _url(kind: str, tmp_path, request, codec: str) -> str:
+    base = f"file://{tmp_path}" if kind == "file" else request.getfixturevalue("redis_module").url
+    return base + ("&" if "?" in base else "?") + f"codec={codec}"
+
+
+@pytest.mark.parametrize("kind", ["file", "redis"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("codec", ["lossless", "int8", "fp8"])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_the_batched_decode_equals_the_per_object_one_bit_for_bit(codec, dtype, kind, compiled, tmp_path, request,
+                                                                   monkeypatch):
+    if not compiled:  # the path without a library (PDSERVE_KERNELS=torch) must write the same bytes
+        monkeypatch.setattr(kv_codecs, "_dequant_library", lambda: None)
+    else:
+        assert kv_codecs._dequant_library() is not None  # noqa: SLF001 (gcc is part of this machine's setup)
+    keys, layers = make_chunks(45, 2, dtype=dtype, seed=3)  # chunks of 16, 16 and 13 tokens
+    chunk_lens = [16, 16, 13]
+    with open_test_store(_url(kind, tmp_path, request, codec), 2, dtype=dtype) as store:
+        write_all(store, keys, layers)
+        for layer in range(2):
+            target = _staging(chunk_lens, dtype)
+            stored, codecs = store.get_layer_coded(layer, keys, target.span_table(), chunk_lens, NO_GATE)
+            want, want_stored, _ = store.get_layer_decoded(layer, keys)
+            assert codecs == {codec} and stored == want_stored
+            for got, expected, original in zip(target.out, want, layers[layer].values()):
+                assert got.view(torch.uint8).equal(expected.contiguous().view(torch.uint8))  # bit for bit
+                if codec == "lossless":
+                    assert got.view(torch.uint8).equal(original.view(torch.uint8))
+
+
+def test_a_damaged_object_fails_the_batched_read_before_anything_is_written(tmp_path):
+    keys, layers = make_chunks(45, 1, seed=4)
+    with open_test_store(f"file://{tmp_path}?codec=int8", 1) as store:
+        write_all(store, keys, layers)
+        (path,) = tmp_path.rglob(f"{keys[2]}/0.kv")
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x01  # the last code of the last chunk
+        path.write_bytes(bytes(data))
+        target = _staging([16, 16, 13], torch.float32)
+        with pytest.raises(CorruptObject, match="checksum mismatch"):
+            store.get_layer_coded(0, keys, target.span_table(), [16, 16, 13], NO_GATE)
+        assert torch.isnan(target.full).all()  # the checks come first: the good chunks were not written either
+
+
+def test_a_flipped_byte_in_one_coded_object_fails_only_that_load(tiny_llama, tmp_path, caplog):
+    """Two requests load in one step from an int8 store; one object of the second is damaged: that request
+    recomputes (and is then exact), the other's load goes through."""
+    good, bad = prompt(300, seed=30), prompt(280, seed=31)
+    producer, consumer = engine_pair(tiny_llama, f"file://{tmp_path}?codec=int8")
+    try:
+        producer.generate([good, bad], PREFILL)
+        key = producer.engine.connector.keys_for(bad, None)[1]
+        (path,) = tmp_path.rglob(f"{key}/3.kv")
+        data = bytearray(path.read_bytes())
+        data[200] ^= 0x40
+        path.write_bytes(bytes(data))
+        capture(caplog)
+        out = consumer.generate([good, bad], GREEDY)
+        failed = lines(caplog, FALLBACK_RE)
+        assert len(failed) == 1 and failed[0][1] == "corrupt"
+        assert out[0].num_cached_tokens == 299  # loaded
+        assert token_ids(out)[1] == hf_greedy(tiny_llama, [bad])[0]  # recomputed: exact
+    finally:
+        producer.engine.shutdown()
+        consumer.engine.shutdown()
+
+
+@pytest.mark.parametrize("codec", ["lossless", "int8"])
+def test_a_chunk_written_raw_next_to_a_coded_one_loads(codec, tiny_llama, tmp_path, caplog):
+    """Chunk 0 by a raw writer, chunk 1 by a writer of `codec` (a store whose setting changed): one load reads
+    both, and names both codecs; raw + lossless is token-identical to HF."""
+    full = prompt(300, seed=40)
+    raw_producer, consumer = engine_pair(tiny_llama, f"file://{tmp_path}")
+    coded_producer, _ = engine_pair(tiny_llama, f"file://{tmp_path}?codec={codec}")
+    try:
+        raw_producer.generate([full[:256]], PREFILL)  # chunk [0, 256): raw
+        coded_producer.generate([full], PREFILL)  # only chunk [256, 300) is new: coded
+        capture(caplog)
+        out = consumer.generate([full], GREEDY)
+        assert out[0].num_cached_tokens == 299 and not lines(caplog, FALLBACK_RE)
+        named = {m.group(1) for r in caplog.records if (m := re.search(r"Retrieved .*, codec: (\S+)$",
+                                                                        r.getMessage()))}
+        assert named == {"+".join(sorted([codec, "raw"]))}
+        if codec == "lossless":
+            assert token_ids(out) == hf_greedy(tiny_llama, [full])
+    finally:
+        for llm in (raw_producer, consumer, coded_producer, _):
+            llm.engine.shutdown()
