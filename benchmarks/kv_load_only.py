@@ -20,8 +20,15 @@ Rounds alternate load and raw read, best of `repeats` each, so a load spike on a
 hits both. Also printed (info, not the ceiling): a raw read into one reused buffer, which keeps
 nothing and so bounds any reader from above.
 
+With `--codecs raw int8 fp8 lossless` it times instead each codec's whole load (the same connector path,
+a store written with `?codec=`) in ms, best of `repeats`, the batched coded path (kvstore/coded_reads.py)
+and, with `--per-object`, also the per-object path coded loads took before it (connectors/coded_load.py's
+_load_layer_parts), each against raw in the same run; `--model smollm2` loads a real model's KV shape
+(engine/builtin_model.preset_checkpoint).
+
 Used by benchmarks/kv_handoff.py; standalone:
     .venv/bin/python benchmarks/kv_load_only.py [--tokens 2048] [--stores file redis] [--repeats 5] [--io-threads N]
+        [--codecs raw int8 fp8 lossless [--per-object]] [--model bench|smollm2]
 """
 from __future__ import annotations
 
@@ -35,7 +42,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -210,6 +217,70 @@ def measure(llm: LLM, url: str, tokens: int, repeats: int, seed: int) -> LoadOnl
                     threads, gbps.get("raw_client", 0.0), compiled)
 
 
+def _connector_load(llm: LLM, tokens: int, seed: int, per_object: bool = False) -> tuple[Callable[[], None], Any]:
+    """Save a fresh prompt through producer `llm`; a consumer connector's whole load of it, as a callable."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, 259) for _ in range(tokens)]
+    llm.generate([prompt], FIRST_TOKEN)
+    runner = llm.engine.model_runner
+    connector = StoreConnector(llm.engine.config, runner)
+    if per_object:  # the path coded loads took before the batched one (object by object, staged), as on main
+        connector._whole = lambda layouts: False  # noqa: SLF001
+    chunk, block = connector.chunk_size, connector.block_size
+    hit = min(connector.store.lookup(connector.keys_for(prompt, None)) * chunk, tokens)
+    plan = LoadPlan(tokens, 0, hit, chunk)
+    assert plan.need_to_load == tokens - 1, f"only {hit} of {tokens} tokens are in the store"
+    num_blocks = -(-tokens // block)
+    block_ids = random.Random(seed).sample(range(1, 4 * num_blocks), num_blocks)
+    connector.register_kv_caches(runner.platform.allocate_kv_caches(
+        runner.num_layers, 4 * num_blocks, block, runner.num_kv_heads, runner.head_dim, runner.dtype))
+    slots = slots_for(block_ids, *plan.write_range, block)
+
+    def load() -> None:
+        spec = LoadSpec(f"load-only-{seed}", prompt, None, plan, slots)
+        connector.start_load_kv(ChunkedConnectorMetadata(loads=[spec]))
+        for layer in range(runner.num_layers):
+            connector.wait_for_layer_load(layer)
+        assert not connector.get_failed_loads(), "the load failed"
+
+    return load, connector
+
+
+def measure_codecs(model: Path, url: str, tokens: int, codecs: list[str], repeats: int, per_object: bool,
+                   seed: int) -> dict[str, float]:
+    """ms of each codec's whole load ("<codec>/per-object" too with per_object), rounds alternating."""
+    loads, connectors, llms = {}, [], []
+    for i, name in enumerate(codecs):
+        coded = f"{url}{'&' if '?' in url else '?'}codec={name}"
+        llm = LLM(str(model), kv_store=coded, kv_role="kv_producer", kv_cache_memory="1GiB")
+        llms.append(llm)
+        for slow in ([False, True] if per_object and name != "raw" else [False]):
+            load, connector = _connector_load(llm, tokens, seed + 100 * i, per_object=slow)
+            loads[f"{name}/per-object" if slow else name] = load
+            connectors.append(connector)
+    best = dict.fromkeys(loads, float("inf"))
+    for load in loads.values():
+        load()  # warm-up
+    for _ in range(repeats):
+        for name, load in loads.items():
+            best[name] = _best(load, best[name])
+    for connector in connectors:
+        connector.shutdown()
+    for llm in llms:
+        llm.engine.shutdown()
+    return {name: 1e3 * seconds for name, seconds in best.items()}
+
+
+def codec_table(results: dict[str, dict[str, float]], tokens: int) -> list[str]:
+    lines = [f"whole load of a {tokens}-token prompt through the connector (ms, best of the repeats; x raw)",
+             f"{'store':>6} {'codec':>20} {'ms':>8} {'x raw':>6}"]
+    for store, times in results.items():
+        raw = times.get("raw")
+        for name, ms in times.items():
+            lines.append(f"{store:>6} {name:>20} {ms:8.1f} {ms / raw if raw else float('nan'):6.2f}")
+    return lines
+
+
 def table(results: dict[str, LoadOnly], tokens: int) -> list[str]:
     lines = [f"load only, {tokens}-token prompt, no forward pass competing (GB/s of KV payload; raw = the same "
              f"objects read with no check or scatter into kept pre-faulted buffers; ceiling = the best raw column)",
@@ -233,8 +304,16 @@ def main() -> int:
     parser.add_argument("--stores", nargs="+", default=["file", "redis"], choices=["file", "redis"])
     parser.add_argument("--io-threads", type=int, default=None,
                         help="the store's I/O threads (its io_threads option; default: the store's own)")
+    parser.add_argument("--codecs", nargs="+", choices=["raw", "lossless", "int8", "fp8"],
+                        help="time each codec's whole load against raw instead of the load-vs-ceiling table")
+    parser.add_argument("--per-object", action="store_true", help="with --codecs: the per-object coded path too")
+    parser.add_argument("--model", default="bench", help="bench (the benchmarks' model) or a preset (smollm2)")
     args = parser.parse_args()
-    model = bench_model_path()
+    if args.model == "bench":
+        model = bench_model_path()
+    else:
+        from pdserve.engine.builtin_model import preset_checkpoint
+        model = preset_checkpoint(args.model)[0]
     tmp = Path(tempfile.mkdtemp(prefix="kv-load-only-"))
     results = {}
     try:
@@ -242,12 +321,16 @@ def main() -> int:
             with backend(name, tmp) as url:
                 if args.io_threads:
                     url = f"{url}{'&' if '?' in url else '?'}io_threads={args.io_threads}"
+                if args.codecs:
+                    results[name] = measure_codecs(model, url, args.tokens, args.codecs, args.repeats,
+                                                   args.per_object, seed=11 + i)
+                    continue
                 llm = LLM(str(model), kv_store=url, kv_role="kv_producer", kv_cache_memory="1GiB")
                 results[name] = measure(llm, url, args.tokens, args.repeats, seed=11 + i)
                 llm.engine.shutdown()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print("\n".join(table(results, args.tokens)))
+    print("\n".join(codec_table(results, args.tokens) if args.codecs else table(results, args.tokens)))
     return 0
 
 

@@ -83,12 +83,14 @@ int pd_dequant(int64_t groups, int64_t dim, const uint8_t *codes, const float *s
  * the same values as the table of kv_codecs.py, NaN codes (never written by the encoder) 0 as there. */
 static inline float e4m3(uint8_t code) {
     const uint32_t em = code & 0x7Fu;
-    const uint32_t sign = (uint32_t)(code & 0x80u) << 24;
-    uint32_t bits = sign | ((em << 20) + (120u << 23));  /* normal: exponent bias 7 -> 127 */
-    float normal, sub = (float)(em & 7u) * (1.0f / 512.0f);  /* subnormal: m * 2^-9 */
-    memcpy(&normal, &bits, sizeof normal);
-    float value = em >> 3 ? normal : (sign ? -sub : sub);
-    return em == 0x7Fu ? 0.0f : value;
+    const float sub = (float)(em & 7u) * (1.0f / 512.0f);  /* subnormal: m * 2^-9 */
+    uint32_t sub_bits, bits;
+    memcpy(&sub_bits, &sub, sizeof sub_bits);
+    bits = em >> 3 ? (em << 20) + (120u << 23) : sub_bits;  /* normal: exponent bias 7 -> 127 */
+    bits = em == 0x7Fu ? 0u : bits | (uint32_t)(code & 0x80u) << 24;  /* selects on integers: vectorized */
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
 }
 
 #define AS_F32(v) (v)
