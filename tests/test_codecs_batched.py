@@ -116,3 +116,32 @@ def test_a_chunk_written_raw_next_to_a_coded_one_loads(codec, tiny_llama, tmp_pa
     finally:
         for llm in (raw_producer, consumer, coded_producer, _):
             llm.engine.shutdown()
+
+
+def test_a_lossless_hand_off_through_the_staged_path_is_exact(tiny_llama, tmp_path, caplog, monkeypatch):
+    """The CUDA data path (StagedTransfer: decode into the pinned staging buffer, then the copy stream's
+    scatter), run on the CPU: a lossless load is token-identical to HF and goes through the batched read."""
+    from pdserve.connectors import staging
+    from pdserve.kvstore.coded_reads import CodedReads
+
+    monkeypatch.setattr(staging, "use_staging", lambda platform: True)
+    calls, batched = [], CodedReads.get_layer_coded
+
+    def counted(self, layer, *args, **kwargs):  # the real read, noting which layers took it
+        calls.append(layer)
+        return batched(self, layer, *args, **kwargs)
+
+    monkeypatch.setattr(CodedReads, "get_layer_coded", counted)
+    prompts = [prompt(300, seed=50)]
+    producer, consumer = engine_pair(tiny_llama, f"file://{tmp_path}?codec=lossless")
+    try:
+        assert isinstance(consumer.engine.connector.transfer, staging.StagedTransfer)
+        capture(caplog)
+        producer.generate(prompts, PREFILL)
+        out = consumer.generate(prompts, GREEDY)
+        assert out[0].num_cached_tokens == 299 and not lines(caplog, FALLBACK_RE)
+        assert token_ids(out) == hf_greedy(tiny_llama, prompts)
+        assert sorted(calls) == list(range(consumer.engine.connector.num_layers))  # every layer, batched
+    finally:
+        producer.engine.shutdown()
+        consumer.engine.shutdown()
