@@ -80,7 +80,8 @@ def store_prompts(model: Path, url: str, lengths: list[int], seed: int) -> tuple
 
 
 def consumer_ttft(consumer: LLM, prompt: list[int], repeats: int) -> tuple[float, float, int]:
-    """(best TTFT s, load GB/s of that run, bytes loaded) of a prompt whose KV is in the store."""
+    """(best TTFT s, load GB/s of that run, bytes moved) of a prompt whose KV is in the store; the load's
+    seconds are the connector's own (pdserve_kv_load_seconds), its bytes what crossed the link."""
     metrics = consumer.engine.connector.metrics
     best = (float("inf"), 0.0, 0)
     for _ in range(repeats):
@@ -194,6 +195,7 @@ def report(result: dict, lengths: list[int]) -> list[str]:
                 speedup = result["recompute"].get(n) or result["recompute"].get(str(n))
                 line += f" {cell['s'] * 1000:9.0f} ({speedup / cell['s']:5.1f}x){'':>7}"
         lines.append(line)
+    lines += load_times(result, max(lengths))
     lines += crossover(result, lengths)
     lines.append(f"greedy agreement with recompute over {AGREE_TOKENS} tokens at {min(lengths)} tokens: " + ", ".join(
         f"{name} {same}/{total}" for name, (same, total) in result["agreement"].items()))
@@ -205,6 +207,24 @@ def report(result: dict, lengths: list[int]) -> list[str]:
         lines.append(f"goal (raw load only >= {100 * LOAD_SHARE_GOAL:.0f}% of the link's ceiling on every shaped link): "
                      f"worst {100 * worst:.0f}% " + ("met" if worst >= LOAD_SHARE_GOAL else "NOT met"))
     return lines
+
+
+def load_times(result: dict, n: int) -> list[str]:
+    """The loads alone at `n` tokens (the connector's load seconds inside those TTFTs): ms and MB moved per
+    codec, and each codec's speed-up over raw on the same link."""
+    out = [f"the load inside the TTFT at {n} tokens (connector's own seconds; MB that crossed the link):"]
+    for row in result["settings"]:
+        cells = {name: (by_len.get(n) or by_len.get(str(n))) for name, by_len in row["ttft"].items()}
+        raw = cells.get("redis/raw")
+        parts = []
+        for name, c in sorted(cells.items()):
+            if not c:
+                continue
+            ms = c["bytes"] / c["load_gbps"] / 1e6
+            note = f", {raw['bytes'] / raw['load_gbps'] / 1e6 / ms:.2f}x raw" if raw and name != "redis/raw" else ""
+            parts.append(f"{name} {ms:.0f} ms / {c['bytes'] / 1e6:.0f} MB{note}")
+        out.append(f"  {row['setting']:>20}: " + "; ".join(parts))
+    return out
 
 
 def crossover(result: dict, lengths: list[int]) -> list[str]:
