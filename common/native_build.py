@@ -8,12 +8,14 @@ package data, and the wheel stays one pure-Python file for every machine kind.
 Where `load_library` finds a library, in order:
 1. the build cache (common/paths.py `kernels_dir()`), keyed by the source and every file it
    includes, the compiler and its version, the flags and the CPU's feature flags (builds use
-   -march=native), so a changed source or another machine kind gets a build of its own;
+   -march=native, or the level of a PDSERVE_CPU_ISA / ONEDNN_MAX_CPU_ISA cap: common/cpu_isa.py), so
+   a changed source, another machine kind or another cap gets a build of its own;
 2. a build now with $CC, else cc or gcc. Racing processes each build into a temp file and rename it
    into place: readers never see half a library;
 3. a library prebuilt at install (`python -m pdserve.common.native_build --prebuild`, what the
    container image's build stage runs; `prebuilt_kernels_dir()`) for the widest x86-64 level of
-   TARGETS this CPU runs: an image has no compiler, and its builder's CPU may not be its host's.
+   TARGETS this CPU runs (under the cap): an image has no compiler, and its builder's CPU may not be
+   its host's.
 Anything else (a missing source, no compiler and nothing prebuilt, a failed build, a library the
 loader refuses) is a BuildError, and `build_or_none` is the one rule for it: one warning per reason,
 and the caller runs its torch (or Python) path. It also keeps every compiled path off when the
@@ -46,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pdserve.common import cpu_isa
 from pdserve.common.kernel_choice import compiled_enabled
 from pdserve.common.paths import kernels_dir, prebuilt_kernels_dir
 
@@ -54,7 +57,6 @@ logger = logging.getLogger(__name__)
 FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
          # Lets the compiler vectorize float sums (reassociation); no fast-math beyond that.
          "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
-NATIVE = ("-march=native",)
 ROOT = Path(__file__).resolve().parent.parent  # the installed pdserve package, or the checkout
 _INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.M)
 _CFLAGS = re.compile(r"PD_CFLAGS:([^\n]*)")
@@ -74,8 +76,7 @@ class Target:
     needs: frozenset[str]
 
 
-_V3 = frozenset("avx avx2 bmi1 bmi2 f16c fma abm movbe xsave".split())
-_V4 = _V3 | frozenset("avx512f avx512bw avx512cd avx512dq avx512vl".split())
+_V3, _V4 = cpu_isa.V3, cpu_isa.V4
 # Widest first. The sources choose their vector paths at compile time (AVX2, AVX-512, AVX512_BF16),
 # so each level a CPU kind may stop at is a build of its own.
 TARGETS: tuple[Target, ...] = (
@@ -166,7 +167,7 @@ def load_library(source: Path, build_dir: Path | None = None, extra_flags: tuple
     lower ISA level with e.g. -march=x86-64-v3); `prebuilt_dir`: default prebuilt_kernels_dir()."""
     r = recipe(source)
     build_dir = kernels_dir() if build_dir is None else build_dir
-    flags = (*FLAGS, *NATIVE, *r.flags, *extra_flags)
+    flags = (*FLAGS, *cpu_isa.march_flags(), *r.flags, *extra_flags)
     try:
         cc, version = _compiler()
         path = build_dir / f"{r.source.stem}-{_key(*r.texts, version, *flags, _cpu_identity())}.so"
@@ -193,8 +194,8 @@ def _prebuilt_path(r: Recipe, target: Target, extra_flags: tuple[str, ...], dire
 
 
 def runnable_targets() -> tuple[Target, ...]:
-    """The levels of TARGETS this CPU runs, widest first."""
-    cpu = _cpu_flags()
+    """The levels of TARGETS this CPU runs (those the cap leaves), widest first."""
+    cpu = cpu_isa.effective_flags()
     return tuple(target for target in TARGETS if target.needs <= cpu)
 
 
@@ -225,10 +226,6 @@ def _cpu_flags_line() -> str:
             return next((line for line in f if line.startswith("flags")), "")
     except OSError:
         return ""
-
-
-def _cpu_flags() -> set[str]:
-    return set(_cpu_flags_line().partition(":")[2].split())
 
 
 def _cpu_identity() -> str:
