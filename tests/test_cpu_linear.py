@@ -152,28 +152,6 @@ def test_dot_kernel_built_without_avx512_bf16_says_so(build_dir):
                                                                             None))
 
 
-def test_engine_takes_the_dot_kernel_for_every_batch_where_it_is_chosen():
-    """On a CPU with AVX512_BF16 and no AMX, engine/models/linear.py sends every batch, decode-sized or
-    prefill-sized, through the dot kernel and keeps no other layout of the weights (no second copy);
-    elsewhere the dot kernel is not used at all."""
-    from pdserve.engine.models import linear
-
-    g = torch.Generator().manual_seed(0)
-    lin = linear.Linear(256, 100, True, torch.bfloat16)
-    lin.weight.data.copy_(torch.randn(100, 256, generator=g) * 0.05)
-    lin.bias.data.copy_(torch.randn(100, generator=g))
-    lin.pack()
-    if linear._dot_kernel() is None:
-        assert lin.dot_panels is None
-        return
-    assert lin.dot_panels is not None and lin.packed is None and lin.weight is None
-    for rows in (1, 16, 64, 65, 300):
-        x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
-        expected = lin.dot_kernel(x, lin.dot_panels)
-        assert torch.equal(lin(x), expected)
-        assert torch.equal(lin(x.view(1, rows, 256)), expected.view(1, rows, 100))
-
-
 def test_build_is_cached_per_source(tmp_path):
     """A second load reuses the library; a changed source gets a build of its own."""
     src = tmp_path / "one.c"
@@ -242,20 +220,3 @@ def test_without_a_compiler_the_library_prebuilt_for_this_cpu_loads(tmp_path, mo
     src.write_text("int pd_answer(void) { return 43; }\n")
     with pytest.raises(BuildError, match="does not run.*no library prebuilt for this CPU"):
         load_library(src, tmp_path / "cache", prebuilt_dir=prebuilt)
-
-
-def test_torch_kernels_keep_the_compiled_linear_kernels_out(monkeypatch):
-    """PDSERVE_KERNELS=torch: a bf16 layer packs for oneDNN (or an fp32 copy where oneDNN cannot pack
-    bf16), never into a compiled kernel's layout; the same layer under `auto` is checked above."""
-    from pdserve.engine.models import linear
-
-    monkeypatch.setenv("PDSERVE_KERNELS", "torch")
-    g = torch.Generator().manual_seed(1)
-    lin = linear.Linear(256, 100, True, torch.bfloat16)
-    weight, bias = torch.randn(100, 256, generator=g).bfloat16(), torch.randn(100, generator=g).bfloat16()
-    lin.weight.data.copy_(weight)
-    lin.bias.data.copy_(bias)
-    lin.pack()
-    assert lin.dot_kernel is None and lin.bf16_kernel is None and lin.packed is not None
-    x = torch.randn(5, 256, generator=g).bfloat16()
-    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, weight, bias), rtol=2e-2, atol=2e-2)

@@ -1,0 +1,172 @@
+"""The linear path of bf16 layers, chosen by measurement (kernels/linear_choice.py) and used by
+engine/models/linear.py: the choice follows the numbers it is fed (never a CPU's name), the
+measurement is bounded and cached, the overrides win, and every path a layer may take gives a bf16
+GEMM's result (fp32 sums of the exact products, rounded to bf16) for decode- and prefill-sized calls."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+import torch
+
+from pdserve.common import cpu_isa
+from pdserve.engine.models.linear import Linear
+from pdserve.kernels import linear_choice, linear_paths
+from pdserve.kernels.linear_choice import LARGE_FROM, MIN_GAIN, choose
+
+
+@pytest.fixture()
+def fresh(monkeypatch, tmp_path):
+    """A process with no choice made yet and its own cache directory."""
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(linear_choice.ENV, raising=False)
+    monkeypatch.setattr(linear_choice, "_chosen", {})
+    return tmp_path / "cache" / "kernels"
+
+
+def test_choice_follows_the_numbers_per_kind_of_call():
+    """Numbers as measured on a Xeon with AVX-512 and no bf16 (oneDNN's bf16 GEMM emulated): the widening
+    kernel for decode-sized calls, oneDNN's fp32 GEMM for prefill-sized ones. The same names with other
+    numbers choose otherwise: the choice reads the measurement, nothing else."""
+    xeon = {"small": {"onednn_bf16": 49.0, "onednn_fp32": 112.0, "bf16_widen": 169.0},
+            "large": {"onednn_bf16": 71.0, "onednn_fp32": 201.0, "bf16_widen": 157.0}}
+    c = choose(xeon)
+    assert c.small == ("bf16_widen", "onednn_fp32", "onednn_bf16")
+    assert c.large == ("onednn_fp32", "bf16_widen", "onednn_bf16")
+    assert c.ranking(LARGE_FROM - 1) == c.small and c.ranking(LARGE_FROM) == c.large
+    amx = {"small": {"onednn_bf16": 900.0, "onednn_fp32": 112.0, "bf16_widen": 169.0},
+           "large": {"onednn_bf16": 2500.0, "onednn_fp32": 201.0, "bf16_widen": 157.0}}
+    assert choose(amx).small[0] == choose(amx).large[0] == "onednn_bf16"
+
+
+def test_a_second_layout_only_for_a_clear_gain():
+    """Where the prefill-sized winner beats the decode-sized winner's own prefill figure by less than
+    MIN_GAIN, the decode-sized winner serves both (one layout of the weights, not two)."""
+    close = {"small": {"bf16_dot": 400.0, "onednn_bf16": 290.0},
+             "large": {"bf16_dot": 420.0, "onednn_bf16": 420.0 * (1 + MIN_GAIN) - 1}}
+    assert choose(close).large == ("bf16_dot", "onednn_bf16")
+    clear = {"small": close["small"], "large": {"bf16_dot": 420.0, "onednn_bf16": 420.0 * (1 + MIN_GAIN) + 1}}
+    assert choose(clear).large == ("onednn_bf16", "bf16_dot")
+
+
+def test_measurement_is_bounded_and_cached(fresh, caplog):
+    """The first choice measures every available path (well under two seconds on top of building the
+    kernels), writes its numbers as JSON and logs one line with the CPU and the chosen paths' GFLOP/s; a
+    restart reads the file instead (no second measurement); a damaged file is measured again."""
+    paths = linear_paths.available()
+    linear_paths._widen_kernel(), linear_paths._dot_kernel()  # builds are not the measurement's time
+    started = time.perf_counter()
+    with caplog.at_level(logging.INFO, logger="pdserve.kernels.linear_choice"):
+        first = linear_choice.linear_choice()
+    assert time.perf_counter() - started < 2.0
+    assert set(first.small) == set(first.large) == set(paths) and first.source.startswith("measured in")
+    lines = [r.getMessage() for r in caplog.records if r.name == "pdserve.kernels.linear_choice"]
+    assert len(lines) == 1 and "GFLOP/s" in lines[0] and first.small[0] in lines[0]
+    assert f"CPU {cpu_isa.model_name()!r}" in lines[0]
+    files = list(fresh.glob("linear-choice-*.json"))
+    assert len(files) == 1
+    saved = json.loads(files[0].read_text())
+    assert set(saved["gflops"]["small"]) == set(paths) and all(v > 0 for v in saved["gflops"]["large"].values())
+
+    linear_choice._chosen.clear()
+    again = linear_choice.linear_choice()
+    assert again.source.startswith("cached in") and again.small == first.small and again.large == first.large
+
+    files[0].write_text("{not json")
+    linear_choice._chosen.clear()
+    assert linear_choice.linear_choice().source.startswith("measured in")
+
+
+def _layer(seed: int, n: int = 100, k: int = 256) -> tuple[Linear, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lin = Linear(k, n, True, torch.bfloat16)
+    w, b = (torch.randn(n, k, generator=g) * 0.1).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    lin.weight.data.copy_(w)
+    lin.bias.data.copy_(b)
+    return lin, w, b
+
+
+def _check_gemm(lin: Linear, w: torch.Tensor, b: torch.Tensor, seed: int) -> None:
+    """2-d and 3-d calls of both kinds (decode- and prefill-sized rows) equal the exact product rounded to
+    bf16, up to summation order."""
+    g = torch.Generator().manual_seed(seed)
+    for rows in (1, 5, LARGE_FROM - 1, LARGE_FROM, 300):
+        x = torch.randn(rows, w.shape[1], generator=g).bfloat16()
+        y = lin(x)
+        exact = (x.double() @ w.double().T + b.double()).to(torch.bfloat16)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, w.shape[0])
+        torch.testing.assert_close(y.float(), exact.float(), atol=2e-2, rtol=1e-2)
+        assert torch.equal(lin(x.view(1, rows, -1)), y.view(1, rows, -1))
+
+
+@pytest.mark.parametrize("path", list(linear_paths.PATHS))
+def test_every_path_is_a_bf16_gemm(fresh, monkeypatch, path):
+    """PDSERVE_LINEAR=PATH wins over the measurement: the layer packs for that path alone (the plain weight
+    dropped) and its calls are a bf16 GEMM's. A path that cannot run here is a start-up error naming the
+    paths that can."""
+    monkeypatch.setenv(linear_choice.ENV, path)
+    lin, w, b = _layer(1)
+    if path not in linear_paths.available():
+        with pytest.raises(ValueError, match=f"{path} cannot run here"):
+            lin.pack()
+        return
+    lin.pack()
+    assert lin.small.name == lin.large.name == path and lin.large_state is lin.small_state and lin.weight is None
+    _check_gemm(lin, w, b, 2)
+
+
+def test_two_paths_in_one_layer(fresh, monkeypatch):
+    """PDSERVE_LINEAR=SMALL,LARGE: decode-sized calls take the first path, prefill-sized ones the second,
+    each from its own layout."""
+    paths = linear_paths.available()
+    assert len(paths) >= 2, "oneDNN's fp32 GEMM and the widening kernel run on every x86-64 CPU"
+    monkeypatch.setenv(linear_choice.ENV, f"{paths[-1]},{paths[0]}")
+    lin, w, b = _layer(3)
+    lin.pack()
+    assert (lin.small.name, lin.large.name) == (paths[-1], paths[0]) and lin.small_state is not lin.large_state
+    _check_gemm(lin, w, b, 4)
+
+
+def test_bad_override_is_one_clear_error(fresh, monkeypatch):
+    monkeypatch.setenv(linear_choice.ENV, "mkl")
+    with pytest.raises(ValueError, match="PDSERVE_LINEAR='mkl': expected auto, PATH or SMALL,LARGE"):
+        _layer(5)[0].pack()
+
+
+def test_torch_kernels_keep_the_reference_path(fresh, monkeypatch):
+    """PDSERVE_KERNELS=torch: no measurement and no compiled kernel; oneDNN's packed bf16 GEMM, or its fp32
+    GEMM on an fp32 copy where oneDNN cannot pack bf16."""
+    monkeypatch.setenv("PDSERVE_KERNELS", "torch")
+    lin, w, b = _layer(6)
+    lin.pack()
+    assert lin.small.name == lin.large.name == linear_paths.TORCH_PATHS[0 if linear_paths._onednn_packs_bf16()
+                                                                        else 1]
+    assert not list(fresh.glob("linear-choice-*.json"))
+    _check_gemm(lin, w, b, 7)
+
+
+def test_a_shape_the_first_path_refuses_takes_the_next(fresh, monkeypatch):
+    """K = 60 is no multiple of 8, which the widening kernel needs: that layer takes the next path of the
+    ranking, the others keep the first."""
+    monkeypatch.setenv(linear_choice.ENV, "bf16_widen")
+    if "bf16_widen" not in linear_paths.available():
+        pytest.fail("the widening kernel builds on every machine with a C compiler")
+    lin, w, b = _layer(8, n=40, k=60)
+    lin.pack()
+    assert lin.small.name != "bf16_widen"
+    _check_gemm(lin, w, b, 9)
+
+
+def test_fp32_layers_keep_onednn_fp32():
+    """fp32 weights are packed for oneDNN's fp32 GEMM whatever the choice (exactness tests run in fp32)."""
+    g = torch.Generator().manual_seed(10)
+    lin = Linear(64, 50, True, torch.float32)
+    lin.weight.data.copy_(torch.randn(50, 64, generator=g))
+    lin.bias.data.copy_(torch.randn(50, generator=g))
+    w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    lin.pack()
+    assert lin.small is None and lin.packed is not None
+    x = torch.randn(7, 64, generator=g)
+    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b))
