@@ -1,0 +1,117 @@
+"""The CPU kinds this machine stands in for (common/cpu_isa.py): under PDSERVE_CPU_ISA and oneDNN's
+ONEDNN_MAX_CPU_ISA, a process compiles its kernels for the capped level, sees only the capped flags,
+chooses its linear paths among what runs there, and still computes what HF computes: fp32 logits within
+the exactness tolerance of tests/test_models.py, bf16 logits within HF's own bf16 error.
+
+Each kind runs in a process of its own: oneDNN reads its cap once, at its first use. A cap above what
+this CPU has changes nothing, so on a smaller CPU the expectations are those of its own level."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdserve.common import cpu_isa
+
+REPO = Path(__file__).resolve().parent.parent
+# Each kind as the two caps that emulate it: pdserve's and oneDNN's.
+KINDS = {"avx2": "AVX2", "avx512": "AVX512_CORE_VNNI", "avx512_bf16": "AVX512_CORE_BF16"}
+ISA_OF_LEVEL = {"x86-64": "c", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512_bf16"}
+
+PROBE = """
+import json, torch
+from pdserve.common import cpu_isa
+from pdserve.kernels import linear_paths
+from pdserve.kernels.cpu_attention import CpuDecodeAttention
+from pdserve.kernels.cpu_prefill_attention import CpuPrefillAttention
+from pdserve.kernels.linear_choice import linear_choice
+c = linear_choice()
+print(json.dumps({"level": cpu_isa.level(), "bf16": cpu_isa.has("avx512_bf16"), "avx512f": cpu_isa.has("avx512f"),
+                  "decode_isa": CpuDecodeAttention().isa, "prefill_dot": CpuPrefillAttention().available,
+                  "paths": linear_paths.available(), "small": c.small, "large": c.large}))
+"""
+
+CHECKS = """
+import sys, tempfile
+from pathlib import Path
+from tests.test_models import check_against_hf, test_bf16_logits_within_tolerance_of_hf
+from pdserve.engine.builtin_model import make_model
+with tempfile.TemporaryDirectory() as tmp:
+    check_against_hf(make_model(Path(tmp) / "fp32", arch="llama", num_kv_heads=2))
+    test_bf16_logits_within_tolerance_of_hf(Path(tmp) / "bf16", "llama")
+print("ok")
+"""
+
+
+def _run(kind: str, code: str, timeout: float) -> str:
+    env = {**os.environ, cpu_isa.ENV: kind, cpu_isa.ONEDNN_ENV: KINDS[kind], "PYTHONPATH": str(REPO)
+           + os.pathsep + os.environ.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1"}
+    env.pop("PDSERVE_KERNELS", None)
+    env.pop("PDSERVE_LINEAR", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def _expected_level(kind: str) -> str:
+    native = cpu_isa.native_level()
+    return kind if cpu_isa.LEVELS.index(kind) < cpu_isa.LEVELS.index(native) else native
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_capped_process_sees_and_builds_only_its_level(kind):
+    """The capped level decides the flags the process sees, the decode attention kernel's vector path (its
+    build's -march), whether the bf16 dot instruction runs (prefill attention, linear), and which linear
+    paths are measured: oneDNN packs bf16 from AVX-512 on (emulated without AVX512_BF16), not below."""
+    got = json.loads(_run(kind, PROBE, 300))
+    level = _expected_level(kind)
+    assert got["level"] == level
+    assert got["decode_isa"] == ISA_OF_LEVEL[level]
+    dot = level == "avx512_bf16"
+    assert got["bf16"] is dot and got["prefill_dot"] is dot and ("bf16_dot" in got["paths"]) is dot
+    assert got["avx512f"] is (level in ("avx512", "avx512_bf16"))
+    assert ("onednn_bf16" in got["paths"]) is (level in ("avx512", "avx512_bf16"))
+    assert {"onednn_fp32", "bf16_widen"} <= set(got["paths"])
+    assert set(got["small"]) == set(got["large"]) == set(got["paths"])
+
+
+@pytest.mark.parametrize("kind", ["avx2", "avx512"])
+def test_a_capped_kind_computes_what_hf_computes(kind):
+    """Under the cap: fp32 logits of chunked prefill and decode steps in mixed batches equal HF's to
+    tests/test_models.py's tolerance, and bf16 logits (through the linear paths chosen under the cap)
+    are as close to HF's fp32 logits as HF's own bf16 run, with the same greedy tokens wherever HF's top
+    two are clearly apart."""
+    assert _run(kind, CHECKS, 600) == "ok"
+
+
+def test_the_cap_is_read_from_either_variable(monkeypatch):
+    """PDSERVE_CPU_ISA wins; unset, ONEDNN_MAX_CPU_ISA's level; `native` or a wider oneDNN cap: none; a
+    typo is an error, not the wrong kind measured."""
+    monkeypatch.delenv(cpu_isa.ENV, raising=False)
+    monkeypatch.setenv(cpu_isa.ONEDNN_ENV, "AVX512_CORE_VNNI")
+    assert cpu_isa.cap() == "avx512"
+    monkeypatch.setenv(cpu_isa.ONEDNN_ENV, "AVX512_CORE_AMX")
+    assert cpu_isa.cap() is None
+    monkeypatch.setenv(cpu_isa.ENV, "avx2")
+    assert cpu_isa.cap() == "avx2" and not cpu_isa.has("avx512f") and not cpu_isa.has("amx_tile")
+    monkeypatch.setenv(cpu_isa.ENV, "native")
+    assert cpu_isa.cap() is None and cpu_isa.effective_flags() == cpu_isa.cpu_flags()
+    monkeypatch.setenv(cpu_isa.ENV, "avx-512")
+    with pytest.raises(ValueError, match="PDSERVE_CPU_ISA='avx-512' is not one of native, x86-64, avx2"):
+        cpu_isa.cap()
+
+
+def test_a_cap_hides_the_flags_above_its_level():
+    flags = frozenset("sse4_2 avx avx2 fma f16c bmi1 bmi2 movbe abm xsave avx512f avx512bw avx512cd avx512dq "
+                      "avx512vl avx512_vnni avx512_bf16 amx_tile amx_bf16".split())
+    assert cpu_isa.native_level(flags) == "avx512_bf16"
+    assert cpu_isa.hidden_by("avx512_bf16", flags) == {"amx_tile", "amx_bf16"}
+    assert cpu_isa.hidden_by("avx512", flags) == {"amx_tile", "amx_bf16", "avx512_bf16"}
+    assert cpu_isa.native_level(flags - cpu_isa.hidden_by("avx2", flags)) == "avx2"
+    assert cpu_isa.native_level(flags - cpu_isa.hidden_by("x86-64", flags)) == "x86-64"
+    assert "sse4_2" not in cpu_isa.hidden_by("x86-64", flags)
