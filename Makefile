@@ -70,8 +70,9 @@ check-kernels: install
 serve: install
 	$(PY) -m pdserve.deploy.local_cluster $(ARGS)
 
-# pd-serve vs P/D (file store) vs P/D (redis) on multi-round QA with the bench model; results under
-# bench-results/. ARGS="--quick" for a small smoke run; other ARGS go to pd-bench (bench/pd_matrix.py).
+# pd-serve vs P/D (file store) vs P/D (redis) on chats of real text (shared system prompt, growing
+# histories) with the real model, SmolLM2-135M-Instruct; results under bench-results/. ARGS="--quick" for a
+# small smoke run, "--workload multi-round-qa" for LMCache's; other ARGS go to pd-bench (bench/pd_matrix.py).
 bench-pd: install redis-server
 	$(PY) -m pdserve.bench.pd_matrix $(ARGS)
 

@@ -27,7 +27,7 @@ from pdserve.bench.client import RequestOptions, server_root
 from pdserve.bench.runner import LoadConfig, Runner
 from pdserve.bench.server_tokenizer import ServerTokenizer
 
-WORKLOADS = ("multi-round-qa", "long-doc-qa", "random", "replay")
+WORKLOADS = ("multi-round-qa", "chat", "long-doc-qa", "random", "replay")
 
 
 def _positive_float(text: str) -> float:
@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--user-info-len", type=int, default=500, help="tokens of each user's own context")
     p.add_argument("--question-len", type=int, default=30, help="tokens per question")
     p.add_argument("--answer-len", type=_positive_int, default=64, help="max_tokens per answer")
+    p = sub.add_parser("chat", help="N chats of real text: shared system prompt, histories growing by user")
+    p.add_argument("--num-requests", type=_positive_int, default=16)
+    p.add_argument("--answer-len", type=_positive_int, default=128, help="max_tokens per answer")
     p = sub.add_parser("long-doc-qa", help="D documents, each asked several questions in shuffled order")
     p.add_argument("--documents", type=_positive_int, default=4)
     p.add_argument("--doc-len", type=int, default=4000, help="tokens per document")
@@ -146,6 +149,8 @@ def make_workload(args: argparse.Namespace, maker: workloads.TextMaker) -> workl
     if args.command == "multi-round-qa":
         return workloads.multi_round_qa(maker, args.users, args.rounds, args.system_prompt_len, args.user_info_len,
                                         args.question_len, args.answer_len)
+    if args.command == "chat":
+        return workloads.chat(args.num_requests, args.answer_len)
     if args.command == "long-doc-qa":
         return workloads.long_doc_qa(maker, args.documents, args.doc_len, args.questions, args.question_len,
                                      args.answer_len)

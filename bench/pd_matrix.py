@@ -1,10 +1,15 @@
-"""`make bench-pd`: the multi-round QA workload against pd-serve, P/D with the file store and P/D with redis.
+"""`make bench-pd`: a chat workload on the real model against pd-serve, P/D with the file store and P/D with redis.
 
     python -m pdserve.bench.pd_matrix [--quick] [--setups pd-serve,pd-file,pd-redis] [--output-dir DIR]
-                              [--model DIR] [pd-bench multi-round-qa options ...]
+                              [--model DIR|smollm2|bench|tiny] [--workload chat|multi-round-qa]
+                              [pd-bench options ...]
 
-Each setup is started on this host (deploy/processes.py), benchmarked with `pd-bench
-multi-round-qa` (the nodes' /metrics scraped for KV counters) and stopped before the next
+The default is SmolLM2-135M-Instruct (made once by pd-make-model's preset) answering `pd-bench chat`:
+conversations of real text with one shared system prompt and histories growing from user to user
+(bench/chat.py, the texts benchmarks/compare_vllm.py's chat workload uses), so the prefill node's saves
+and the decode node's loads carry real shared prefixes. `--workload multi-round-qa` runs LMCache's
+synthetic multi-round QA instead. Each setup is started on this host (deploy/processes.py),
+benchmarked with pd-bench (the nodes' /metrics scraped for KV counters) and stopped before the next
 starts, so they never share the CPU or a cache. Then `pd-bench compare` writes the table
 (compare.md) and the plots (compare-*.png) into the output folder, beside each run's own
 JSON, table and plots and the servers' logs. Options it does not know go to pd-bench, e.g.
@@ -26,11 +31,15 @@ from pdserve.bench import cli
 from pdserve.deploy.processes import HOST, Child, ClusterSpec, LocalCluster, free_port, python_module
 
 SETUPS = ("pd-serve", "pd-file", "pd-redis")
-# Workload sizes (tokens): the full run, and --quick (a smoke test of the whole pipeline).
-FULL = ["--users", "8", "--rounds", "5", "--system-prompt-len", "1000", "--user-info-len", "500",
-        "--question-len", "30", "--answer-len", "64"]
-QUICK = ["--users", "2", "--rounds", "2", "--system-prompt-len", "128", "--user-info-len", "64",
-         "--question-len", "16", "--answer-len", "8"]
+# Workload sizes (requests, tokens) per workload: the full run, and --quick (a smoke test of the pipeline).
+SIZES = {
+    "chat": {"full": ["--num-requests", "32", "--answer-len", "128"],
+             "quick": ["--num-requests", "4", "--answer-len", "8"]},
+    "multi-round-qa": {"full": ["--users", "8", "--rounds", "5", "--system-prompt-len", "1000", "--user-info-len",
+                                "500", "--question-len", "30", "--answer-len", "64"],
+                       "quick": ["--users", "2", "--rounds", "2", "--system-prompt-len", "128", "--user-info-len",
+                                 "64", "--question-len", "16", "--answer-len", "8"]},
+}
 DEFAULT_BENCH_ARGS = ["--ignore-eos", "--warmup", "2", "--slo-ttft", "2s", "--slo-itl", "200ms"]
 
 
@@ -89,7 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog="Other options are passed to pd-bench multi-round-qa.")
     p.add_argument("--quick", action="store_true", help="tiny workload: checks the pipeline end to end")
     p.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated subset of {','.join(SETUPS)}")
-    p.add_argument("--model", default=None, help="model directory (default: the built-in bench model)")
+    p.add_argument("--model", default="smollm2",
+                   help="model directory, or a preset made on first use (default smollm2, the real model)")
+    p.add_argument("--workload", choices=tuple(SIZES), default="chat",
+                   help="chat (real text, default) or multi-round-qa (LMCache's, synthetic text)")
     p.add_argument("--output-dir", type=Path, default=None,
                    help="results folder (default bench-results/pd-<UTC time>)")
     p.add_argument("--node-args", default="", help="extra engine options for every server, one string")
@@ -104,15 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not setups:
         print(f"bench.pd_matrix: error: unknown setup {unknown}; choose from {','.join(SETUPS)}", file=sys.stderr)
         return 2
-    if args.model is None:
-        from pdserve.engine.builtin_model import default_model_path
+    from pdserve.deploy.local_cluster import resolve_model
 
-        print("preparing the built-in bench model ...", flush=True)
-        args.model = str(default_model_path(preset="bench"))
+    args.model = resolve_model(args.model)[0]
     out = args.output_dir or Path("bench-results") / datetime.datetime.now(datetime.timezone.utc).strftime(
         "pd-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    workload = QUICK if args.quick else FULL
+    workload = SIZES[args.workload]["quick" if args.quick else "full"]
     failed = []
     started = time.monotonic()
     for name in setups:
@@ -120,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n=== {name}: starting (logs in {log_dir})", flush=True)
         t0 = time.monotonic()
         with start_setup(name, args.model, log_dir, args.node_args.split(), args.timeout) as (url, metrics):
-            print(f"=== {name}: ready in {time.monotonic() - t0:.0f}s at {url}; running multi-round QA", flush=True)
-            argv = ["multi-round-qa", *workload, *DEFAULT_BENCH_ARGS, *bench_args, "--base-url", url,
+            print(f"=== {name}: ready in {time.monotonic() - t0:.0f}s at {url}; running {args.workload}", flush=True)
+            argv = [args.workload, *workload, *DEFAULT_BENCH_ARGS, *bench_args, "--base-url", url,
                     "--tokenizer", args.model, "--label", name, "--output-dir", str(out)]
             for m in metrics:
                 argv += ["--metrics-url", m]

@@ -88,7 +88,7 @@ SCHEMA: dict[str, Any] = {
                      "properties": {"base_url": {"type": "string"}, "api": {"enum": ["chat", "completions"]},
                                     "model": {"type": "string"}}},
         "workload": {"type": "object", "required": ["name", "params"],
-                     "properties": {"name": {"enum": ["multi-round-qa", "long-doc-qa", "random", "replay"]},
+                     "properties": {"name": {"enum": ["multi-round-qa", "chat", "long-doc-qa", "random", "replay"]},
                                     "params": {"type": "object"}}},
         "load": {"type": "object", "required": ["pacing"],
                  "properties": {"pacing": {"type": "string", "description": "how requests were started, in words"}},

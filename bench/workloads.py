@@ -129,6 +129,15 @@ def multi_round_qa(maker: TextMaker, users: int, rounds: int, system_prompt_len:
     return Workload("multi-round-qa", params, sessions)
 
 
+def chat(num_requests: int, answer_len: int) -> Workload:
+    """Conversations of real text (bench/chat.py): one shared system prompt, histories growing from user to
+    user, each sent whole as one chat request."""
+    from pdserve.bench.chat import conversation
+
+    sessions = [Session(f"chat{k}", [Turn(answer_len, messages=conversation(k))]) for k in range(num_requests)]
+    return Workload("chat", dict(num_requests=num_requests, answer_len=answer_len), sessions)
+
+
 def long_doc_qa(maker: TextMaker, documents: int, doc_len: int, questions: int, question_len: int,
                 answer_len: int) -> Workload:
     """D long documents, each asked `questions` questions; all (document, question) pairs in shuffled order."""

@@ -226,14 +226,18 @@ def test_compare_and_plots(runs, tmp_path):
 
 
 def test_make_bench_pd_pipeline(tiny_llama, tmp_path):
-    """What `make bench-pd ARGS=--quick` runs, with the tiny model and pd-serve alone (the P/D clusters it
-    starts are deploy/processes.py's, exercised above): the run, its plots, the comparison, the logs."""
+    """What `make bench-pd ARGS=--quick` runs (the chat workload of real text), with the tiny model and
+    pd-serve alone (the P/D clusters it starts are deploy/processes.py's, exercised above): the run, its
+    plots, the comparison, the logs; every request is one of bench/chat.py's conversations."""
     proc = subprocess.run([sys.executable, "-m", "pdserve.bench.pd_matrix", "--quick", "--setups", "pd-serve", "--model",
                            str(tiny_llama), "--output-dir", str(tmp_path), "--no-progress", "--no-plots"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = schema.load(tmp_path / "pd-serve.json")
-    assert res["workload"]["params"]["users"] == 2 and res["summary"]["completed"] == 4
+    assert res["workload"] == {"name": "chat", "params": {"num_requests": 4, "answer_len": 8}}
+    assert res["summary"]["completed"] == 4
+    lengths = [r["prompt_tokens"] for r in sorted(res["requests"], key=lambda r: r["session"])]
+    assert lengths == sorted(lengths) and len(set(lengths)) == 4  # chat0..chat3: each history one exchange longer
     assert res["summary"]["goodput"]["slo"] == {"ttft_ms": 2000.0, "itl_ms": 200.0, "e2e_ms": None}
     assert res["metrics"]["urls"] == [res["endpoint"]["base_url"][:-3] + "/metrics"]
     assert res["summary"]["kv"]["prompt_tokens_computed"] > 0
