@@ -39,6 +39,9 @@ SHAPE = (2048, 1024)  # N x K of the measured weight: a 7B-class model's project
 # decode-sized one's own prefill figure by this much.
 MIN_GAIN = 0.15
 BUDGET_S = 0.05  # timing per path and kind, after one warm-up pass
+# A measurement whose thread was on a core for less of its wall time than this (others took it) is used
+# by this process but not cached: the next start measures again.
+MIN_CORE_SHARE = 0.9
 VERSION = 1  # of the measurement protocol and the cache file: bump when either changes
 KINDS = ("small", "large")
 
@@ -70,7 +73,7 @@ def choose(gflops: dict[str, dict[str, float]], source: str = "measured") -> Lin
     return LinearChoice(small, tuple(large), gflops, source)
 
 
-def measure(paths: tuple[str, ...], budget_s: float = BUDGET_S) -> dict[str, dict[str, float]]:
+def measure(paths: tuple[str, ...], budget_s: float = BUDGET_S) -> tuple[dict[str, dict[str, float]], float]:
     """GFLOP/s of each path on one core at SMALL_ROWS and LARGE_ROWS rows on SHAPE: its fastest call over
     about `budget_s` of calls per path and kind. Passes are interleaved (each path in turn) and the
     fastest call counts, so a moment when other processes take the cores costs one call, not a path.
@@ -80,7 +83,10 @@ def measure(paths: tuple[str, ...], budget_s: float = BUDGET_S) -> dict[str, dic
     One core, because the ranking is what a short measurement can give reliably: with every thread, one
     core taken by another process stalls each parallel call at its barrier, and a neighbour's load would
     decide the choice (seen on a shared 2-core machine: the prefill-sized figures fell 2-6x and swapped
-    their order, while the one-core figures stayed within 10%)."""
+    their order, while the one-core figures stayed within 10%). Returns ({kind: {path: GFLOP/s}}, the
+    share of the timed wall time the measuring thread was on a core): below MIN_CORE_SHARE other
+    processes took the core often enough to distort the figures.
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -89,13 +95,14 @@ def measure(paths: tuple[str, ...], budget_s: float = BUDGET_S) -> dict[str, dic
         torch.set_num_threads(threads)
 
 
-def _measure(paths: tuple[str, ...], budget_s: float) -> dict[str, dict[str, float]]:
+def _measure(paths: tuple[str, ...], budget_s: float) -> tuple[dict[str, dict[str, float]], float]:
     n, k = SHAPE
     g = torch.Generator().manual_seed(0)
     copies = max(2, min(12, -(-5 * _llc_bytes() // (4 * n * k * 2))))
     weights = [(torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16) for _ in range(copies)]
     states = {name: [linear_paths.PATHS[name].pack(w, None) for w in weights] for name in paths}
     out: dict[str, dict[str, float]] = {kind: {} for kind in KINDS}
+    cpu = wall = 0.0
     for kind, rows, used in (("small", SMALL_ROWS, copies), ("large", LARGE_ROWS, 2)):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
         best = {name: float("inf") for name in paths}
@@ -104,17 +111,18 @@ def _measure(paths: tuple[str, ...], budget_s: float) -> dict[str, dict[str, flo
             for name in paths:
                 run = linear_paths.PATHS[name].run
                 for state in states[name][:used]:
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.thread_time()
                     run(state, x)
                     dt = time.perf_counter() - t0
-                    spent += dt
                     if rep > 0:  # the first pass pays first-call costs (oneDNN primitives, page faults)
                         best[name] = min(best[name], dt)
-            if rep >= 2 and spent >= budget_s * len(paths):
+                        spent, cpu = spent + dt, cpu + time.thread_time() - c0
+            if rep >= 3 and spent >= budget_s * len(paths):
                 break
         for name in paths:
             out[kind][name] = 2.0 * rows * n * k / best[name] / 1e9
-    return out
+        wall += spent
+    return out, cpu / wall
 
 
 def _llc_bytes() -> int:
@@ -207,10 +215,14 @@ def _decide() -> LinearChoice:
         source = f"cached in {cache}"
         if gflops is None:
             started = time.perf_counter()
-            gflops = measure(paths)
+            gflops, share = measure(paths)
             seconds = time.perf_counter() - started
-            _write_cache(cache, gflops, seconds)
-            source = f"measured in {seconds:.2f} s, cached in {cache}"
+            if share >= MIN_CORE_SHARE:
+                _write_cache(cache, gflops, seconds)
+                source = f"measured in {seconds:.2f} s, cached in {cache}"
+            else:
+                source = (f"measured in {seconds:.2f} s while other processes took {1 - share:.0%} of the core: "
+                          f"not cached, the next start measures again")
         choice = choose(gflops, source)
     logger.info("linear layers (bf16): CPU %s: %s; %s", cpu_isa.describe(), describe(choice), choice.source)
     return choice
