@@ -10,7 +10,7 @@ the chosen ones.
 - `onednn_bf16`: oneDNN's packed bf16 GEMM (torch's mkldnn ops); refuses to pack below AVX-512.
 - `onednn_fp32`: an fp32 copy of the weights packed for oneDNN's fp32 GEMM (twice the bytes);
   x is widened per call and y rounded to bf16.
-- `bf16_widen`: the compiled kernel that widens the bf16 weights to fp32 in registers
+- `bf16_widen`: the compiled kernel that widens the bf16 weights to fp32 in registers (AVX-512F or AVX2 FMAs)
   (kernels/cpu_linear.py `Bf16Linear`); any x86-64.
 - `bf16_dot`: the compiled AVX512_BF16 dot kernel (`Bf16DotLinear`), where the CPU (and the
   PDSERVE_CPU_ISA cap) has the instruction.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -98,6 +99,28 @@ def test_the_real_model_in_bf16_on_the_xeon_kind(smollm2):
             "from tests.test_real_model import test_bf16_logits_are_as_close_to_hf_fp32_as_hf_bf16 as check\n"
             f"check(Path({str(smollm2)!r}))\nprint('ok')")
     assert _run("avx512", code, 600) == "ok"
+
+
+def test_the_widening_kernel_gives_the_same_bits_at_every_level(tmp_path):
+    """The fp32-widening bf16 linear kernel built for AVX-512F (one 16-lane accumulator per row, 12-row tiles),
+    for AVX2 (two 8-lane ones, 6-row tiles) and for baseline x86-64 adds the same products in the same
+    order: one kind's figures and another's outputs belong to the same arithmetic. Rows cover every tile
+    height of both vector builds and a partial last panel."""
+    import torch
+
+    from pdserve.kernels.cpu_linear import Bf16Linear
+
+    levels = [lvl for lvl in ("avx512", "avx2", "x86-64")
+              if cpu_isa.LEVELS.index(lvl) <= cpu_isa.LEVELS.index(cpu_isa.native_level())]
+    kernels = [Bf16Linear(tmp_path, cpu_isa._MARCH[lvl]) for lvl in levels] if platform.machine() == "x86_64" \
+        else [Bf16Linear(tmp_path)]
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(50, 72, generator=g).bfloat16(), torch.randn(50, generator=g).bfloat16()
+    packed = Bf16Linear.pack(w, b)
+    for rows in (1, 5, 6, 7, 11, 12, 13, 25, 100):
+        x = torch.randn(rows, 72, generator=g).bfloat16()
+        outs = [k(x, packed) for k in kernels]
+        assert all(torch.equal(outs[0], o) for o in outs[1:]), rows
 
 
 def test_the_cap_is_read_from_either_variable(monkeypatch):

@@ -12,7 +12,10 @@
  * fp32 vectors with a shift (columns 0..7) and a mask (columns 8..15), both in column order.
  *
  * x (bf16, [M, K] rows with a row stride) is widened to fp32 once per call. A register tile of
- * up to 6 rows x 16 columns keeps 12 accumulators; each panel is multiplied by every row tile
+ * up to 6 rows x 16 columns keeps 12 accumulators (AVX2; with AVX-512F, up to 12 rows of one 16-lane
+ * accumulator each, the panel's k widened by one load, in stored order, put in column order at the
+ * end: half the FMA instructions for the same sums, added in the same order, so both paths give the
+ * same bits); each panel is multiplied by every row tile
  * in turn while it sits in L2, so the weights stream from memory once per block of rows.
  * Threads split the panels. The bias (fp32, padded to whole panels, may be NULL) is added in
  * fp32 and the result rounded to nearest even bf16. Needs K % 8 == 0 (kernels/cpu_linear.py
@@ -27,10 +30,17 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PD_AVX2 1
+#if defined(__AVX512F__)
+#define PD_AVX512 1
+#endif
 #endif
 
 #define PANEL 16          /* output columns per weight panel */
-#define TILE_ROWS 6       /* activation rows per register tile */
+#ifdef PD_AVX512
+#define TILE_ROWS 12      /* activation rows per register tile: one 16-lane accumulator each */
+#else
+#define TILE_ROWS 6       /* activation rows per register tile: two 8-lane accumulators each */
+#endif
 #ifndef ROW_BLOCK_BYTES
 #define ROW_BLOCK_BYTES (256 << 10) /* fp32 x rows multiplied by one panel before the next (they stay in L2) */
 #endif
@@ -79,6 +89,38 @@ static inline void store_rows(uint16_t *y, int64_t y_stride, const float *acc, i
     }
 }
 
+#ifdef PD_AVX512
+/* MB rows of x (fp32, row stride K) times one panel with AVX-512F: MB 16-lane accumulators in named
+ * variables, lanes in the panel's stored order (2j: column j, 2j+1: column j + 8) until the end. */
+#define Z_ZERO(i) __m512 z##i = _mm512_setzero_ps();
+#define Z_FMA(i) \
+    if (MB > i) z##i = _mm512_fmadd_ps(_mm512_set1_ps(x##i[k + kk]), w, z##i);
+#define Z_STORE(i) \
+    if (MB > i) _mm512_storeu_ps(out + i * PANEL, _mm512_permutexvar_ps(order, z##i));
+static inline __attribute__((always_inline)) void tile(int MB, const float *x, int K, const uint16_t *panel,
+                                                       const uint16_t *next, uint16_t *y, int64_t y_stride,
+                                                       const float *bias, int m, int n, int nc) {
+    const float *x0 = x, *x1 = x + K, *x2 = x + 2 * (size_t)K, *x3 = x + 3 * (size_t)K, *x4 = x + 4 * (size_t)K,
+                *x5 = x + 5 * (size_t)K, *x6 = x + 6 * (size_t)K, *x7 = x + 7 * (size_t)K, *x8 = x + 8 * (size_t)K,
+                *x9 = x + 9 * (size_t)K, *x10 = x + 10 * (size_t)K, *x11 = x + 11 * (size_t)K;
+    Z_ZERO(0) Z_ZERO(1) Z_ZERO(2) Z_ZERO(3) Z_ZERO(4) Z_ZERO(5) Z_ZERO(6) Z_ZERO(7) Z_ZERO(8) Z_ZERO(9) Z_ZERO(10)
+    Z_ZERO(11)
+    for (int k = 0; k < K; k += 2) {
+        _mm_prefetch((const char *)(next + (size_t)k * PANEL), _MM_HINT_T1);
+        for (int kk = 0; kk < 2; kk++) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(panel + (size_t)(k + kk) * PANEL));
+            const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            Z_FMA(0) Z_FMA(1) Z_FMA(2) Z_FMA(3) Z_FMA(4) Z_FMA(5) Z_FMA(6) Z_FMA(7) Z_FMA(8) Z_FMA(9) Z_FMA(10)
+            Z_FMA(11)
+        }
+    }
+    const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    float out[TILE_ROWS * PANEL];
+    Z_STORE(0) Z_STORE(1) Z_STORE(2) Z_STORE(3) Z_STORE(4) Z_STORE(5) Z_STORE(6) Z_STORE(7) Z_STORE(8) Z_STORE(9)
+    Z_STORE(10) Z_STORE(11)
+    store_rows(y, y_stride, out, MB, bias, m, n, nc);
+}
+#else
 /* MB rows of x (fp32, row stride K) times one panel: the register tile, 2 x MB accumulators held in
  * named variables (an array of them gets spilled). `next` is the panel to prefetch meanwhile (the
  * next one this thread works on). */
@@ -114,6 +156,7 @@ static inline __attribute__((always_inline)) void tile(int MB, const float *x, i
     ACC_STORE(0) ACC_STORE(1) ACC_STORE(2) ACC_STORE(3) ACC_STORE(4) ACC_STORE(5)
     store_rows(y, y_stride, out, MB, bias, m, n, nc);
 }
+#endif
 
 #define DEFINE_TILE(MB)                                                                                       \
     static void tile_##MB(const float *x, int K, const uint16_t *panel, const uint16_t *next, uint16_t *y,    \
@@ -129,7 +172,18 @@ DEFINE_TILE(6)
 
 typedef void (*tile_fn)(const float *, int, const uint16_t *, const uint16_t *, uint16_t *, int64_t, const float *,
                         int, int, int);
+#ifdef PD_AVX512
+DEFINE_TILE(7)
+DEFINE_TILE(8)
+DEFINE_TILE(9)
+DEFINE_TILE(10)
+DEFINE_TILE(11)
+DEFINE_TILE(12)
+static const tile_fn TILES[TILE_ROWS + 1] = {NULL,   tile_1, tile_2, tile_3,  tile_4,  tile_5, tile_6,
+                                             tile_7, tile_8, tile_9, tile_10, tile_11, tile_12};
+#else
 static const tile_fn TILES[TILE_ROWS + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
+#endif
 #endif
 
 /* Rows [m0, m1) of x (fp32, row stride K) times panel p. */
