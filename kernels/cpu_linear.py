@@ -3,13 +3,14 @@
 Two kernels, one calling convention (y = x @ W^T + bias, bf16 in and out, one ctypes call per layer;
 the kernel converts x, multiplies, adds the bias and rounds y to bf16 itself):
 
-- `Bf16Linear` (kernels/csrc/cpu_linear_bf16.c): CPUs without bf16 instructions (AVX2-only), where
-  oneDNN cannot pack bf16 weights. Widens the weights to fp32 in registers.
-- `Bf16DotLinear` (kernels/csrc/cpu_linear_avx512bf16.c): CPUs with AVX512_BF16 and no AMX, for
-  decode-sized batches, where it beats oneDNN's packed bf16 GEMM. Uses the bf16 dot instruction.
+- `Bf16Linear` (kernels/csrc/cpu_linear_bf16.c): any x86-64 (AVX-512F, AVX2 or plain C). Widens the
+  weights to fp32 in registers: the path of CPUs without bf16 instructions, where oneDNN's bf16 GEMM
+  is emulated (AVX-512) or absent (AVX2).
+- `Bf16DotLinear` (kernels/csrc/cpu_linear_avx512bf16.c): CPUs with AVX512_BF16. Uses the bf16 dot
+  instruction.
 
 engine/models/linear.py repacks each weight once at load (`pack`) into the kernel's own layout (see
-each source's header) and picks the kernel per CPU and batch size. `extra_flags` builds a kernel with
+each source's header) for the paths kernels/linear_choice.py measured fastest on this CPU. `extra_flags` builds a kernel with
 other compiler flags (the tests build both with `-march=x86-64-v3`, an AVX2-only CPU's view).
 """
 from __future__ import annotations

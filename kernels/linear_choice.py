@@ -4,8 +4,8 @@ Two kinds of call: decode-sized batches (fewer than LARGE_FROM rows: the weights
 bytes decide) and prefill-sized ones (compute decides). At the first bf16 layer's pack the engine
 times every available path on one core and one weight shape at SMALL_ROWS and LARGE_ROWS rows (about
 a second, bounded by BUDGET_S); `choose` turns those GFLOP/s into the ranking of each kind. The
-result is cached as JSON under the kernels cache, keyed by the CPU's model name and flags, the caps
-and torch's version, so a restart reads it instead of measuring; one log line says the CPU, the
+result is cached as JSON under the kernels cache, keyed by the CPU's model name and flags, the caps,
+torch's version and the kernels' sources, so a restart reads it instead of measuring; one log line says the CPU, the
 chosen paths and their GFLOP/s. Deleting the file measures again.
 
 Who wins over the measurement: PDSERVE_KERNELS=torch keeps the reference choice (oneDNN's packed bf16,
@@ -26,6 +26,7 @@ import torch
 
 from pdserve.common import cpu_isa
 from pdserve.common.kernel_choice import compiled_enabled
+from pdserve.common.native_build import BuildError, recipe
 from pdserve.common.paths import kernels_dir
 from pdserve.kernels import linear_paths
 
@@ -156,9 +157,19 @@ def _override(paths: tuple[str, ...]) -> LinearChoice | None:
 
 
 def _cache_path(paths: tuple[str, ...]) -> str:
+    """Keyed by everything that moves the figures: the CPU, the caps, torch (oneDNN), the compiled kernels'
+    sources, the candidates and the protocol."""
+    from pdserve.kernels import cpu_linear
+
+    sources = []
+    for source in (cpu_linear.SOURCE, cpu_linear.DOT_SOURCE):
+        try:
+            sources += recipe(source).texts
+        except BuildError:
+            sources.append("missing")
     key = "|".join([cpu_isa.model_name(), " ".join(sorted(cpu_isa.cpu_flags())), str(cpu_isa.cap()),
                     os.environ.get(cpu_isa.ONEDNN_ENV, ""), os.environ.get("MKL_ENABLE_INSTRUCTIONS", ""),
-                    torch.__version__, ",".join(paths), str(VERSION)])
+                    torch.__version__, ",".join(paths), str(VERSION), *sources])
     return str(kernels_dir() / f"linear-choice-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json")
 
 
