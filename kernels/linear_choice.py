@@ -40,6 +40,7 @@ SHAPE = (2048, 1024)  # N x K of the measured weight: a 7B-class model's project
 # decode-sized one's own prefill figure by this much.
 MIN_GAIN = 0.15
 BUDGET_S = 0.05  # timing per path and kind, after one warm-up pass
+DEADLINE_S = 0.6  # per kind of call: a machine too busy to finish the passes in time stops after the second
 # A measurement whose thread was on a core for less of its wall time than this (others took it) is used
 # by this process but not cached: the next start measures again.
 MIN_CORE_SHARE = 0.9
@@ -107,7 +108,7 @@ def _measure(paths: tuple[str, ...], budget_s: float) -> tuple[dict[str, dict[st
     for kind, rows, used in (("small", SMALL_ROWS, copies), ("large", LARGE_ROWS, 2)):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
         best = {name: float("inf") for name in paths}
-        spent = 0.0
+        spent, deadline = 0.0, time.perf_counter() + DEADLINE_S
         for rep in range(1000):
             for name in paths:
                 run = linear_paths.PATHS[name].run
@@ -118,7 +119,7 @@ def _measure(paths: tuple[str, ...], budget_s: float) -> tuple[dict[str, dict[st
                     if rep > 0:  # the first pass pays first-call costs (oneDNN primitives, page faults)
                         best[name] = min(best[name], dt)
                         spent, cpu = spent + dt, cpu + time.thread_time() - c0
-            if rep >= 3 and spent >= budget_s * len(paths):
+            if rep >= 3 and spent >= budget_s * len(paths) or rep >= 1 and time.perf_counter() > deadline:
                 break
         for name in paths:
             out[kind][name] = 2.0 * rows * n * k / best[name] / 1e9
