@@ -64,6 +64,7 @@ def _expected_level(kind: str) -> str:
     return kind if cpu_isa.LEVELS.index(kind) < cpu_isa.LEVELS.index(native) else native
 
 
+@pytest.mark.slow  # compiles every C source for each level once (then cached)
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_a_capped_process_sees_and_builds_only_its_level(kind):
     """The capped level decides the flags the process sees, the decode attention kernel's vector path (its
@@ -81,6 +82,7 @@ def test_a_capped_process_sees_and_builds_only_its_level(kind):
     assert set(got["small"]) == set(got["large"]) == set(got["paths"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["avx2", "avx512"])
 def test_a_capped_kind_computes_what_hf_computes(kind):
     """Under the cap: fp32 logits of chunked prefill and decode steps in mixed batches equal HF's to
