@@ -1,4 +1,5 @@
-"""Causal bf16 prefill attention with the AVX512_BF16 dot instruction (kernels/csrc/cpu_prefill_attention.c).
+"""Causal bf16 prefill attention with the AVX512_BF16 dot instruction, or its arithmetic by AVX-512 FMAs
+on CPUs without it (kernels/csrc/cpu_prefill_attention.c).
 
 Two entries: `__call__` for a prompt with no cached history, over its own new keys and values read
 from the step's fused projection (strided rows, no copies); `paged` for a chunk over cached history,
@@ -6,7 +7,7 @@ reading every key and value from the paged cache through the request's block tab
 backend has already written the chunk's own). The CPU attention backend
 (engine/attention/backends/cpu.py) calls it where `supports`/`supports_paged` say yes and keeps the
 torch reference (scaled_dot_product_attention) otherwise: fp32/fp16 models, head dims not a multiple
-of 64, CPUs or builds without AVX512_BF16 (`available`).
+of 64, CPUs or builds without AVX-512 (`available`).
 """
 from __future__ import annotations
 
@@ -82,6 +83,7 @@ class CpuPrefillAttention:
                       head_dim, query.stride(0), k_stride, v_stride, out.stride(0),
                       None if table is None else table.data_ptr(), block_size, scale, torch.get_num_threads())
         if rc == -2:
-            raise RuntimeError("this build of the prefill attention kernel has no AVX512_BF16 (check `available`)")
+            raise RuntimeError("this build of the prefill attention kernel has neither AVX512_BF16 nor AVX-512 "
+                               "(check `available`)")
         if rc != 0:
             raise MemoryError(f"prefill attention could not allocate scratch for {n} rows")

@@ -32,7 +32,7 @@ from pdserve.kernels.cpu_prefill_attention import CpuPrefillAttention
 from pdserve.kernels.linear_choice import linear_choice
 c = linear_choice()
 print(json.dumps({"level": cpu_isa.level(), "bf16": cpu_isa.has("avx512_bf16"), "avx512f": cpu_isa.has("avx512f"),
-                  "decode_isa": CpuDecodeAttention().isa, "prefill_dot": CpuPrefillAttention().available,
+                  "decode_isa": CpuDecodeAttention().isa, "prefill_kernel": CpuPrefillAttention().available,
                   "paths": linear_paths.available(), "small": c.small, "large": c.large}))
 """
 
@@ -68,16 +68,17 @@ def _expected_level(kind: str) -> str:
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_a_capped_process_sees_and_builds_only_its_level(kind):
     """The capped level decides the flags the process sees, the decode attention kernel's vector path (its
-    build's -march), whether the bf16 dot instruction runs (prefill attention, linear), and which linear
-    paths are measured: oneDNN packs bf16 from AVX-512 on (emulated without AVX512_BF16), not below."""
+    build's -march), whether the bf16 dot instruction runs (linear) and the prefill attention kernel
+    (AVX-512 on), and which linear paths are measured: oneDNN packs bf16 from AVX-512 on (emulated without
+    AVX512_BF16), not below."""
     got = json.loads(_run(kind, PROBE, 300))
     level = _expected_level(kind)
     assert got["level"] == level
     assert got["decode_isa"] == ISA_OF_LEVEL[level]
-    dot = level == "avx512_bf16"
-    assert got["bf16"] is dot and got["prefill_dot"] is dot and ("bf16_dot" in got["paths"]) is dot
-    assert got["avx512f"] is (level in ("avx512", "avx512_bf16"))
-    assert ("onednn_bf16" in got["paths"]) is (level in ("avx512", "avx512_bf16"))
+    dot, avx512 = level == "avx512_bf16", level in ("avx512", "avx512_bf16")
+    assert got["bf16"] is dot and ("bf16_dot" in got["paths"]) is dot
+    assert got["avx512f"] is avx512 and got["prefill_kernel"] is avx512  # the dot's products by FMAs without it
+    assert ("onednn_bf16" in got["paths"]) is avx512
     assert {"onednn_fp32", "bf16_widen"} <= set(got["paths"])
     assert set(got["small"]) == set(got["large"]) == set(got["paths"])
 

@@ -1,7 +1,8 @@
 """The compiled bf16 prompt attention (kernels/cpu_prefill_attention.py) against the torch reference.
 
-On a CPU with AVX512_BF16 the native build runs every case (elsewhere those cases are not generated);
-on every CPU a build without the instruction must say it cannot run and refuse calls, and the CPU
+On a CPU with AVX512_BF16 the native build runs every case, and on a CPU with AVX-512 the build without
+the dot instruction (its products by FMAs) runs them too (elsewhere those cases are not generated);
+on every CPU a build without AVX-512 must say it cannot run and refuse calls, and the CPU
 backend must then keep torch's attention. Cases: GQA groups 1, 3, 4 and 8; head dims 64 and 128;
 prompt lengths 1, around the kernel's 16-position items and 64-key tiles, and several items long;
 query, key and value rows as views of one fused projection; chunks over cached history (1 to 70
@@ -19,7 +20,11 @@ from pdserve.kernels.cpu_prefill_attention import CpuPrefillAttention
 from tests.kernels_helpers import count_calls
 
 X86 = platform.machine() in ("x86_64", "AMD64")
-NATIVE = ["native"] if torch.cpu._is_avx512_bf16_supported() else []
+# The builds this CPU runs: native where it has AVX512_BF16 (the dot instruction), and for AVX-512 without it
+# (-march=x86-64-v4: the instruction's products by FMAs) where it has AVX-512.
+BUILDS = {"native": (), "avx512": ("-march=x86-64-v4",)}
+NATIVE = (["native"] if torch.cpu._is_avx512_bf16_supported() else []) + \
+    (["avx512"] if X86 and torch.cpu._is_avx512_supported() else [])
 SHAPES = [(4, 4, 64, 1), (8, 2, 64, 15), (8, 2, 64, 16), (8, 2, 64, 17), (12, 4, 64, 63), (12, 4, 64, 65),
           (16, 2, 64, 100), (8, 1, 128, 257), (32, 8, 128, 64), (6, 2, 64, 600)]
 
@@ -31,7 +36,7 @@ def build_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=NATIVE)
 def kernel(request, build_dir) -> CpuPrefillAttention:
-    k = CpuPrefillAttention(build_dir)
+    k = CpuPrefillAttention(build_dir, BUILDS[request.param])
     assert k.available
     return k
 

@@ -1,6 +1,7 @@
 /* Causal attention of a prefill chunk's queries over their keys and values, bf16, on CPUs with the
- * AVX512_BF16 dot instruction: a prompt with no cached history over its own new K/V rows, or a chunk
- * over the paged KV cache (its history and, already written there, its own rows).
+ * AVX512_BF16 dot instruction, or AVX-512 CPUs without it (the instruction's products by FMAs): a
+ * prompt with no cached history over its own new K/V rows, or a chunk over the paged KV cache (its
+ * history and, already written there, its own rows).
  *
  * torch's CPU scaled_dot_product_attention runs this at ~30 GFLOP/s on a 2-core Zen 4 (its bf16
  * matmuls have no dot-instruction path there), so prompt attention took a fifth of a prefill-bound
@@ -17,19 +18,47 @@
  * heads of that kv head (GQA) share the packed K/V; items with the most keys go first.
  *
  * kernels/cpu_prefill_attention.py checks shapes and strides; head_dim must be a multiple of 64.
- * Builds without AVX512_BF16 compile to `pd_prefill_attention_available() == 0` (then the caller
- * keeps torch's attention).
+ * Builds without AVX-512 (F, BW, VL) compile to `pd_prefill_attention_available() == 0` (then the
+ * caller keeps torch's attention).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PD_PREFILL 1
 #include <immintrin.h>
 
 #include "vec_exp.h"
+#ifdef __AVX512BF16__
+#define PD_DOT(acc, a, b) _mm512_dpbf16_ps((acc), (__m512bh)(a), (__m512bh)(b))
+static inline __m256i pd_round_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+#else
+/* The dot instruction's arithmetic without it (AVX-512 CPUs without AVX512_BF16): per 32-bit lane, the
+ * product of the high bf16 halves, then of the low ones, added by fp32 FMAs. (The instruction also
+ * reads denormal inputs as zero; a softmax's probabilities and a model's K/V rarely hold one.) After
+ * unrolling, each split of a tile's shared operand is computed once. */
+static inline __m512 pd_dot(__m512 acc, __m512i a, __m512i b) {
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, hi)), _mm512_castsi512_ps(_mm512_and_si512(b, hi)),
+                          acc);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)),
+                           acc);
+}
+#define PD_DOT(acc, a, b) pd_dot((acc), (a), (b))
+/* vcvtneps2bf16 without it: round to nearest even, NaN kept quiet (bf16.h's f32_to_bf16, 16 lanes). */
+static inline __m256i pd_round_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+}
+#endif
 #endif
 
 #define QB 16 /* query positions per work item */
@@ -132,7 +161,7 @@ static void item(const Job *j, int g, int qb, float *S, uint16_t *P, float *sums
                 for (int y = 0; y < RT; y++) {
                     const __m512i qq = _mm512_set1_epi32((int)pair_at(qr[y] + 2 * t));
                     for (int x = 0; x < KT; x++)
-                        acc[y][x] = _mm512_dpbf16_ps(acc[y][x], (__m512bh)qq, (__m512bh)kv[x]);
+                        acc[y][x] = PD_DOT(acc[y][x], qq, kv[x]);
                 }
             }
             for (int y = 0; y < RT && r0 + y < rows; y++)
@@ -156,7 +185,7 @@ static void item(const Job *j, int g, int qb, float *S, uint16_t *P, float *sums
             const __mmask16 m = i >= n ? 0 : n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
             const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), vmax)));
             sum = _mm512_add_ps(sum, e);
-            _mm256_storeu_si256((__m256i *)(p + i), (__m256i)_mm512_cvtneps_pbh(e));
+            _mm256_storeu_si256((__m256i *)(p + i), pd_round_bf16(e));
         }
         sums[r] = _mm512_reduce_add_ps(sum);
     }
@@ -174,7 +203,7 @@ static void item(const Job *j, int g, int qb, float *S, uint16_t *P, float *sums
                 for (int y = 0; y < RT; y++) {
                     const __m512i pp = _mm512_set1_epi32((int)pair_at(pr[y] + 2 * jp));
                     for (int x = 0; x < DT; x++)
-                        acc[y][x] = _mm512_dpbf16_ps(acc[y][x], (__m512bh)pp, (__m512bh)vv[x]);
+                        acc[y][x] = PD_DOT(acc[y][x], pp, vv[x]);
                 }
             }
             for (int y = 0; y < RT && r0 + y < rows; y++) {
@@ -182,8 +211,7 @@ static void item(const Job *j, int g, int qb, float *S, uint16_t *P, float *sums
                 uint16_t *o = j->out + row_pos(qb, r, G) * j->out_stride + (int64_t)row_head(g, r, G) * D + d0;
                 const __m512 l = _mm512_set1_ps(sums[r]);
                 for (int x = 0; x < DT; x++) {
-                    const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_div_ps(acc[y][x], l));
-                    _mm256_storeu_si256((__m256i *)(o + 16 * x), (__m256i)rounded);
+                    _mm256_storeu_si256((__m256i *)(o + 16 * x), pd_round_bf16(_mm512_div_ps(acc[y][x], l)));
                 }
             }
         }
@@ -196,7 +224,7 @@ static void item(const Job *j, int g, int qb, float *S, uint16_t *P, float *sums
  * a row. Keys/values: without a block table, rows k_stride / v_stride elements apart; with one, k and v
  * are the cache's K and V halves ([slot][KVH][D], k_stride = v_stride = KVH * D) and key j sits in slot
  * block_table[j / block_size] * block_size + j % block_size.
- * Returns 0; -1 when scratch could not be allocated; -2 when this build has no AVX512_BF16. */
+ * Returns 0; -1 when scratch could not be allocated; -2 when this build has no AVX-512. */
 int pd_prefill_attention(uint16_t *out, const uint16_t *q, const uint16_t *k, const uint16_t *v, int L, int ctx,
                          int H, int KVH, int D, int64_t q_stride, int64_t k_stride, int64_t v_stride,
                          int64_t out_stride, const int32_t *block_table, int block_size, float scale, int nthreads) {
