@@ -19,22 +19,29 @@ static inline uint16_t f32_to_bf16(float f) {
     return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40) : rounded;
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+/* f32_to_bf16 for 16 lanes in integer operations: the rounding on CPUs without vcvtneps2bf16, and for the
+ * denormals that instruction reads as zero. */
+static inline __m256i bf16x16_round_int(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+}
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define PD_BF16X16 1
 /* The two conversions above for 16 lanes. vcvtneps2bf16 rounds to nearest even and quiets NaN as
  * f32_to_bf16 does, but reads fp32 denormals as zero: vectors holding one take the integer path. */
 static inline __m256i bf16x16_from_f32(__m512 v) {
-    if (__builtin_expect(_mm512_fpclass_ps_mask(v, 0x20) != 0, 0)) { /* 0x20: denormal */
-        const __m512i u = _mm512_castps_si512(v);
-        const __m512i rounded = _mm512_srli_epi32(
-            _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
-                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
-        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                      _mm512_set1_epi32(0x7f800000));
-        const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-        return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
-    }
+    if (__builtin_expect(_mm512_fpclass_ps_mask(v, 0x20) != 0, 0)) /* 0x20: denormal */
+        return bf16x16_round_int(v);
     return (__m256i)_mm512_cvtneps_pbh(v);
 }
 static inline __m512 bf16x16_to_f32(__m256i h) {

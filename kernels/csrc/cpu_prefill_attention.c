@@ -30,6 +30,7 @@
 #define PD_PREFILL 1
 #include <immintrin.h>
 
+#include "bf16.h"
 #include "vec_exp.h"
 #ifdef __AVX512BF16__
 #define PD_DOT(acc, a, b) _mm512_dpbf16_ps((acc), (__m512bh)(a), (__m512bh)(b))
@@ -47,17 +48,8 @@ static inline __m512 pd_dot(__m512 acc, __m512i a, __m512i b) {
                            acc);
 }
 #define PD_DOT(acc, a, b) pd_dot((acc), (a), (b))
-/* vcvtneps2bf16 without it: round to nearest even, NaN kept quiet (bf16.h's f32_to_bf16, 16 lanes). */
-static inline __m256i pd_round_bf16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
-                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
-}
+/* vcvtneps2bf16 without it: bf16.h's integer rounding. */
+static inline __m256i pd_round_bf16(__m512 v) { return bf16x16_round_int(v); }
 #endif
 #endif
 
