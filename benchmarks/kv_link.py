@@ -169,6 +169,16 @@ def agreement(recompute: LLM, consumers: dict[str, LLM], stored: dict, length: i
 
 # ---------------------------------------------------------------- the report
 
+def with_int_lengths(result: dict) -> dict:
+    """The decode side's figures with their prompt lengths as ints again (JSON made the keys strings)."""
+    result["recompute"] = {int(n): s for n, s in result["recompute"].items()}
+    for info in result["codecs"].values():
+        info["producer_ttft"] = {int(n): s for n, s in info["producer_ttft"].items()}
+    for row in result["settings"]:
+        row["ttft"] = {name: {int(n): cell for n, cell in by_len.items()} for name, by_len in row["ttft"].items()}
+    return result
+
+
 def report(result: dict, lengths: list[int]) -> list[str]:
     lines = [result["machine"], "decode-side TTFT in ms, best of the repeats (speed-up vs recompute in brackets); "
              "ceiling = a plain TCP transfer of the same bytes over the same link; load only = the connector's "
@@ -188,11 +198,11 @@ def report(result: dict, lengths: list[int]) -> list[str]:
         line = f"{row['setting']:>22} {row['ceiling_gbps']:6.2f}GB {row['load_only_gbps']:6.2f} ({100 * share:3.0f}%)"
         for n in lengths:
             for name in names:
-                cell = row["ttft"].get(name, {}).get(str(n)) or row["ttft"].get(name, {}).get(n)
+                cell = row["ttft"].get(name, {}).get(n)
                 if cell is None:
                     line += f" {'-':>24}"
                     continue
-                speedup = result["recompute"].get(n) or result["recompute"].get(str(n))
+                speedup = result["recompute"][n]
                 line += f" {cell['s'] * 1000:9.0f} ({speedup / cell['s']:5.1f}x){'':>7}"
         lines.append(line)
     lines += load_times(result, max(lengths))
@@ -214,7 +224,7 @@ def load_times(result: dict, n: int) -> list[str]:
     codec, and each codec's speed-up over raw on the same link."""
     out = [f"the load inside the TTFT at {n} tokens (connector's own seconds; MB that crossed the link):"]
     for row in result["settings"]:
-        cells = {name: (by_len.get(n) or by_len.get(str(n))) for name, by_len in row["ttft"].items()}
+        cells = {name: by_len.get(n) for name, by_len in row["ttft"].items()}
         raw = cells.get("redis/raw")
         parts = []
         for name, c in sorted(cells.items()):
@@ -232,7 +242,7 @@ def crossover(result: dict, lengths: list[int]) -> list[str]:
     out = []
     for n in lengths:
         for row in result["settings"]:
-            cells = {name: (by_len.get(n) or by_len.get(str(n))) for name, by_len in row["ttft"].items()}
+            cells = {name: by_len.get(n) for name, by_len in row["ttft"].items()}
             raw = cells.get("redis/raw")
             if raw is None:
                 continue
@@ -301,7 +311,7 @@ def main() -> int:
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
-    print("\n".join(report(result, args.lengths)))
+    print("\n".join(report(with_int_lengths(result), args.lengths)))
     return 0
 
 
