@@ -51,6 +51,8 @@ _KEY = re.compile(r"[0-9A-Za-z_-]{3,128}")
 _FP = re.compile(r"[0-9a-f]{32}")
 ORPHAN_GRACE_S = 120.0  # an uncommitted chunk untouched this long was left by a dead writer (a save takes
                         # save_timeout_s at most: 10 s by default)
+ORPHAN_COUNTED_S = 30.0  # an uncommitted chunk of another writer untouched this long is no live save's: max_bytes
+                         # counts it until ORPHAN_GRACE_S removes it (a live save's bytes are its own writer's to count)
 
 
 class FileSystemStore(FileReads, FileCommits, SpaceKeeping, KVStore):
@@ -73,7 +75,7 @@ class FileSystemStore(FileReads, FileCommits, SpaceKeeping, KVStore):
         self.max_bytes = fs_space.default_max_bytes(self._root) if max_bytes is None else (max_bytes or None)
         self._ledger = ChunkLedger(self._root, self._walk_committed, self._marker_size) if self.max_bytes else None
         self._inflight = InFlight()  # this process's uncommitted chunks and failed saves (kvstore/fs_space.py)
-        self._orphaned = 0  # bytes of uncommitted chunks not ours at the last reconciling walk
+        self._orphaned = 0  # bytes of stale uncommitted chunks not ours at the last reconciling walk
         self.sweep_after_s = fs_space.SWEEP_AFTER_S
         self._sweep_lock = threading.Lock()
         self._sweeper: threading.Thread | None = None
@@ -340,10 +342,11 @@ class FileSystemStore(FileReads, FileCommits, SpaceKeeping, KVStore):
             try:
                 clock = os.stat(os.path.join(chunk, MARKER)).st_mtime_ns
             except FileNotFoundError:
-                if age(chunk, now) > ORPHAN_GRACE_S:
+                idle = age(chunk, now)
+                if idle > ORPHAN_GRACE_S:
                     self._remove_dir(chunk)
-                elif not (fp == self.fingerprint and os.path.basename(chunk) in self._inflight):
-                    orphaned += _dir_bytes(chunk)  # another writer's, or one that died: max_bytes counts it
+                elif idle > ORPHAN_COUNTED_S and not (fp == self.fingerprint and os.path.basename(chunk) in self._inflight):
+                    orphaned += _dir_bytes(chunk)  # a writer that died or stalled: max_bytes counts it until removed
                 continue
             yield f"{fp}/{os.path.basename(chunk)}", clock
         self._orphaned = orphaned

@@ -221,6 +221,25 @@ def test_reconcile_counts_chunks_of_unbounded_stores_and_removes_dead_writers_le
     assert [bool(bounded.lookup([k])) for k in keys] == [False, False, True, True, True, True]
 
 
+@pytest.mark.parametrize("idle_s, kept", [(1, 4), (60, 3)])
+def test_max_bytes_counts_another_writers_uncommitted_chunk_only_once_it_is_stale(tmp_path, idle_s, kept):
+    """A live writer's save in progress is that writer's to count (counting it here too evicted twice
+    over); a chunk left uncommitted for longer than any save takes holds disk until the grace removes it."""
+    keys, layers = make_chunks(16 * 4, 1)
+    chunk_bytes = 64 + layers[0][keys[0]].nbytes
+    store = open_test_store(f"file://{tmp_path}?max_bytes={4 * chunk_bytes}", 1)
+    write_all(store, keys, [{k: layers[0][k] for k in keys}])
+    other = tmp_path / FP / "zz" / "zzzz-other-writer"
+    other.mkdir(parents=True)
+    (other / "0.kv").write_bytes(b"x" * chunk_bytes)
+    then = time.time() - idle_s
+    os.utime(other, (then, then))
+    store.reconcile()
+    assert [bool(store.lookup([k])) for k in keys].count(True) == kept
+    assert other.exists()
+    store.close()
+
+
 def test_layer_objects_name_and_expect_what_the_codec_says(tmp_path):
     """The compiled reader's paths and expected headers, kept per chunk across a load's layers, are
     object_name's and codec.expected_header's for every layer, chunk size and fingerprint."""
