@@ -9,14 +9,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.beam_search import BeamSearch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.output_state import OutputState, cut_at_stop_string, stop_holdback
 from pdserve.engine.outputs import EngineStats, Logprob, RequestOutput, Resume
+from pdserve.engine.prompt_logprobs import prompt_logprobs_output
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -31,19 +32,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.001  # a step with nothing schedulable waits this long before polling the store I/O again
-
-
-@dataclass
-class _OutputState:
-    """Per-request bookkeeping on the output side: text so far and what was already handed out."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    first_token: float | None = None
-    text: str = ""
-    num_sent_tokens: int = 0
-    num_sent_chars: int = 0
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # built once the prompt is done
 
 
 def _eos_token_id(tokenizer: Any, hf_config: Any) -> int | None:
@@ -87,7 +75,7 @@ class LLMEngine:
         self.vocab_size = runner.vocab_size
         self.eos_token_id = _eos_token_id(self.tokenizer, runner.hf_config)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_id)
-        self._states: dict[str, _OutputState] = {}  # engine request id (one per choice) -> output state
+        self._states: dict[str, OutputState] = {}  # engine request id (one per choice) -> output state
         self._groups: dict[str, list[str]] = {}  # the caller's request id -> its choices' engine ids
         self.num_requests_added = 0
         self.num_requests_finished = 0
@@ -168,7 +156,7 @@ class LLMEngine:
             choices = [Request(request_id if i == 0 else f"{i}_{request_id}", ids, params if params.n == 1 else
                                params.for_choice(i), eos_token_id=self.eos_token_id, cache_salt=cache_salt,
                                parent_id=request_id, index=i, arrival_time=arrival) for i in range(params.n)]
-        states = [_OutputState(c, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
+        states = [OutputState(c, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
                   for c in choices]
         if resume is not None:
             self._replay(states[0], done, resume.num_sent_chars)
@@ -191,7 +179,7 @@ class LLMEngine:
                     f", resuming after {len(done)} output tokens" if resume is not None else "")
 
     @staticmethod
-    def _replay(state: _OutputState, token_ids: list[int], num_sent_chars: int) -> None:
+    def _replay(state: OutputState, token_ids: list[int], num_sent_chars: int) -> None:
         """Make `token_ids` already-sent outputs: detokenized one at a time as they were produced, so
         the text (and the stop-string and hold-back logic after it) matches the original stream."""
         request = state.request
@@ -280,7 +268,7 @@ class LLMEngine:
                 state.text += state.detokenizer.flush()
             visible = len(state.text)
         else:  # hold back text that may still become a stop string
-            visible = max(state.num_sent_chars, len(state.text) - self._stop_holdback(request))
+            visible = max(state.num_sent_chars, len(state.text) - stop_holdback(request))
         out = RequestOutput(
             request_id=request.parent_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -327,54 +315,28 @@ class LLMEngine:
                     ", ".join(f"{h.score:.4f}" for h in search.results()))
         return outputs
 
-    def _prompt_logprobs(self, state: _OutputState) -> list[dict[int, Logprob] | None] | None:
-        """vLLM's prompt_logprobs: None for the first token, then {token id: Logprob} with the prompt
-        token itself plus the `prompt_logprobs` most likely tokens at that position."""
+    def _prompt_logprobs(self, state: OutputState) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's prompt_logprobs, built once the whole prompt's are in (engine/prompt_logprobs.py)."""
         request = state.request
         if not request.needs_prompt_logprobs or len(request.prompt_logprobs) < request.num_prompt_tokens - 1:
             return None
         if state.prompt_logprobs is None:
-            decode = self.tokenizer.decode
-            out: list[dict[int, Logprob] | None] = [None]
-            for token, (logprob, rank, top) in zip(request.prompt_token_ids[1:], request.prompt_logprobs):
-                entry = {token: Logprob(logprob, rank, decode([token]))}
-                for r, (t, lp) in enumerate(top, 1):
-                    entry.setdefault(t, Logprob(lp, r, decode([t])))
-                out.append(entry)
-            state.prompt_logprobs = out
+            state.prompt_logprobs = prompt_logprobs_output(request, self.tokenizer.decode)
         return state.prompt_logprobs
 
-    @staticmethod
-    def _stop_holdback(request: Request) -> int:
-        """Characters held back while running: 0 when the stop string is part of the output anyway."""
-        if request.sampling_params.include_stop_str_in_output:
-            return 0
-        return max((len(s) for s in request.sampling_params.stop), default=1) - 1
-
-    def _check_stop_strings(self, state: _OutputState, checked: int) -> None:
-        """Stop strings match on detokenized text (once more than min_tokens were generated); the
-        output ends right before the match, or right after it with include_stop_str_in_output.
-
-        `checked` is the text length already searched: a new match must end beyond it.
-        """
+    def _check_stop_strings(self, state: OutputState, checked: int) -> None:
+        """End the request at a stop string found in its new text (engine/output_state.py)."""
         request = state.request
-        params = request.sampling_params
-        if (not params.stop or request.status == RequestStatus.FINISHED_ABORTED
-                or request.num_output_tokens <= params.min_tokens):
+        stop = cut_at_stop_string(state, checked)
+        if stop is None:
             return
-        start = max(0, checked - max(len(s) for s in params.stop) + 1)
-        hits = [(idx, s) for s in params.stop if (idx := state.text.find(s, start)) >= 0]
-        if not hits:
-            return
-        idx, stop = min(hits)
-        state.text = state.text[:idx + len(stop) if params.include_stop_str_in_output else idx]
         if request.is_finished:  # max_tokens or eos on the same token: the stop string still wins
             request.status = RequestStatus.FINISHED_STOPPED
         else:
             self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_STOPPED)
         request.stop_reason = stop
 
-    def _finish(self, state: _OutputState) -> None:
+    def _finish(self, state: OutputState) -> None:
         request = state.request
         del self._states[request.request_id]
         group = self._groups[request.parent_id]

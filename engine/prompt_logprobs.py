@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from pdserve.engine.outputs import Logprob
 from pdserve.engine.request import Request
 
 
@@ -54,4 +55,16 @@ def compute_prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tenso
         out[req.request_id] = (first, [(chosen_l[r], ranks_l[r], list(zip(ids_l[r][:n], values_l[r][:n])))
                                        for r in range(row, row + count)])
         row += count
+    return out
+
+
+def prompt_logprobs_output(request: Request, decode: Callable[[list[int]], str]) -> list[dict[int, Logprob] | None]:
+    """vLLM's prompt_logprobs for a request whose prompt tokens all have theirs: None for the first token,
+    then {token id: Logprob} with the prompt token itself plus the `prompt_logprobs` most likely tokens."""
+    out: list[dict[int, Logprob] | None] = [None]
+    for token, (logprob, rank, top) in zip(request.prompt_token_ids[1:], request.prompt_logprobs):
+        entry = {token: Logprob(logprob, rank, decode([token]))}
+        for r, (t, lp) in enumerate(top, 1):
+            entry.setdefault(t, Logprob(lp, r, decode([t])))
+        out.append(entry)
     return out
