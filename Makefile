@@ -40,7 +40,7 @@ test-tools: promtool
 
 # The contract CI runs: every test.
 test: install redis-server container-tools test-tools
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=20 tests
 
 # The inner loop: no container build, no browser, no network namespaces, none of the slow cluster suites
 # or tests (pytest markers, registered in pyproject.toml; a new test that takes seconds carries `slow`).
