@@ -2,11 +2,11 @@
 
 A chunk directory's `commit` marker appears (renamed into place) only after every layer object of the
 chunk is written; it records the chunk's object bytes (the ledger's size, kvstore/fs_ledger.py) and, when
-the writer was not one plain raw part, its layout (kvstore/layout.py: head groups, parts, codec). A
-multi-part writer (TP/PP ranks) first leaves `commit.<part>` for its own part; whichever writer finds every
-part's marker there writes the chunk's. Lookups read the markers in order and keep their layouts for the
-load that follows. `FileCommits` is mixed into kvstore.filesystem.FileSystemStore (its _chunk_dir,
-_write_atomic, _touch, _inflight, _ledger, _evict and _reconcile_quietly).
+the writer was not one plain raw part, its layout (kvstore/layout.py: head groups, parts, codec, heads
+per object). A multi-part writer (TP/PP ranks) first leaves `commit.<part>` for its own part; whichever
+writer finds every part's marker there writes the chunk's. Lookups read the markers in order and keep
+their layouts for the load that follows. `FileCommits` is mixed into kvstore.filesystem.FileSystemStore
+(its _chunk_dir, _write_atomic, _touch, _inflight, _ledger, _evict and _reconcile_quietly).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import struct
 import threading
 
 from pdserve.kvstore.errors import CorruptObject, NotFound, StoreUnavailable
-from pdserve.kvstore.layout import WriterLayout, object_layer
+from pdserve.kvstore.layout import WriterLayout
 
 MARKER = "commit"
 MARKER_FORMAT = struct.Struct("<4sHIQ")  # magic, version, num_layers, bytes of the chunk's layer objects
@@ -57,8 +57,7 @@ class FileCommits:
         heads = layout.num_kv_heads or (self.kv_shape[0] if self.kv_shape else 0)
         names = [f"{name}.kv" for name in layout.object_layers(heads)]
         if not layout.single:
-            (lo, hi), group = layout.parts(heads)[part]
-            own = [f"{object_layer(layer, group, heads)}.kv" for layer in range(lo, hi)]
+            own = [f"{name}.kv" for name in layout.part_objects(part, heads)]
             parts = layout.part_names(heads)
         for key in keys:
             chunk = self._chunk_dir(key)

@@ -10,20 +10,28 @@ present writes the chunk's commit marker, which records the grid (`WriterLayout`
 marker makes a chunk present, so a chunk whose writer died halfway never counts (the store's
 sweep removes it like any other uncommitted chunk).
 
-A reader of any layout reads, for each of its layers, the head groups of the writer's grid that
-overlap its own heads (`WriterLayout.reads`). Objects are layer-by-layer, so the writer's layer
-stages never matter to a reader; when a head group is exactly the reader's heads (the same TP, or
-a single-process writer read by a single-process reader), the read is the plain whole-object read
-straight into paged memory. An object's payload is token-major ([2, n, heads, head_dim], what paged
-memory holds), so a reader whose heads are a strict part of a writer's head group reads that
-group's whole object and keeps its own heads (docs/parallelism.md says what that costs).
+A writer may store each head group as several objects of at most `object_heads` heads (the store's
+`heads_per_object`; the last object of a group may hold fewer): its *object groups*. A part is still
+one writer stage x one writer head group, and the commit rule counts parts, never objects
+(`part_objects` names the objects a part holds; both backends' commits ask it).
+
+A reader of any layout reads, for each of its layers, the object groups that overlap its own heads
+(`WriterLayout.reads`). Objects are layer-by-layer, so the writer's layer stages never matter to a
+reader; when an object group is exactly the reader's heads (the same TP, or a single-process writer
+read by a single-process reader), the read is the plain whole-object read straight into paged
+memory. An object's payload is token-major ([2, n, heads, head_dim], what paged memory holds), so a
+reader whose heads are a strict part of an object group reads that whole object and keeps its own
+heads; a writer whose objects are no wider than the narrowest reader's heads spares every reader
+that (docs/parallelism.md says what each costs).
 
 The single-process layout names its objects and writes its markers exactly as before parts existed
 (a whole-heads object is `<layer>`, its marker holds the layer count alone), so stores written
-before stay readable and a single-process writer pays nothing for this.
+before stay readable and a single-process writer pays nothing for this. A marker records the object
+grain only when it splits a group (`o=`), so markers written before decode to the same layouts.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 Heads = tuple[int, int]
@@ -122,19 +130,28 @@ class KVShard:
 @dataclass(frozen=True)
 class WriterLayout:
     """What a chunk's commit marker records: the grid of parts its writer node saved (layer stages
-    starting at `layer_starts`, head groups starting at `head_starts`)."""
+    starting at `layer_starts`, head groups starting at `head_starts`), its codec, and how many heads
+    each object holds at most (`object_heads`; 0: one object per head group)."""
 
     num_layers: int
     num_kv_heads: int = 0  # 0: the single-process layout, whatever the model's head count
     layer_starts: tuple[int, ...] = (0,)
     head_starts: tuple[int, ...] = (0,)
     codec: str = "raw"  # what the writer's store encodes payloads with (kvstore/kv_codecs.py)
+    object_heads: int = 0  # the store's heads_per_object; 0 whenever it splits no head group
 
     def __post_init__(self) -> None:
         if self.num_layers < 1 or not _valid_starts(self.layer_starts, self.num_layers):
             raise ValueError(f"layer stages {self.layer_starts} of {self.num_layers} layers")
         if self.head_starts != (0,) and not _valid_starts(self.head_starts, self.num_kv_heads):
             raise ValueError(f"head groups {self.head_starts} of {self.num_kv_heads} heads")
+        if self.object_heads < 0:
+            raise ValueError(f"heads per object {self.object_heads} is negative")
+        if self.object_heads:
+            if not self.num_kv_heads:
+                raise ValueError("heads per object needs the layout's KV head count")
+            if all(hi - lo <= self.object_heads for lo, hi in self.head_groups(self.num_kv_heads)):
+                object.__setattr__(self, "object_heads", 0)  # splits nothing: the layout (and marker) of before
 
     @property
     def single(self) -> bool:
@@ -144,7 +161,7 @@ class WriterLayout:
     @property
     def plain(self) -> bool:
         """The single-process layout with raw payloads: the marker of stores from before layouts and codecs."""
-        return self.single and self.codec == "raw"
+        return self.single and self.codec == "raw" and not self.object_heads
 
     def head_groups(self, num_kv_heads: int) -> list[Heads]:
         ends = (*self.head_starts[1:], num_kv_heads)
@@ -172,27 +189,45 @@ class WriterLayout:
     def num_parts(self) -> int:
         return len(self.layer_starts) * len(self.head_starts)
 
+    def object_groups(self, num_kv_heads: int) -> list[Heads]:
+        """The KV heads of each object of a layer, in head order: each head group split by object_heads."""
+        return [obj for group in self.head_groups(num_kv_heads) for obj in split_heads(group, self.object_heads)]
+
     def object_layers(self, num_kv_heads: int) -> list[int | str]:
         """The object name of every layer object of a chunk written with this layout."""
-        return [object_layer(layer, group, num_kv_heads) for layer in range(self.num_layers)
-                for group in self.head_groups(num_kv_heads)]
+        groups = self.object_groups(num_kv_heads)
+        return [object_layer(layer, group, num_kv_heads) for layer in range(self.num_layers) for group in groups]
+
+    def part_objects(self, part: int, num_kv_heads: int) -> list[int | str]:
+        """The object names part `part` holds (its stage's layers x its head group's objects): what a
+        writer of that part must have written before it commits the part."""
+        (lo, hi), group = self.parts(num_kv_heads)[part]
+        objects = split_heads(group, self.object_heads)
+        return [object_layer(layer, obj, num_kv_heads) for layer in range(lo, hi) for obj in objects]
 
     def reads(self, heads: Heads, num_kv_heads: int) -> list[tuple[Heads, Heads]]:
-        """What a reader of KV heads `heads` reads of each layer: (writer head group, the part of it that
-        is the reader's), in head order; one item equal to (heads, heads) is the plain whole read."""
+        """What a reader of KV heads `heads` reads of each layer: (object group, the part of it that is the
+        reader's), in head order; one item equal to (heads, heads) is the plain whole read."""
         out = []
-        for group in self.head_groups(num_kv_heads):
+        for group in self.object_groups(num_kv_heads):
             lo, hi = max(group[0], heads[0]), min(group[1], heads[1])
             if lo < hi:
                 out.append((group, (lo, hi)))
         return out
 
+    def fitting_object_heads(self, heads: Heads, num_kv_heads: int) -> int:
+        """The largest heads_per_object with which a reader of `heads` would read its own heads only: the
+        gcd of its bounds' offsets inside the writer head groups they cut (0: it reads no other heads)."""
+        offsets = [bound - lo for bound in heads for lo, hi in self.head_groups(num_kv_heads) if lo < bound < hi]
+        return math.gcd(*offsets)
+
     def encode(self) -> str:
         """The marker text: the layer count alone for the plain layout (as before parts and codecs existed)."""
         if self.plain:
             return str(self.num_layers)
+        grain = f";o={self.object_heads}" if self.object_heads else ""  # markers that split nothing stay as before
         return f"{self.num_layers};H={self.num_kv_heads};l={','.join(map(str, self.layer_starts))};" \
-               f"h={','.join(map(str, self.head_starts))};c={self.codec}"
+               f"h={','.join(map(str, self.head_starts))};c={self.codec}{grain}"
 
     @classmethod
     def decode(cls, text: str) -> WriterLayout:
@@ -200,18 +235,33 @@ class WriterLayout:
         if text.isdigit():
             return cls(int(text))
         fields = text.split(";")
-        if len(fields) != 5 or not fields[0].isdigit() or [f[:2] for f in fields[1:]] != ["H=", "l=", "h=", "c="] \
-                or fields[4][2:] not in ("raw", "lossless", "int8", "fp8"):
+        names = ["H=", "l=", "h=", "c=", "o="][:len(fields) - 1]
+        if len(fields) not in (5, 6) or not fields[0].isdigit() or [f[:2] for f in fields[1:]] != names \
+                or fields[4][2:] not in ("raw", "lossless", "int8", "fp8") \
+                or (len(fields) == 6 and not fields[5][2:].isdigit()):
             raise ValueError(f"not a commit marker: {text[:80]!r}")
         try:
-            return cls(int(fields[0]), int(fields[1][2:]), tuple(int(x) for x in fields[2][2:].split(",")),
-                       tuple(int(x) for x in fields[3][2:].split(",")), fields[4][2:])
+            layout = cls(int(fields[0]), int(fields[1][2:]), tuple(int(x) for x in fields[2][2:].split(",")),
+                         tuple(int(x) for x in fields[3][2:].split(",")), fields[4][2:],
+                         int(fields[5][2:]) if len(fields) == 6 else 0)
         except ValueError as exc:
             raise ValueError(f"not a commit marker: {text[:80]!r}") from exc
+        if len(fields) == 6 and not layout.object_heads:  # a writer records o= only when it splits
+            raise ValueError(f"not a commit marker: {text[:80]!r}")
+        return layout
 
 
 def _valid_starts(starts: tuple[int, ...], total: int) -> bool:
     return bool(starts) and starts[0] == 0 and all(a < b for a, b in zip(starts, starts[1:])) and starts[-1] < total
+
+
+def split_heads(group: Heads, per_object: int) -> list[Heads]:
+    """The objects a writer stores head group `group` as: runs of `per_object` heads from its first head,
+    the last one possibly shorter (per_object 0, or no smaller than the group: the group whole)."""
+    lo, hi = group
+    if per_object <= 0 or hi - lo <= per_object:
+        return [(lo, hi)]
+    return [(a, min(a + per_object, hi)) for a in range(lo, hi, per_object)]
 
 
 def object_layer(layer: int, heads: Heads | None, num_kv_heads: int | None) -> int | str:

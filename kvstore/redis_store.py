@@ -26,7 +26,7 @@ from redis.retry import Retry
 from pdserve.kvstore import codec, resp
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import CorruptObject, NotFound, StoreError, StoreTimeout, StoreUnavailable
-from pdserve.kvstore.layout import WriterLayout, object_layer, parse_object_layer
+from pdserve.kvstore.layout import WriterLayout, parse_object_layer
 from pdserve.kvstore.gate import NO_GATE, WriteGate
 from pdserve.kvstore.records import Buffer, ChunkInfo
 from pdserve.kvstore.spans import SpanTable
@@ -220,10 +220,7 @@ class RedisStore(KVStore):
     def _commit(self, keys: list[str], layout: WriterLayout, part: int) -> None:
         heads = self._heads(layout)
         names = layout.object_layers(heads)
-        own = names
-        if not layout.single:
-            (lo, hi), group = layout.parts(heads)[part]
-            own = [object_layer(layer, group, heads) for layer in range(lo, hi)]
+        own = names if layout.single else layout.part_objects(part, heads)
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:
             pipe.exists(*(self._key(key, name) for name in own))
