@@ -6,7 +6,11 @@ open_store(url, **options) picks the backend from the URL scheme:
     redis+cluster://host:port[,host:port...]/?ttl=3600&prefix=pdkv:
                                                   RedisClusterStore (rediss+cluster:// for TLS)
 Common options (URL query or keyword; keywords win): timeout (seconds), io_threads, codec (what writes
-encode KV with: raw, the default; lossless; int8; fp8 — kvstore/kv_codecs.py; reads take any).
+encode KV with: raw, the default; lossless; int8; fp8 — kvstore/kv_codecs.py; reads take any),
+heads_per_object (an integer >= 0: writes store each layer of a writer's KV head group as objects of at
+most that many heads, so a reader keeping fewer heads reads only objects of its own heads; 0, the
+default, one object per head group; set it to the KV heads per rank of the narrowest reader:
+docs/parallelism.md; reads take any).
 Keywords only: fingerprint, num_layers, dtype, kv_shape (omit all for admin use, as the CLI does).
 """
 from __future__ import annotations
@@ -32,7 +36,15 @@ def _bool(value: str) -> bool:
     raise ValueError(f"expected a boolean (1/0/true/false), got {value!r}")
 
 
-_COMMON: dict[str, Callable[[str], Any]] = {"timeout": float, "io_threads": int, "codec": check_name}
+def _count(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise ValueError(f"expected an integer >= 0, got {value!r}")
+    return number
+
+
+_COMMON: dict[str, Callable[[str], Any]] = {"timeout": float, "io_threads": int, "codec": check_name,
+                                            "heads_per_object": _count}
 _QUERY: dict[str, dict[str, Callable[[str], Any]]] = {
     "file": {"max_bytes": parse_bytes, "fsync": _bool},
     "redis": {"ttl": int, "prefix": str, "max_connections": int},

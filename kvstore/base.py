@@ -72,7 +72,8 @@ Parallel layouts and codecs: put_layer(layer, chunks, heads=(lo, hi)) writes a T
 commit(keys, layout=..., part=i) commits one part of a multi-rank writer (kvstore/layout.py), and
 layouts(keys) says what each committed chunk's writer saved (its head groups, its codec); the read
 calls take heads= too, and get_layer_decoded reads objects of any codec (kvstore/kv_codecs.py; a store
-writes with the `codec` it was opened with).
+writes with the `codec` it was opened with). A store opened with heads_per_object=K writes each layer of a
+head group as objects of at most K heads, and its commits record that grain (kvstore/layout.py).
 
 Administration (any fingerprint, used by the `pd-kvstore` CLI; kvstore/admin.py): inventory(), list_chunks(),
 verify(), clear(). stats() returns this process's counters.
@@ -86,13 +87,14 @@ import time
 from abc import abstractmethod
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from pdserve.kvstore import codec, kv_codecs
 from pdserve.kvstore import codec as object_format  # where a parameter named codec hides the module
 from pdserve.kvstore.admin import StoreAdmin
 from pdserve.kvstore.errors import StoreError, StoreTimeout
-from pdserve.kvstore.layout import Heads, WriterLayout, object_layer
+from pdserve.kvstore.layout import Heads, WriterLayout, object_layer, split_heads
 from pdserve.kvstore.coded_reads import CodedReads
 from pdserve.kvstore.reads import LayerReads
 from pdserve.kvstore.records import Buffer, StoreStats
@@ -105,7 +107,8 @@ class KVStore(LayerReads, CodedReads, StoreAdmin):
 
     def __init__(self, fingerprint: str | None = None, num_layers: int | None = None,
                  dtype: torch.dtype | str | None = None, kv_shape: Sequence[int] | None = None,
-                 timeout: float = 5.0, io_threads: int = 4, codec: str = kv_codecs.RAW) -> None:
+                 timeout: float = 5.0, io_threads: int = 4, codec: str = kv_codecs.RAW,
+                 heads_per_object: int = 0) -> None:
         if fingerprint is not None:
             object_format.fingerprint_bytes(fingerprint)
         if timeout <= 0:
@@ -116,6 +119,9 @@ class KVStore(LayerReads, CodedReads, StoreAdmin):
         self.kv_shape = tuple(kv_shape) if kv_shape is not None else None
         self.timeout = float(timeout)
         self.codec = kv_codecs.check_name(codec)  # what this store's writes encode with (reads: any)
+        if isinstance(heads_per_object, bool) or not isinstance(heads_per_object, int) or heads_per_object < 0:
+            raise ValueError(f"heads_per_object must be an integer >= 0, got {heads_per_object!r}")
+        self.heads_per_object = heads_per_object  # what this store's writes split head groups by (0: not at all)
         self._stats = StoreStats()
         self._lock = threading.Lock()
         self.io_threads = io_threads  # the I/O pool's threads: how many reads may run at once
@@ -132,21 +138,34 @@ class KVStore(LayerReads, CodedReads, StoreAdmin):
 
     def put_layer(self, layer: int, chunks: Mapping[str, torch.Tensor], heads: Heads | None = None) -> None:
         """Write layer `layer` of several chunks: {chunk key: [2, n_tokens, H, D] tensor}; with `heads`
-        (lo, hi), the tensors hold KV heads [lo, hi) only: a TP rank's part (kvstore/layout.py)."""
+        (lo, hi), the tensors hold KV heads [lo, hi) only: a TP rank's part (kvstore/layout.py). With the
+        store's heads_per_object K, each chunk's heads go into objects of at most K heads (split_heads)."""
         self._bound(layer)
         name, kv_shape = self._part(layer, heads)
-        start = time.perf_counter()
-        objects = []
         for key, tensor in chunks.items():
             if self.dtype is not None and tensor.dtype != self.dtype:
                 raise ValueError(f"chunk {key} layer {layer}: dtype {tensor.dtype}, store holds {self.dtype}")
             if kv_shape is not None and tuple(tensor.shape[2:]) != kv_shape:
                 raise ValueError(f"chunk {key} layer {layer}: shape {list(tensor.shape)}, store holds "
                                  f"[2, n, {kv_shape[0]}, {kv_shape[1]}]")
-            objects.append((key, *codec.encode(tensor, self.fingerprint, key=key, layer=name, codec=self.codec)))
-        self._guard(self._put, name, objects)
-        size = sum(len(h) + sum(v.nbytes for v in p) for _, h, p in objects)
-        self._count(objects_written=len(objects), bytes_written=size, write_seconds=time.perf_counter() - start)
+        start = time.perf_counter()
+        pieces = [(name, None)]
+        if self.heads_per_object:
+            if self.kv_shape is None:
+                raise ValueError("heads_per_object needs a store opened with kv_shape")
+            group = heads or (0, self.kv_shape[0])
+            split = split_heads(group, self.heads_per_object)
+            if len(split) > 1:  # one object per run of heads: slices of the tensors (heads relative to the group)
+                pieces = [(object_layer(layer, (a, b), self.kv_shape[0]), (a - group[0], b - group[0]))
+                          for a, b in split]
+        written = 0
+        for piece, cut in pieces:
+            objects = [(key, *codec.encode(tensor if cut is None else _heads_of(tensor, *cut), self.fingerprint,
+                                           key=key, layer=piece, codec=self.codec)) for key, tensor in chunks.items()]
+            self._guard(self._put, piece, objects)
+            written += sum(len(h) + sum(v.nbytes for v in p) for _, h, p in objects)
+        self._count(objects_written=len(chunks) * len(pieces), bytes_written=written,
+                    write_seconds=time.perf_counter() - start)
 
     def commit(self, keys: Sequence[str], num_layers: int | None = None, *, layout: WriterLayout | None = None,
                part: int = 0) -> None:
@@ -167,6 +186,12 @@ class KVStore(LayerReads, CodedReads, StoreAdmin):
         if not 0 <= part < layout.num_parts():
             raise ValueError(f"part {part} of a {layout.num_parts()}-part layout")
         layout = dataclasses.replace(layout, codec=self.codec)  # readers learn the codec before they read
+        if self.heads_per_object:  # and the objects put_layer split the heads into
+            if self.kv_shape is None:
+                raise ValueError("heads_per_object needs a store opened with kv_shape")
+            split = dataclasses.replace(layout, num_kv_heads=layout.num_kv_heads or self.kv_shape[0],
+                                        object_heads=self.heads_per_object)
+            layout = split if split.object_heads else layout  # splitting nothing: the marker of before
         self._guard(self._commit, list(keys), layout, part)
         self._count(chunks_committed=len(keys))
 
@@ -299,3 +324,12 @@ class KVStore(LayerReads, CodedReads, StoreAdmin):
 
     def _close(self) -> None:
         """Release backend resources."""
+
+
+def _heads_of(tensor: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """KV heads [lo, hi) of a [2, n, H, D] CPU tensor, contiguous: copied in numpy, single-threaded (puts run on
+    the store's I/O threads, which never start an OpenMP team of their own: docs/architecture.md)."""
+    part = tensor.detach().cpu()[:, :, lo:hi]
+    out = torch.empty(part.shape, dtype=part.dtype)
+    np.copyto(out.view(torch.uint8).numpy(), part.view(torch.uint8).numpy())
+    return out
