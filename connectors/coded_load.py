@@ -6,15 +6,19 @@ Two ways, both ending as any load does (rows [N, N + need) into their slots, con
   chunks, by a writer of this rank's head split): the layer's objects in one batched read, checked, and
   decoded in one C call (kvstore/coded_reads.py) straight into the blocks where raw loads read into them
   (connectors/direct_rows.py: the same span table), else into the staging buffer that is then scattered.
-- **another layout** (a writer of another TP split): per chunk, the writer's head groups that overlap this
-  rank's heads, each object read whole, checked and decoded, and this rank's heads of it put in place in
-  one staging buffer.
+- **another layout** (a writer of another TP split, or one that split its heads into several objects:
+  the store's `heads_per_object`): per chunk, the writer's objects that overlap this rank's heads, each
+  read whole, checked and decoded, and this rank's heads of it put in place in one staging buffer. An
+  object holding heads this rank does not keep moves bytes for nothing: the first such load of a process
+  says so in one warning, with the heads_per_object that would spare it.
 
 `CodedLoads` is mixed into connectors/store_connector.StoreConnector (its store, transfer, heads, caches,
 _scratch and _scatter).
 """
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from typing import Any
 
@@ -23,6 +27,10 @@ import torch
 
 from pdserve.kvstore import CorruptObject
 from pdserve.kvstore.gate import NO_GATE
+
+logger = logging.getLogger(__name__)
+_WIDE_READS = threading.Event()  # set once this process said that its loads read heads they do not keep
+_WIDE_READS_LOCK = threading.Lock()
 
 
 class CodedLoads:
@@ -65,8 +73,11 @@ class CodedLoads:
         try:
             by_group: dict[tuple[int, int], list[int]] = {}
             for j, layout in enumerate(load.layouts or []):
-                for group, _ in layout.reads(self.heads, self.num_kv_heads):
+                reads = layout.reads(self.heads, self.num_kv_heads)
+                for group, _ in reads:
                     by_group.setdefault(group, []).append(j)
+                if not _WIDE_READS.is_set() and (reads[0][0][0] < self.heads[0] or reads[-1][0][1] > self.heads[1]):
+                    _warn_wide_reads(layout, reads, self.heads, self.num_kv_heads)
             starts = [sum(load.chunk_lens[:j]) for j in range(len(load.chunk_lens))]
             for group, chunks in by_group.items():
                 tensors, stored, codecs = self.store.get_layer_decoded(layer, [load.keys[j] for j in chunks],
@@ -87,6 +98,20 @@ class CodedLoads:
             raise
         self._scatter(load, layer, target)
         return nbytes
+
+
+def _warn_wide_reads(layout: Any, reads: list, heads: tuple[int, int], num_kv_heads: int) -> None:
+    """Once per process: this rank's loads read objects holding heads it does not keep, how many times the
+    bytes it keeps they move, and the writer's heads_per_object that would make them read only its own."""
+    with _WIDE_READS_LOCK:
+        if _WIDE_READS.is_set():
+            return
+        _WIDE_READS.set()
+    lo, hi = reads[0][0][0], reads[-1][0][1]
+    logger.warning("KV store objects hold KV heads [%d, %d) of %d where this rank keeps [%d, %d): loads move %.1fx "
+                   "the bytes they keep; store with heads_per_object=%d on the writer", lo, hi, num_kv_heads,
+                   heads[0], heads[1], (hi - lo) / (heads[1] - heads[0]),
+                   layout.fitting_object_heads(heads, num_kv_heads))
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
