@@ -16,6 +16,8 @@ from tests.parallel_helpers import parallel_llm
 from tests.test_generate import hf_greedy
 from tests.test_parallel_handoff import PROMPTS, prefill
 
+pytestmark = pytest.mark.timeout(300)
+
 CHUNK = 256  # the engine's default chunk_size
 WIDE = "KV store objects hold KV heads [0, 2) of 2 where this rank keeps [{}, {}): loads move 2.0x the bytes they " \
        "keep; store with heads_per_object=1 on the writer"
