@@ -40,3 +40,9 @@ def save_line(request_id: str, start: int, end: int, num_tokens: int, skip_leadi
 
 def fallback_line(request_id: str, reason: str, num_tokens: int) -> str:
     return f"Reqid: {request_id}, KV load failed ({reason}); recomputing {num_tokens} tokens"
+
+
+def parts_note(arrived: int, expected: int) -> str:
+    """Appended to a parallel engine's load or save line that some ranks' parts never reached
+    (engine/parallel/kv_events.py): its sizes are those parts'."""
+    return f", from {arrived} of {expected} ranks"

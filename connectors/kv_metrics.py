@@ -3,17 +3,20 @@
 Every connector reports through `KVTransferMetrics`, so the store and LMCache connectors print
 the same lines (kv_log.py) and export the same series. Each connector owns a private registry
 (several engines can live in one process); a server exposes it by registering the object as a
-collector.
+collector. Under TP/PP each rank's connector moves its own part of a request's KV: its loads and
+saves go to a `sink` instead, and rank 0 writes one line per event with every rank's figures
+(engine/parallel/kv_events.py).
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import Metric
 
 from pdserve.connectors.chunk_math import LoadPlan
-from pdserve.connectors.kv_log import fallback_line, load_line, logger, lookup_line, save_line
+from pdserve.connectors.kv_log import fallback_line, load_line, logger, lookup_line, parts_note, save_line
+from pdserve.engine.parallel.kv_events import LOAD, SAVE, KVTransfer
 
 _SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -47,6 +50,9 @@ class KVTransferMetrics:
                                      ["reason"], registry=r)
         self.fallbacks = Counter("pdserve_kv_fallbacks", "Lookups or loads that failed and were recomputed",
                                  ["reason"], registry=r)
+        # Set on every rank of a parallel engine: a load or save is handed to it instead of being written
+        # (its line and counters), and rank 0 writes the ranks' joined parts (engine/parallel/kv_ranks.py).
+        self.sink: Callable[[KVTransfer], None] | None = None
 
     def collect(self) -> Iterable[Metric]:
         """Lets a server do `registry.register(connector.metrics)`."""
@@ -66,19 +72,38 @@ class KVTransferMetrics:
 
     def on_load(self, request_id: str, plan: LoadPlan, num_bytes: int, seconds: float,
                 codec: str | None = None) -> None:
-        self.loaded_tokens.inc(plan.need_to_load)
-        self.retrieved_tokens.inc(plan.retrieved)
-        self.load_bytes.inc(num_bytes)
-        self.load_seconds.observe(seconds)
-        logger.info(load_line(request_id, plan, num_bytes, seconds, codec))
+        self._report(KVTransfer(LOAD, request_id, num_bytes, seconds, codec=codec,
+                                plan=(plan.num_tokens, plan.num_local, plan.hit, plan.chunk_size)))
 
     def on_save(self, request_id: str, start: int, end: int, num_tokens: int, skip_leading_tokens: int,
                 num_chunks: int, num_bytes: int, seconds: float) -> None:
-        self.saved_tokens.inc(end - start)
-        self.saved_chunks.inc(num_chunks)
-        self.save_bytes.inc(num_bytes)
-        self.save_seconds.observe(seconds)
-        logger.info(save_line(request_id, start, end, num_tokens, skip_leading_tokens, num_bytes, seconds))
+        self._report(KVTransfer(SAVE, request_id, num_bytes, seconds, start=start, end=end, num_tokens=num_tokens,
+                                skip_leading_tokens=skip_leading_tokens, num_chunks=num_chunks))
+
+    def _report(self, event: KVTransfer) -> None:
+        if self.sink is not None:
+            self.sink(event)
+        else:
+            self.write(event)
+
+    def write(self, event: KVTransfer, parts: tuple[int, int] | None = None) -> None:
+        """A load's or save's counters and its line. `parts`: (arrived, expected) for a parallel engine's
+        event some ranks' parts never reached; the line says so."""
+        note = parts_note(*parts) if parts else ""
+        if event.kind == LOAD:
+            plan = LoadPlan(*event.plan)
+            self.loaded_tokens.inc(plan.need_to_load)
+            self.retrieved_tokens.inc(plan.retrieved)
+            self.load_bytes.inc(event.num_bytes)
+            self.load_seconds.observe(event.seconds)
+            logger.info(load_line(event.request_id, plan, event.num_bytes, event.seconds, event.codec) + note)
+            return
+        self.saved_tokens.inc(event.end - event.start)
+        self.saved_chunks.inc(event.num_chunks)
+        self.save_bytes.inc(event.num_bytes)
+        self.save_seconds.observe(event.seconds)
+        logger.info(save_line(event.request_id, event.start, event.end, event.num_tokens, event.skip_leading_tokens,
+                              event.num_bytes, event.seconds) + note)
 
     def on_save_failure(self, request_id: str, reason: str) -> None:
         self.save_failures.labels(reason=_reason_label(reason)).inc()
