@@ -10,6 +10,8 @@ its finished saves and loads and its failed loads. Rank 0 then reports to its sc
 - a finished request's save done once every rank that was saving it is done (the scheduler is always
   told to hold a finished request of a saving node until then: a prefill reply means every part is
   committed).
+Every rank's loads and saves come to rank 0 with the same reports, and rank 0 writes one load and save line
+per request with every rank's bytes (kv_events.py).
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import torch
 from pdserve.engine.kv_connector import KVConnectorBase, KVConnectorMetadata
 from pdserve.engine.parallel import meta_codec
 from pdserve.engine.parallel.group import RankGroup
+from pdserve.engine.parallel.kv_events import KVTransfer, KVTransferJoin
+from pdserve.engine.parallel.layout import ParallelLayout
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -49,6 +53,10 @@ class WorkerKV:
 
     def __init__(self, connector: KVConnectorBase) -> None:
         self.connector = connector
+        self._events: list[KVTransfer] = []  # this rank's loads and saves, for rank 0's lines
+        metrics = getattr(connector, "metrics", None)
+        if metrics is not None:
+            metrics.sink = self._events.append
 
     def begin(self, message: bytes) -> tuple[list[str], Any, list[str]]:
         """Finish the requests rank 0 finished, start this step's loads: (finished, metadata, delayed)."""
@@ -66,25 +74,35 @@ class WorkerKV:
         c.wait_for_save()
         sending, recving = c.get_finished(set(finished))
         failed = c.get_failed_loads()
+        events, self._events[:] = list(self._events), []
         return json.dumps({"delayed": delayed, "sending": sorted(sending or ()), "recving": sorted(recving or ()),
-                           "failed": sorted(failed)}).encode()
+                           "failed": sorted(failed), "events": [e.to_json() for e in events]}).encode()
 
 
 class RankConnector(KVConnectorBase):
     """Rank 0's connector as its scheduler and model runner see it: its own connector plus the other ranks'."""
 
-    def __init__(self, inner: KVConnectorBase, world: int, send_connector_step: Callable[[bytes], None],
+    def __init__(self, inner: KVConnectorBase, layout: ParallelLayout, send_connector_step: Callable[[bytes], None],
                  collect_reports: Callable[[], list[bytes]]) -> None:
         super().__init__(inner.role)
-        self.inner, self.world = inner, world
+        self.inner, self.world = inner, layout.world_size
         self._send_connector_step, self._collect = send_connector_step, collect_reports
         self._finished: list[str] = []  # told to the other ranks with the next step
+        self._told: list[str] = []  # finished requests told this step: their loads' parts are all in after it
         self._saving: dict[str, set[int]] = {}  # finished request -> ranks still saving it
         self._loaded: dict[str, set[int]] = {}  # background load -> ranks whose load ended
         self._held_failures: set[str] = set()  # background loads failed somewhere, until every rank's ended
         self._failed: set[str] = set()
         self._message: bytes | None = None
         self._sent = False
+        self._events: list[KVTransfer] = []  # rank 0's own loads and saves, joined with the other ranks'
+        self.join: KVTransferJoin | None = None
+        metrics = getattr(inner, "metrics", None)
+        if metrics is not None:
+            writers = [r for r in range(self.world) if ParallelLayout(layout.tp, layout.pp, r, layout.dims).kv_writer]
+            self.join = KVTransferJoin(self.world, writers, metrics.write, getattr(inner, "load_timeout_s", 10.0),
+                                       getattr(inner, "save_timeout_s", 10.0))
+            metrics.sink = self._events.append
 
     def __getattr__(self, name: str) -> Any:  # the connector's own figures (metrics, stores) stay reachable
         return getattr(self.inner, name)
@@ -115,6 +133,7 @@ class RankConnector(KVConnectorBase):
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         self.inner.start_load_kv(metadata)
         finished, self._finished = self._finished, []  # the other ranks' delays for them come with the reports
+        self._told += finished
         self._message = json.dumps({"finished": finished, "meta": meta_codec.encode(metadata).decode()}).encode()
         self._sent = False
 
@@ -137,10 +156,16 @@ class RankConnector(KVConnectorBase):
         if not self._sent:  # a step that computed nothing: the other ranks' I/O moves too
             self._send_connector_step(self.step_message())
         sending0, recving0 = self.inner.get_finished(finished_req_ids)
+        own, self._events[:] = list(self._events), []
         reports = [{"delayed": [], "sending": sorted(sending0 or ()), "recving": sorted(recving0 or ()),
                     "failed": sorted(self.inner.get_failed_loads())}]
         reports += [json.loads(r) for r in self._collect()]
         for rank, report in enumerate(reports):
+            if self.join is not None:
+                for event in own if rank == 0 else map(KVTransfer.from_json, report["events"]):
+                    self.join.add(rank, event)
+                for rid in report["failed"]:
+                    self.join.load_failed(rank, rid)
             for rid in report["delayed"]:
                 if rid in self._saving:
                     self._saving[rid].add(rank)
@@ -158,6 +183,13 @@ class RankConnector(KVConnectorBase):
             del self._loaded[rid]
         self._failed |= self._held_failures & recving
         self._held_failures -= recving
+        if self.join is not None:  # parts that have not come by now never will
+            told, self._told = self._told, []
+            for rid in recving | set(told):
+                self.join.settle_load(rid)
+            for rid in sending:
+                self.join.settle_saves(rid)
+            self.join.end_round()
         return sending, recving
 
     def get_failed_loads(self) -> set[str]:

@@ -95,7 +95,7 @@ class RankShard:
         """Rank 0's connector as its scheduler sees it: its own plus the other ranks' (kv_ranks.py)."""
         if connector is None or driver is None:
             return connector
-        driver.kv = RankConnector(connector, self.layout.world_size, driver.send_connector_step,
+        driver.kv = RankConnector(connector, self.layout, driver.send_connector_step,
                                   driver.collect_reports)
         return driver.kv
 

@@ -124,7 +124,8 @@ def main() -> int:
 
         runner.connector = import_factory(spec["connector_factory"])(config, runner)
         kv = WorkerKV(runner.connector)
-        # rank 0 writes the KV lines, one per request (lookups happen there alone); failures still show here
+        # rank 0 writes the KV lines, one per request: lookups happen there alone, and this rank's loads and saves
+        # reach it with the step reports (kv_ranks.py); this rank's warnings (failures) still show here
         logging.getLogger("pdserve.connectors.kv_log").setLevel(logging.WARNING)
     try:
         serve(runner, group, kv)
