@@ -88,7 +88,8 @@ class KVTransferMetrics:
 
     def write(self, event: KVTransfer, parts: tuple[int, int] | None = None) -> None:
         """A load's or save's counters and its line. `parts`: (arrived, expected) for a parallel engine's
-        event some ranks' parts never reached; the line says so."""
+        event some ranks' parts never reached: a load's line says so; such a save committed nothing (the
+        commit waits for every writing rank's part), so it is a save failure, not a Stored line."""
         note = parts_note(*parts) if parts else ""
         if event.kind == LOAD:
             plan = LoadPlan(*event.plan)
@@ -98,12 +99,16 @@ class KVTransferMetrics:
             self.load_seconds.observe(event.seconds)
             logger.info(load_line(event.request_id, plan, event.num_bytes, event.seconds, event.codec) + note)
             return
+        if parts:  # a writing rank's part never came: its objects are missing, so the chunks stay uncommitted
+            self.on_save_failure(event.request_id, f"incomplete: tokens [{event.start}, {event.end}) written by "
+                                 f"{parts[0]} of {parts[1]} ranks ({event.num_bytes} bytes) stay uncommitted")
+            return
         self.saved_tokens.inc(event.end - event.start)
         self.saved_chunks.inc(event.num_chunks)
         self.save_bytes.inc(event.num_bytes)
         self.save_seconds.observe(event.seconds)
         logger.info(save_line(event.request_id, event.start, event.end, event.num_tokens, event.skip_leading_tokens,
-                              event.num_bytes, event.seconds) + note)
+                              event.num_bytes, event.seconds))
 
     def on_save_failure(self, request_id: str, reason: str) -> None:
         self.save_failures.labels(reason=_reason_label(reason)).inc()

@@ -107,8 +107,11 @@ def test_a_missing_part_is_written_after_the_deadline_and_says_so(metrics, caplo
     assert lines(caplog) == [load_line("a", PLAN, 700, 0.002, "raw") + ", from 1 of 2 ranks"]
     clock.now += 2.0  # the save's deadline (save_timeout_s)
     join.end_round()
-    assert lines(caplog)[1] == save_line("s", 0, 600, 600, 0, 900, 0.01) + ", from 1 of 2 ranks"
+    assert lines(caplog)[1] == ("Reqid: s, KV save failed (incomplete: tokens [0, 600) written by 1 of 2 ranks "
+                                "(900 bytes) stay uncommitted); the request continues, a consumer will recompute")
     assert len(join) == 0
+    assert metrics.value("pdserve_kv_save_bytes_total") == 0  # nothing was committed
+    assert metrics.value("pdserve_kv_save_failures_total", reason="incomplete") == 1
     assert metrics.value("pdserve_kv_load_bytes_total") == 700  # what arrived
     event = parse_line("INFO " + lines(caplog)[0])  # pd-kv-hits still reads the line
     assert event is not None and (event.kind, event.request_id, event.values["retrieved"]) == ("load", "a", 600)
@@ -122,7 +125,8 @@ def test_a_finished_requests_saves_are_written_when_every_rank_is_done(metrics, 
     join.add(0, save("t", 400))
     assert lines(caplog) == [save_line("s", 0, 256, 600, 0, 1800, 0.01)]
     join.settle_saves("s")  # every rank's saves of "s" ended: nothing more will come
-    assert lines(caplog)[1:] == [save_line("s", 256, 600, 600, 0, 400, 0.01) + ", from 1 of 2 ranks"]
+    assert lines(caplog)[1:] == ["Reqid: s, KV save failed (incomplete: tokens [256, 600) written by 1 of 2 ranks "
+                                 "(400 bytes) stay uncommitted); the request continues, a consumer will recompute"]
     assert len(join) == 1  # "t" still waits for rank 1
 
 

@@ -8,8 +8,9 @@ one load line per request load once every rank's part is in, one save line per (
 every writing rank's part is in, with the whole node's figures (bytes summed, the slowest part's seconds,
 every part's codec). Parts come in any order. A load that failed on any rank writes no load line (the
 failing rank's warning and rank 0's fallback say it). A join still missing parts when no more can come (the
-request's I/O ended everywhere) or past its deadline is written with what arrived and says so; the table of
-pending joins is bounded.
+request's I/O ended everywhere) or past its deadline is written with what arrived and says so (a save
+missing a writer's part committed nothing: its metrics write a save failure); the table of pending joins is
+bounded.
 """
 from __future__ import annotations
 
