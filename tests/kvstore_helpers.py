@@ -1,4 +1,5 @@
-"""Helpers for the kvstore tests: deterministic chunks, store factories, and a writer process.
+"""Helpers for the kvstore tests: deterministic chunks, store factories, a writer process, and a store
+connector of one rank's KVShard without an engine (`shard_connector`).
 
 Run as `python -m tests.kvstore_helpers URL FINGERPRINT NUM_LAYERS ROUNDS [STOP_AFTER_LAYER]
 [--seed N --tokens T]` to write the standard chunks (make_chunks(T, NUM_LAYERS, seed=N)) from a
@@ -12,12 +13,17 @@ import argparse
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from pdserve.common.hashing import chunk_keys
+from pdserve.connectors.store_connector import StoreConnector
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.device import Platform
 from pdserve.kvstore import KVStore, open_store
+from pdserve.kvstore.layout import KVShard
 
 FP = "0123456789abcdef" * 2
 OTHER_FP = "fedcba9876543210" * 2
@@ -48,6 +54,36 @@ def open_test_store(url: str, num_layers: int, dtype: torch.dtype = torch.float3
                     timeout: float = 2.0, **options) -> KVStore:
     return open_store(url, fingerprint=fingerprint, num_layers=num_layers, dtype=dtype, kv_shape=KV_SHAPE,
                       timeout=timeout, **options)
+
+
+@dataclass
+class ShardRunner:
+    """What a StoreConnector reads of a model runner: one rank's KVShard of a float32 model."""
+
+    kv_shard: KVShard
+    fingerprint: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float32
+    platform: Platform = field(default_factory=lambda: Platform(torch.device("cpu")))
+
+
+def shard_connector(url: str, shard: KVShard, *, fingerprint: str, num_layers: int, num_kv_heads: int,
+                    head_dim: int, chunk_size: int, block_size: int) -> StoreConnector:
+    """The store connector of rank `shard` (KVShard.tp_pp, or KVShard() for one process) on `url`."""
+    config = EngineConfig.from_kwargs("unused", kv_store=url, chunk_size=chunk_size, block_size=block_size,
+                                      load_timeout_s=10.0)
+    return StoreConnector(config, ShardRunner(shard, fingerprint, num_layers, num_kv_heads, head_dim))
+
+
+def store_url(kind: str, tmp_path: Path, request) -> str:
+    """A test's store of kind file, redis or cluster (the redis_module / redis_cluster fixtures)."""
+    if kind == "file":
+        return f"file://{tmp_path}"
+    if kind == "redis":
+        return request.getfixturevalue("redis_module").url
+    return request.getfixturevalue("redis_cluster").url
 
 
 def spawn_writer(url: str, num_layers: int, rounds: int, stop_after: int | None = None, seed: int = 0,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -22,12 +21,11 @@ from pdserve.connectors import coded_load
 from pdserve.connectors.chunk_math import LoadPlan, slots_for
 from pdserve.connectors.chunked import ChunkedConnectorMetadata, LoadSpec, SaveSpec
 from pdserve.connectors.store_connector import StoreConnector
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.device import Platform
 from pdserve.kvstore import kv_codecs, open_store
 from pdserve.kvstore.cli import main
 from pdserve.kvstore.layout import KVShard, WriterLayout
 from tests import kvstore_helpers as helpers
+from tests.kvstore_helpers import shard_connector, store_url
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,26 +35,13 @@ READERS = {"TP=1": (1, 0), "TP=2 rank 0": (2, 0), "TP=2 rank 1": (2, 1), "TP=4 r
 #                                                                             [2,4) [1,2) of 4
 
 
-@dataclass
-class _Runner:
-    """What a StoreConnector reads of a model runner."""
-
-    kv_shard: KVShard
-    fingerprint: str = FP
-    num_layers: int = LAYERS
-    num_kv_heads: int = HEADS
-    head_dim: int = DIM
-    dtype: torch.dtype = torch.float32
-    platform: Platform = field(default_factory=lambda: Platform(torch.device("cpu")))
-
-
 def _shard(tp: int, rank: int, pp: int = 1, pp_rank: int = 0) -> KVShard:
     return KVShard.tp_pp(rank, tp, pp_rank, pp, LAYERS, HEADS)
 
 
 def _connector(url: str, shard: KVShard) -> StoreConnector:
-    config = EngineConfig.from_kwargs("unused", kv_store=url, chunk_size=CHUNK, block_size=BLOCK, load_timeout_s=10.0)
-    return StoreConnector(config, _Runner(shard))
+    return shard_connector(url, shard, fingerprint=FP, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
+                           chunk_size=CHUNK, block_size=BLOCK)
 
 
 def _with(url: str, **options) -> str:
@@ -121,18 +106,10 @@ def _prompt(seed: int) -> tuple[list[int], list[torch.Tensor]]:
                                                       for _ in range(LAYERS)]
 
 
-def _url(kind: str, tmp_path: Path, request) -> str:
-    if kind == "file":
-        return f"file://{tmp_path}"
-    if kind == "redis":
-        return request.getfixturevalue("redis_module").url
-    return request.getfixturevalue("redis_cluster").url
-
-
 @pytest.mark.parametrize("codec", ["raw", "int8"])
 @pytest.mark.parametrize("kind", ["file", "redis", "cluster"])
 def test_every_reader_of_a_split_writer_reads_its_own_objects_exactly(kind, codec, tmp_path, request):
-    url = _url(kind, tmp_path, request)
+    url = store_url(kind, tmp_path, request)
     seed = {"raw": 1, "int8": 2}[codec] * 10
     for k, writer in [(2, (1, 1)), (1, (1, 1)), (1, (2, 1)), (2, (1, 2))]:
         seed += 1
@@ -176,7 +153,7 @@ def test_a_narrow_reader_moves_half_the_bytes_of_an_unsplit_store_and_says_so_on
 
 @pytest.mark.parametrize("kind", ["file", "redis"])
 def test_a_chunk_missing_one_split_object_is_never_committed(kind, tmp_path, request):
-    url = _url(kind, tmp_path, request)
+    url = store_url(kind, tmp_path, request)
     tokens, truth = _prompt(40)
     keys = chunk_keys(FP, tokens, CHUNK)
     bounds = [(j * CHUNK, min((j + 1) * CHUNK, TOKENS)) for j in range(len(keys))]
@@ -216,7 +193,7 @@ def _drop(url: str, key: str, name: str, fingerprint: str = FP) -> None:
 @pytest.mark.parametrize("kind", ["file", "redis"])
 def test_pd_kvstore_and_deletes_handle_split_objects(kind, tmp_path, request, capsys):
     """stats, ls, verify (--repair) and delete see every split object; a bounded file store counts them."""
-    url = _url(kind, tmp_path, request)
+    url = store_url(kind, tmp_path, request)
     fp = helpers.FP  # 2 KV heads of 8 values; chunks of 16 tokens
     store = helpers.open_test_store(_with(url, heads_per_object=1), 2)
     prompts = [helpers.make_chunks(40, 2, seed=seed) for seed in (500, 501, 502)]  # 3 chunks x 2 layers x 2 objects

@@ -10,8 +10,6 @@ from __future__ import annotations
 import itertools
 import os
 import random
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +18,8 @@ from pdserve.common.hashing import chunk_keys
 from pdserve.connectors.chunk_math import LoadPlan, slots_for
 from pdserve.connectors.chunked import ChunkedConnectorMetadata, LoadSpec, SaveSpec
 from pdserve.connectors.store_connector import StoreConnector
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.device import Platform
 from pdserve.kvstore.layout import KVShard, WriterLayout
+from tests.kvstore_helpers import shard_connector, store_url
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,26 +28,13 @@ LAYERS, HEADS, DIM, BLOCK, CHUNK, TOKENS = 4, 2, 8, 4, 8, 21  # 2 full chunks an
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (4, 1)]  # (TP, PP); TP 4 over 2 KV heads replicates each head twice
 
 
-@dataclass
-class _Runner:
-    """What a StoreConnector reads of a model runner."""
-
-    kv_shard: KVShard
-    fingerprint: str = FP
-    num_layers: int = LAYERS
-    num_kv_heads: int = HEADS
-    head_dim: int = DIM
-    dtype: torch.dtype = torch.float32
-    platform: Platform = field(default_factory=lambda: Platform(torch.device("cpu")))
-
-
 def _shards(tp: int, pp: int) -> list[KVShard]:
     return [KVShard.tp_pp(r % tp, tp, r // tp, pp, LAYERS, HEADS) for r in range(tp * pp)]
 
 
 def _connector(url: str, shard: KVShard) -> StoreConnector:
-    config = EngineConfig.from_kwargs("unused", kv_store=url, chunk_size=CHUNK, block_size=BLOCK, load_timeout_s=10.0)
-    return StoreConnector(config, _Runner(shard))
+    return shard_connector(url, shard, fingerprint=FP, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
+                           chunk_size=CHUNK, block_size=BLOCK)
 
 
 def _caches(shard: KVShard, num_blocks: int) -> list[torch.Tensor]:
@@ -118,17 +102,9 @@ def _prompt(seed: int) -> tuple[list[int], list[torch.Tensor]]:
     return tokens, [torch.randn(2, TOKENS, HEADS, DIM, generator=gen) for _ in range(LAYERS)]
 
 
-def _url(kind: str, tmp_path: Path, request) -> str:
-    if kind == "file":
-        return f"file://{tmp_path}"
-    if kind == "redis":
-        return request.getfixturevalue("redis_module").url
-    return request.getfixturevalue("redis_cluster").url
-
-
 @pytest.mark.parametrize("kind", ["file", "redis", "cluster"])
 def test_every_layout_reads_what_every_layout_wrote(kind, tmp_path, request):
-    url = _url(kind, tmp_path, request)
+    url = store_url(kind, tmp_path, request)
     for seed, (writer, reader) in enumerate(itertools.product(LAYOUTS, LAYOUTS), start=1):
         tokens, truth = _prompt(seed)
         _save(url, writer, truth, tokens)
@@ -137,7 +113,7 @@ def test_every_layout_reads_what_every_layout_wrote(kind, tmp_path, request):
 
 @pytest.mark.parametrize("kind", ["file", "redis"])
 def test_a_chunk_misses_while_one_writer_part_is_missing(kind, tmp_path, request):
-    url = _url(kind, tmp_path, request)
+    url = store_url(kind, tmp_path, request)
     tokens, truth = _prompt(50)
     _save(url, (2, 1), truth, tokens, skip_rank=1)  # rank 1's heads never arrive: the rank died
     assert _load(url, (1, 1), truth, tokens) == 0
