@@ -376,3 +376,13 @@ class ChunkedConnector(KVConnectorBase):
     def get_failed_loads(self) -> set[str]:
         failed, self._failed = self._failed, set()
         return failed
+
+    def failed_load_ids(self) -> set[str]:
+        """The loads that failed since get_failed_loads() was last asked, without taking them (a parallel
+        engine's ranks share theirs before the step's saves: engine/parallel/kv_ranks.py)."""
+        return set(self._failed)
+
+    def loads_failed_elsewhere(self, request_ids: set[str]) -> None:
+        """Another rank's load of these requests failed in this step: what this rank computed over it is
+        wrong too, so its saves of them are dropped (and redone after the recompute) as for its own failure."""
+        self._failed |= request_ids

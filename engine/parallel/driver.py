@@ -13,7 +13,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.parallel.group import RankGroup
-from pdserve.engine.parallel.kv_ranks import RankConnector, broadcast_bytes, recv_bytes
+from pdserve.engine.parallel.kv_ranks import RankConnector, broadcast_bytes, recv_bytes, share_failed_loads
 from pdserve.engine.parallel.launcher import RankProcesses
 from pdserve.engine.parallel.layout import ParallelLayout
 from pdserve.engine.parallel.stage import StageExecutor
@@ -87,6 +87,13 @@ class ParallelDriver:
             return [recv_bytes(self.group, rank) for rank in range(1, self.group.layout.world_size)]
         except RuntimeError as e:
             raise self.ranks.failed(e, "a rank's connector report did not arrive") from None
+
+    def share_failed_loads(self, own: set[str]) -> set[str]:
+        """Every rank's failed loads of this step (kv_ranks.share_failed_loads), before its saves."""
+        try:
+            return share_failed_loads(self.group, own)
+        except RuntimeError as e:
+            raise self.ranks.failed(e, "a rank's failed loads did not arrive") from None
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         self._command(header(Command.COPY, len(pairs)), torch.tensor(pairs, dtype=torch.int64).reshape(-1))

@@ -10,6 +10,10 @@ its finished saves and loads and its failed loads. Rank 0 then reports to its sc
 - a finished request's save done once every rank that was saving it is done (the scheduler is always
   told to hold a finished request of a saving node until then: a prefill reply means every part is
   committed).
+On a node that both loads and saves (kv_both), the ranks also share their failed loads after each computing
+step and before its saves (`share_failed_loads`): a rank whose own load succeeded computed its part over the
+failing rank's missing KV, so no rank commits that step's saves of the request; they are redone after the
+recompute, as a single process does.
 Every rank's loads and saves come to rank 0 with the same reports, and rank 0 writes one load and save line
 per request with every rank's bytes (kv_events.py).
 """
@@ -48,11 +52,33 @@ def broadcast_bytes(group: RankGroup, data: bytes | None, size: int) -> bytes:
     return bytes(group.broadcast(t).numpy())
 
 
+def share_failed_loads(group: RankGroup, own: set[str]) -> set[str]:
+    """Every rank's failed loads of this step, on every rank: the other ranks send theirs to rank 0, which
+    broadcasts the union. All ranks call it at the same point of a computing step."""
+    rank = group.layout.rank
+    if rank != 0:
+        send_bytes(group, json.dumps(sorted(own)).encode(), 0)
+        size = int(group.broadcast(torch.empty(1, dtype=torch.int64)).item())
+        return set(json.loads(broadcast_bytes(group, None, size)))
+    union = set(own)
+    for other in range(1, group.layout.world_size):
+        union |= set(json.loads(recv_bytes(group, other)))
+    data = json.dumps(sorted(union)).encode()
+    group.broadcast(torch.tensor([len(data)], dtype=torch.int64))
+    broadcast_bytes(group, data, len(data))
+    return union
+
+
+def _shares_failed_loads(connector: KVConnectorBase) -> bool:
+    """A node that loads and saves in one engine (kv_both): a save can follow another rank's failed load."""
+    return connector.role.loads and connector.role.saves and hasattr(connector, "loads_failed_elsewhere")
+
+
 class WorkerKV:
     """A rank other than 0: its own connector, driven by what rank 0 sends."""
 
-    def __init__(self, connector: KVConnectorBase) -> None:
-        self.connector = connector
+    def __init__(self, connector: KVConnectorBase, group: RankGroup) -> None:
+        self.connector, self.group = connector, group
         self._events: list[KVTransfer] = []  # this rank's loads and saves, for rank 0's lines
         metrics = getattr(connector, "metrics", None)
         if metrics is not None:
@@ -68,9 +94,13 @@ class WorkerKV:
         self.connector.start_load_kv(meta)
         return finished, meta, delayed
 
-    def end(self, finished: list[str], delayed: list[str]) -> bytes:
-        """After the forward pass: hand the saves over and report what this rank's I/O finished."""
+    def end(self, finished: list[str], delayed: list[str], computed: bool = True) -> bytes:
+        """After the forward pass (`computed`) or a step that computed nothing: hand the saves over and report
+        what this rank's I/O finished."""
         c = self.connector
+        if computed and _shares_failed_loads(c):
+            own = c.failed_load_ids()
+            c.loads_failed_elsewhere(share_failed_loads(self.group, own) - own)
         c.wait_for_save()
         sending, recving = c.get_finished(set(finished))
         failed = c.get_failed_loads()
@@ -83,10 +113,12 @@ class RankConnector(KVConnectorBase):
     """Rank 0's connector as its scheduler and model runner see it: its own connector plus the other ranks'."""
 
     def __init__(self, inner: KVConnectorBase, layout: ParallelLayout, send_connector_step: Callable[[bytes], None],
-                 collect_reports: Callable[[], list[bytes]]) -> None:
+                 collect_reports: Callable[[], list[bytes]],
+                 share_failures: Callable[[set[str]], set[str]]) -> None:
         super().__init__(inner.role)
         self.inner, self.world = inner, layout.world_size
         self._send_connector_step, self._collect = send_connector_step, collect_reports
+        self._share_failures = share_failures if _shares_failed_loads(inner) else None
         self._finished: list[str] = []  # told to the other ranks with the next step
         self._told: list[str] = []  # finished requests told this step: their loads' parts are all in after it
         self._saving: dict[str, set[int]] = {}  # finished request -> ranks still saving it
@@ -150,6 +182,9 @@ class RankConnector(KVConnectorBase):
         self.inner.save_kv_layer(layer_idx, kv_cache, metadata)
 
     def wait_for_save(self) -> None:
+        if self._sent and self._share_failures is not None:  # a computing step: every rank is here too
+            own = self.inner.failed_load_ids()
+            self.inner.loads_failed_elsewhere(self._share_failures(own) - own)
         self.inner.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -96,7 +96,7 @@ class RankShard:
         if connector is None or driver is None:
             return connector
         driver.kv = RankConnector(connector, self.layout, driver.send_connector_step,
-                                  driver.collect_reports)
+                                  driver.collect_reports, driver.share_failed_loads)
         return driver.kv
 
     def agree_num_blocks(self, num_blocks: int) -> int:

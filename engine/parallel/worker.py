@@ -79,7 +79,7 @@ def serve(runner, group, kv) -> None:
                     runner.model.compute_logits(rows)
             elif command == Command.CONNECTOR:
                 finished, _, delayed = kv.begin(broadcast_bytes(group, None, int(h[1])))
-                send_bytes(group, kv.end(finished, delayed), 0)
+                send_bytes(group, kv.end(finished, delayed, computed=False), 0)
             elif command == Command.STEP:
                 layout = StepLayout.decode(h, group.broadcast(torch.empty(StepLayout.payload_size(h),
                                                                           dtype=torch.int64)))
@@ -123,7 +123,7 @@ def main() -> int:
         from pdserve.engine.parallel.kv_ranks import WorkerKV
 
         runner.connector = import_factory(spec["connector_factory"])(config, runner)
-        kv = WorkerKV(runner.connector)
+        kv = WorkerKV(runner.connector, group)
         # rank 0 writes the KV lines, one per request: lookups happen there alone, and this rank's loads and saves
         # reach it with the step reports (kv_ranks.py); this rank's warnings (failures) still show here
         logging.getLogger("pdserve.connectors.kv_log").setLevel(logging.WARNING)
