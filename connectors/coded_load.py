@@ -46,7 +46,7 @@ class CodedLoads:
         if load.direct is not None:  # straight into the blocks, only inside the load's gate
             table = load.direct.spans(self._cache_bytes[layer], self._scratch(load.direct.scratch_bytes))
             nbytes, codecs = self.store.get_layer_coded(layer, load.keys, table, load.chunk_lens, load.gate,
-                                                        heads=self.heads)
+                                                        heads=self.heads, codecs=_marker_codecs(load))
             with load.lock:
                 load.codecs |= codecs
                 load.finished = max(load.finished, time.perf_counter())
@@ -54,7 +54,7 @@ class CodedLoads:
         target = self.transfer.read_target(load.chunk_lens, self.kv_shape, self.dtype)
         try:  # the staging buffer is this thread's until the scatter: no gate
             nbytes, codecs = self.store.get_layer_coded(layer, load.keys, target.span_table(), load.chunk_lens,
-                                                        NO_GATE, heads=self.heads)
+                                                        NO_GATE, heads=self.heads, codecs=_marker_codecs(load))
         except BaseException:
             self.transfer.load(self.kv_caches[layer], 0, 0, load.slots, target)  # hand the buffer back
             raise
@@ -112,6 +112,11 @@ def _warn_wide_reads(layout: Any, reads: list, heads: tuple[int, int], num_kv_he
                    "the bytes they keep; store with heads_per_object=%d on the writer", lo, hi, num_kv_heads,
                    heads[0], heads[1], (hi - lo) / (heads[1] - heads[0]),
                    layout.fitting_object_heads(heads, num_kv_heads))
+
+
+def _marker_codecs(load: Any) -> list[str] | None:
+    """Each chunk's codec as its commit marker says (the objects' sizes follow from it for 8-bit and raw)."""
+    return [layout.codec for layout in load.layouts] if load.layouts is not None else None
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

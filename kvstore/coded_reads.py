@@ -27,11 +27,14 @@ class CodedReads:
     """get_layer_coded of a KVStore (its _bound, _part, _guard, _get, _count and object_name)."""
 
     def get_layer_coded(self, layer: int, keys: Sequence[str], spans: SpanTable, chunk_lens: Sequence[int],
-                        gate: WriteGate, heads: Heads | None = None) -> tuple[int, set[str]]:
+                        gate: WriteGate, heads: Heads | None = None,
+                        codecs: Sequence[str] | None = None) -> tuple[int, set[str]]:
         """Read layer `layer` of consecutive chunks of any codec (their `heads` group's objects) and write
         each one's values into its spans (spans' object j: chunk j's K values, then its V values, as a raw
         payload would fill them), only inside `gate`; (the objects' stored bytes, the codecs seen). Each
-        object is checked before anything is written; CorruptObject / NotFound as any read."""
+        object is checked before anything is written; CorruptObject / NotFound as any read. `codecs`: each
+        chunk's codec as its commit marker says (kvstore/layout.py), when known: objects of a fixed-size
+        codec are then received whole by the backend's compiled receiver (`_get_whole`), where it has one."""
         keys = list(keys)
         self._bound(layer)
         name, kv_shape = self._part(layer, heads)
@@ -46,6 +49,56 @@ class CodedReads:
             raise ValueError("the spans do not hold the chunks' values")
         start = time.perf_counter()
         items = [(name, key) for key in keys]
+        whole = self._read_whole(items, keys, name, kv_shape, chunk_lens, counts, codecs)
+        if whole is not None:
+            names, sources, stored = whole
+        else:
+            names, sources, stored = self._read_checked(items, keys, name, kv_shape, chunk_lens, counts)
+        with gate.writing():  # bounded CPU work on bytes already here: never waits for the medium
+            kv_codecs.decode_spans(names, sources, counts, dim, dtype, spans.desc, spans.first, spans.bases(),
+                                   spans.views)
+        self._count(objects_read=len(items), bytes_read=stored, read_seconds=time.perf_counter() - start)
+        return stored, set(names)
+
+    def _read_whole(self, items: list[tuple[int | str, str]], keys: list[str], name: int | str,
+                    kv_shape: tuple[int, ...], chunk_lens: Sequence[int], counts: list[int],
+                    codecs: Sequence[str] | None) -> tuple[list[str], list[memoryview], int] | None:
+        """The objects received whole by the backend's compiled receiver into this thread's scratch and checked
+        there (header and xxh3 computed as they landed): (codec names, payloads, stored bytes). None where the
+        codecs are not all known and of a fixed size, the backend has no such receiver, or an object is not
+        exactly what its marker says (the checked read then reads the layer again and says why)."""
+        dtype, dim = self.dtype, kv_shape[1]
+        if codecs is None or len(codecs) != len(keys):
+            return None
+        sizes = [kv_codecs.payload_bytes(c, count, dim, dtype.itemsize) for c, count in zip(codecs, counts)]
+        if any(size is None for size in sizes):
+            return None
+        got = self._guard(self._get_whole, items, sizes)
+        if got is None:
+            return None
+        payloads, headers, digests = got
+        sources, stored = [], 0
+        for i, (key, c, n, size) in enumerate(zip(keys, codecs, chunk_lens, sizes)):
+            header = headers[codec.HEADER_SIZE * i:codec.HEADER_SIZE * (i + 1)]
+            if not codec.coded_header_and_digest_match(header, digests[i], self.fingerprint, dtype,
+                                                       (2, n, *kv_shape), key=key, layer=name, codec=c, length=size):
+                return None  # damaged, or rewritten with another codec since its marker was read: read it again
+            sources.append(payloads[i])
+            stored += codec.HEADER_SIZE + size
+        return list(codecs), sources, stored
+
+    def _get_whole(self, items: list[tuple[int | str, str]], sizes: list[int]
+                   ) -> tuple[list[memoryview], memoryview, list[int]] | None:
+        """Backend hook: objects whose payloads are `sizes` bytes received whole by a compiled receiver:
+        (payloads, their headers back to back, xxh3 digests of header bytes [0, SUMMED) and payload).
+        None: no such receiver here, or an object of another size."""
+        return None
+
+    def _read_checked(self, items: list[tuple[int | str, str]], keys: list[str], name: int | str,
+                      kv_shape: tuple[int, ...], chunk_lens: Sequence[int], counts: list[int]
+                      ) -> tuple[list[str], list[memoryview], int]:
+        """The objects read by the backend's plain batched read and checked one by one in Python."""
+        dtype, dim = self.dtype, kv_shape[1]
         buffers = self._guard(self._get, items)
         names, sources, stored = [], [], 0
         for key, buf, n, count in zip(keys, buffers, chunk_lens, counts):
@@ -59,8 +112,4 @@ class CodedReads:
                 raise CorruptObject(f"{what}: {found} payload does not decode: {exc}") from exc
             names.append(found)
             stored += view.nbytes
-        with gate.writing():  # bounded CPU work on bytes already here: never waits for the medium
-            kv_codecs.decode_spans(names, sources, counts, dim, dtype, spans.desc, spans.first, spans.bases(),
-                                   spans.views)
-        self._count(objects_read=len(items), bytes_read=stored, read_seconds=time.perf_counter() - start)
-        return stored, set(names)
+        return names, sources, stored

@@ -98,6 +98,13 @@ def decode(payload: memoryview, name: str, dtype: torch.dtype, shape: tuple[int,
     return out
 
 
+def payload_bytes(name: str, count: int, dim: int, itemsize: int) -> int | None:
+    """The payload size of `count` values under codec `name`; None where it depends on the values (lossless)."""
+    if name == LOSSLESS:
+        return None
+    return count * itemsize if name == RAW else 4 * (count // dim if dim else 0) + count
+
+
 def layer_source(payload: memoryview, name: str, count: int, dim: int, itemsize: int) -> memoryview:
     """What decode_spans reads of one object's payload under codec `name`: the payload itself (raw, 8-bit:
     its size checked) or its byte planes decompressed (lossless: zstd is per object by nature). ValueError
@@ -107,7 +114,7 @@ def layer_source(payload: memoryview, name: str, count: int, dim: int, itemsize:
         if len(planes) != count * itemsize:
             raise ValueError(f"{len(planes)} decompressed bytes, expected {count * itemsize}")
         return memoryview(planes)
-    want = count * itemsize if name == RAW else 4 * (count // dim if dim else 0) + count
+    want = payload_bytes(name, count, dim, itemsize)
     if payload.nbytes != want or (name != RAW and dim and count % dim):
         raise ValueError(f"{payload.nbytes} payload bytes, expected {want} for {count} values")
     return payload

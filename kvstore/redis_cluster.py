@@ -58,6 +58,7 @@ class RedisClusterStore(RedisStore):
     # Loads go through the cluster pipeline (one round trip per node, all nodes at once), then are copied.
     _get_spans = KVStore._get_spans
     _get_table = KVStore._get_table
+    _get_whole = KVStore._get_whole
 
     def _connect(self) -> None:
         return None  # built on first use (see _redis): RedisCluster talks to the cluster when constructed
