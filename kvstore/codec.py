@@ -218,14 +218,17 @@ def expected_header(fingerprint: str, dtype: torch.dtype, shape: tuple[int, ...]
                       binding(key, layer))
 
 
-def coded_header_and_digest_match(header: memoryview, digest: int, fingerprint: str, dtype: torch.dtype,
-                                  shape: tuple[int, ...], *, key: str, layer: int | str, codec: str,
-                                  length: int) -> bool:
-    """header_and_digest_match for an object of codec `codec` whose payload is `length` bytes (what a
-    compiled receiver that read a coded object whole reports). False: check_object says why."""
-    want = _HEAD.pack(MAGIC, VERSION, DTYPE_CODES[dtype], kv_codecs.CODES[codec], *shape, fingerprint_bytes(fingerprint),
-                      length, binding(key, layer))
-    return header[:_HEAD.size] == want and digest == _SUM.unpack_from(header, _HEAD.size)[0]
+def expected_coded_header(fingerprint: str, dtype: torch.dtype, shape: tuple[int, ...], *, key: str,
+                          layer: int | str, codec: str, length: int) -> bytes:
+    """expected_header of an object of codec `codec` whose payload is `length` bytes."""
+    return _HEAD.pack(MAGIC, VERSION, DTYPE_CODES[dtype], kv_codecs.CODES[codec], *shape,
+                      fingerprint_bytes(fingerprint), length, binding(key, layer))
+
+
+def digest_matches(header: memoryview, digest: int) -> bool:
+    """Whether `digest` (xxh3 over header bytes [0, SUMMED) and the payload, computed where they landed) is
+    the checksum the header carries."""
+    return digest == _SUM.unpack_from(header, _HEAD.size)[0]
 
 
 def check_payload(header: bytes | bytearray | memoryview, payload: list[memoryview], fingerprint: str,

@@ -73,25 +73,26 @@ class CodedReads:
         sizes = [kv_codecs.payload_bytes(c, count, dim, dtype.itemsize) for c, count in zip(codecs, counts)]
         if any(size is None for size in sizes):
             return None
-        got = self._guard(self._get_whole, items, sizes)
+        expect = [codec.expected_coded_header(self.fingerprint, dtype, (2, n, *kv_shape), key=key, layer=name,
+                                              codec=c, length=size)
+                  for key, c, n, size in zip(keys, codecs, chunk_lens, sizes)]
+        got = self._guard(self._get_whole, items, sizes, b"".join(expect))
         if got is None:
             return None
         payloads, headers, digests = got
-        sources, stored = [], 0
-        for i, (key, c, n, size) in enumerate(zip(keys, codecs, chunk_lens, sizes)):
+        for i, want in enumerate(expect):
             header = headers[codec.HEADER_SIZE * i:codec.HEADER_SIZE * (i + 1)]
-            if not codec.coded_header_and_digest_match(header, digests[i], self.fingerprint, dtype,
-                                                       (2, n, *kv_shape), key=key, layer=name, codec=c, length=size):
+            if header[:codec.SUMMED] != want or not codec.digest_matches(header, digests[i]):
                 return None  # damaged, or rewritten with another codec since its marker was read: read it again
-            sources.append(payloads[i])
-            stored += codec.HEADER_SIZE + size
+        sources, stored = payloads, sum(codec.HEADER_SIZE + size for size in sizes)
         return list(codecs), sources, stored
 
-    def _get_whole(self, items: list[tuple[int | str, str]], sizes: list[int]
+    def _get_whole(self, items: list[tuple[int | str, str]], sizes: list[int], expect: bytes
                    ) -> tuple[list[memoryview], memoryview, list[int]] | None:
-        """Backend hook: objects whose payloads are `sizes` bytes received whole by a compiled receiver:
-        (payloads, their headers back to back, xxh3 digests of header bytes [0, SUMMED) and payload).
-        None: no such receiver here, or an object of another size."""
+        """Backend hook: objects whose payloads are `sizes` bytes (and whose header bytes [0, SUMMED) should be
+        `expect`'s, back to back) read whole by a compiled reader: (payloads, their headers back to back, xxh3
+        digests of header bytes [0, SUMMED) and payload). None: no such reader here, or an object that is
+        not plainly what is expected (the caller reads the layer again, checking each object)."""
         return None
 
     def _read_checked(self, items: list[tuple[int | str, str]], keys: list[str], name: int | str,

@@ -26,7 +26,7 @@ from pdserve.kvstore import codec
 from pdserve.kvstore.errors import CorruptObject
 from pdserve.kvstore.layout import first_layer
 from pdserve.kvstore.gate import NO_GATE, LoadAbandoned, WriteGate
-from pdserve.kvstore.spans import SpanReader, SpanTable, advance, copy_into
+from pdserve.kvstore.spans import SpanReader, SpanTable, advance, copy_into, scratch_table
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +110,29 @@ class FileReads:
         for layer, key in items:
             if first_layer(layer):
                 self._refresh(key)
+
+    def _get_whole(self, items: list[tuple[int | str, str]], sizes: list[int], expect: bytes
+                   ) -> tuple[list[memoryview], memoryview, list[int]] | None:
+        """Coded objects of known payload sizes read whole by the compiled reader from the page cache into this
+        thread's scratch, sized, hashed and their headers compared in one call (the batched coded load's read,
+        kvstore/coded_reads.py); None without the reader, or when an object is missing, of another size, not
+        wholly in the page cache or not as expected (the checked Python read then takes the layer)."""
+        reader = self.span_reader
+        if reader is None or not self._nowait or not items:
+            return None
+        scratch, table, offsets = scratch_table(sizes)
+        paths = [f"{self._chunk_dir(key)}/{layer}.kv" for layer, key in items]
+        headers = np.empty(codec.HEADER_SIZE * len(items), np.uint8)
+        loaded = reader.load(paths, table.desc, table.first, table.bases(), headers, expect, 0)
+        left = np.flatnonzero(loaded.fds >= 0).tolist()
+        for i in left:
+            os.close(int(loaded.fds[i]))
+        if loaded.status or left:
+            return None
+        for layer, key in items:
+            if first_layer(layer):
+                self._refresh(key)
+        return [scratch[a:b] for a, b in zip(offsets[:-1], offsets[1:])], memoryview(headers), loaded.digests.tolist()
 
     def _layer_objects(self, items: list[tuple[int, str]], shapes: list[tuple[int, ...]], dtype: torch.dtype
                        ) -> tuple[list[str], bytes]:

@@ -15,7 +15,6 @@ surfaces as StoreUnavailable, a frozen one as StoreTimeout, and never as a hang.
 """
 from __future__ import annotations
 
-import threading
 from typing import Any, Iterator
 
 import numpy as np
@@ -30,7 +29,7 @@ from pdserve.kvstore.errors import CorruptObject, NotFound, StoreError, StoreTim
 from pdserve.kvstore.layout import WriterLayout, parse_object_layer
 from pdserve.kvstore.gate import NO_GATE, WriteGate
 from pdserve.kvstore.records import Buffer, ChunkInfo
-from pdserve.kvstore.spans import SpanTable
+from pdserve.kvstore.spans import SpanTable, scratch_table
 
 # Replies that mean "this shard cannot serve right now" (a cluster mid-failover): an outage, not a bug.
 _OUTAGE = (redis.ConnectionError, redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
@@ -186,7 +185,7 @@ class RedisStore(KVStore):
             codec.check_size(name, size, views[i], shape, dtype)
             codec.check_payload(header, views[i], self.fingerprint, dtype, shape, name, key=key, layer=layer)
 
-    def _get_whole(self, items: list[tuple[int | str, str]], sizes: list[int]
+    def _get_whole(self, items: list[tuple[int | str, str]], sizes: list[int], expect: bytes
                    ) -> tuple[list[memoryview], memoryview, list[int]] | None:
         """Coded objects of known payload sizes through the compiled receiver (kvstore.resp.get_table: framing,
         receive and xxh3 in C, the GIL released) into this thread's scratch, the batched coded load's read
@@ -194,10 +193,7 @@ class RedisStore(KVStore):
         reader = self.span_reader
         if reader is None or not items:
             return None
-        offsets = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
-        scratch = _thread_scratch(int(offsets[-1]))
-        desc = np.stack([np.zeros(len(sizes), np.int64), offsets[:-1], np.asarray(sizes, np.int64)], axis=1)
-        table = SpanTable([scratch], np.ascontiguousarray(desc), np.arange(len(items) + 1, dtype=np.int64))
+        scratch, table, offsets = scratch_table(sizes)
         headers = np.empty(codec.HEADER_SIZE * len(items), np.uint8)
         names = [self._key(key, layer) for layer, key in items]
         try:
@@ -208,7 +204,7 @@ class RedisStore(KVStore):
             got = resp.get_table(self._redis, names, table, headers, NO_GATE, reader)
         if got is None or any(size != codec.HEADER_SIZE + want for size, want in zip(got[0], sizes)):
             return None
-        return [scratch[a:b] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())], memoryview(headers), got[1]
+        return [scratch[a:b] for a, b in zip(offsets[:-1], offsets[1:])], memoryview(headers), got[1]
 
     def _get_spans(self, items: list[tuple[int, str]], spans: list[list[memoryview]], shapes: list[tuple[int, ...]],
                    dtype: torch.dtype, gate: WriteGate = NO_GATE, header_bytes: np.ndarray | None = None,
@@ -394,14 +390,3 @@ def _is_object(suffix: str) -> bool:
     """Whether a key's suffix names a layer object (not the commit marker or a part marker)."""
     return suffix != MARKER and not suffix.startswith(MARKER + ".")
 
-
-_SCRATCH = threading.local()
-
-
-def _thread_scratch(nbytes: int) -> memoryview:
-    """This I/O thread's scratch for coded objects received whole (grown as needed, kept: a layer's objects
-    are decoded from it before the thread reads the next)."""
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.nbytes < nbytes:
-        buf = _SCRATCH.buf = memoryview(np.empty(max(nbytes, 1), np.uint8)).cast("B")
-    return buf[:nbytes]

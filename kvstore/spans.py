@@ -10,6 +10,8 @@ so no piece can point outside them.
 """
 from __future__ import annotations
 
+import threading
+
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -123,3 +125,22 @@ class SpanTable:
     def bases(self) -> np.ndarray:
         """Each region's address (the regions must outlive the read)."""
         return np.array([np.frombuffer(region, np.uint8).ctypes.data for region in self.regions], np.uint64)
+
+
+_SCRATCH = threading.local()
+
+
+def scratch_table(sizes: list[int]) -> tuple[memoryview, SpanTable, list[int]]:
+    """A span table of one piece per object (`sizes` bytes each, back to back) over this thread's scratch,
+    for objects read whole before they are decoded (kvstore/coded_reads.py): (scratch, table, offsets with
+    the end last). The scratch is grown as needed and kept: a layer's objects are decoded from it before
+    the thread reads the next."""
+    offsets = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+    nbytes = int(offsets[-1])
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _SCRATCH.buf = memoryview(np.empty(max(nbytes, 1), np.uint8)).cast("B")
+    scratch = buf[:max(nbytes, 1)]
+    desc = np.stack([np.zeros(len(sizes), np.int64), offsets[:-1], np.asarray(sizes, np.int64)], axis=1)
+    table = SpanTable([scratch], np.ascontiguousarray(desc), np.arange(len(sizes) + 1, dtype=np.int64))
+    return scratch, table, offsets.tolist()
