@@ -163,12 +163,7 @@ class RedisStore(KVStore):
             return self._get_spans(items, table.views(), shapes, dtype, gate)
         names = [self._key(key, layer) for layer, key in items]
         headers = np.empty(codec.HEADER_SIZE * len(items), np.uint8)
-        try:
-            got = resp.get_table(self._redis, names, table, headers, gate, reader)
-        except redis.TimeoutError:
-            raise
-        except redis.ConnectionError:  # a dropped pooled connection (a redis restart): once more at once
-            got = resp.get_table(self._redis, names, table, headers, gate, reader)
+        got = self._receive(names, table, headers, gate, reader)
         if got is None:  # TLS
             return self._get_spans(items, table.views(), shapes, dtype, gate, headers, table)
         sizes, digests = got
@@ -185,6 +180,16 @@ class RedisStore(KVStore):
             codec.check_size(name, size, views[i], shape, dtype)
             codec.check_payload(header, views[i], self.fingerprint, dtype, shape, name, key=key, layer=layer)
 
+    def _receive(self, names: list[str], table: SpanTable, headers: np.ndarray, gate: WriteGate,
+                 reader: Any) -> tuple[list[int | None], list[int]] | None:
+        """kvstore.resp.get_table; a dropped pooled connection (a redis restart) is retried once at once."""
+        try:
+            return resp.get_table(self._redis, names, table, headers, gate, reader)
+        except redis.TimeoutError:
+            raise
+        except redis.ConnectionError:
+            return resp.get_table(self._redis, names, table, headers, gate, reader)
+
     def _get_whole(self, items: list[tuple[int | str, str]], sizes: list[int], expect: bytes
                    ) -> tuple[list[memoryview], memoryview, list[int]] | None:
         """Coded objects of known payload sizes through the compiled receiver (kvstore.resp.get_table: framing,
@@ -195,13 +200,7 @@ class RedisStore(KVStore):
             return None
         scratch, table, offsets = scratch_table(sizes)
         headers = np.empty(codec.HEADER_SIZE * len(items), np.uint8)
-        names = [self._key(key, layer) for layer, key in items]
-        try:
-            got = resp.get_table(self._redis, names, table, headers, NO_GATE, reader)
-        except redis.TimeoutError:
-            raise
-        except redis.ConnectionError:  # a dropped pooled connection (a redis restart): once more at once
-            got = resp.get_table(self._redis, names, table, headers, NO_GATE, reader)
+        got = self._receive([self._key(key, layer) for layer, key in items], table, headers, NO_GATE, reader)
         if got is None or any(size != codec.HEADER_SIZE + want for size, want in zip(got[0], sizes)):
             return None
         return [scratch[a:b] for a, b in zip(offsets[:-1], offsets[1:])], memoryview(headers), got[1]
