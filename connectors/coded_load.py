@@ -7,10 +7,11 @@ Two ways, both ending as any load does (rows [N, N + need) into their slots, con
   decoded in one C call (kvstore/coded_reads.py) straight into the blocks where raw loads read into them
   (connectors/direct_rows.py: the same span table), else into the staging buffer that is then scattered.
 - **another layout** (a writer of another TP split, or one that split its heads into several objects:
-  the store's `heads_per_object`): per chunk, the writer's objects that overlap this rank's heads, each
-  read whole, checked and decoded, and this rank's heads of it put in place in one staging buffer. An
-  object holding heads this rank does not keep moves bytes for nothing: the first such load of a process
-  says so in one warning, with the heads_per_object that would spare it.
+  the store's `heads_per_object`): per object group that overlaps this rank's heads, the same batched read
+  and C decode, row by row into this rank's heads of one staging buffer (`ReadTarget.heads_table`; heads
+  it does not keep into scratch). An object holding heads this rank does not keep moves bytes for
+  nothing: the first such load of a process says so in one warning, with the heads_per_object that
+  would spare it.
 
 `CodedLoads` is mixed into connectors/store_connector.StoreConnector (its store, transfer, heads, caches,
 _scratch and _scatter).
@@ -22,10 +23,6 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
-import torch
-
-from pdserve.kvstore import CorruptObject
 from pdserve.kvstore.gate import NO_GATE
 
 logger = logging.getLogger(__name__)
@@ -64,12 +61,13 @@ class CodedLoads:
         return nbytes
 
     def _load_layer_parts(self, load: Any, layer: int) -> int:
-        """One layer of chunks written by another layout: per chunk, the writer's head groups that overlap
-        this rank's heads, each object read whole, checked and decoded (kvstore/kv_codecs.py), and this rank's
-        heads of it put in place in one staging buffer, then scattered as any other load. The bytes read (as
+        """One layer of chunks written by another layout (or split into several objects per head group): per
+        object group that overlaps this rank's heads, its chunks' objects read and checked as one batched
+        coded read (kvstore/coded_reads.py) and decoded row by row into this rank's heads of one staging
+        buffer (heads it does not keep into scratch), then scattered as any other load. The bytes read (as
         stored: encoded)."""
         target = self.transfer.read_target(load.chunk_lens, self.kv_shape, self.dtype)
-        nbytes, offset, lo = 0, 0, self.heads[0]
+        nbytes = 0
         try:
             by_group: dict[tuple[int, int], list[int]] = {}
             for j, layout in enumerate(load.layouts or []):
@@ -78,21 +76,19 @@ class CodedLoads:
                     by_group.setdefault(group, []).append(j)
                 if not _WIDE_READS.is_set() and (reads[0][0][0] < self.heads[0] or reads[-1][0][1] > self.heads[1]):
                     _warn_wide_reads(layout, reads, self.heads, self.num_kv_heads)
-            starts = [sum(load.chunk_lens[:j]) for j in range(len(load.chunk_lens))]
             for group, chunks in by_group.items():
-                tensors, stored, codecs = self.store.get_layer_decoded(layer, [load.keys[j] for j in chunks],
-                                                                       heads=group)
+                table = load.part_tables.get(group)  # the same pieces for every layer of the load
+                if table is None:
+                    table = load.part_tables[group] = target.heads_table(chunks, group, self.heads)
+                else:
+                    table = target.retarget(table)
+                stored, codecs = self.store.get_layer_coded(
+                    layer, [load.keys[j] for j in chunks], table,
+                    [load.chunk_lens[j] for j in chunks], NO_GATE, heads=group,
+                    codecs=[load.layouts[j].codec for j in chunks])
                 nbytes += stored
                 with load.lock:
                     load.codecs |= codecs
-                a, b = max(group[0], self.heads[0]), min(group[1], self.heads[1])
-                for j, tensor in zip(chunks, tensors):
-                    if tensor.shape[1] != load.chunk_lens[j]:
-                        raise CorruptObject(f"{self.store.object_name(load.keys[j], layer)}: {tensor.shape[1]} "
-                                            f"tokens, expected {load.chunk_lens[j]}")
-                    offset = starts[j]
-                    _copy(target.full[:, offset:offset + tensor.shape[1], a - lo:b - lo],
-                          tensor[:, :, a - group[0]:b - group[0]])
         except BaseException:
             self.transfer.load(self.kv_caches[layer], 0, 0, load.slots, target)  # hand the buffer back
             raise
@@ -117,8 +113,3 @@ def _warn_wide_reads(layout: Any, reads: list, heads: tuple[int, int], num_kv_he
 def _marker_codecs(load: Any) -> list[str] | None:
     """Each chunk's codec as its commit marker says (the objects' sizes follow from it for 8-bit and raw)."""
     return [layout.codec for layout in load.layouts] if load.layouts is not None else None
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[...] = src as bytes in numpy: single-threaded, so an I/O thread starts no OpenMP team of its own."""
-    np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())

@@ -113,6 +113,39 @@ class ReadTarget:
         desc[0::2, 2] = desc[1::2, 2] = sizes
         return SpanTable([region], desc, np.arange(0, 2 * len(self.chunk_lens) + 1, 2, dtype=np.int64))
 
+    def heads_table(self, chunks: list[int], group: tuple[int, int], heads: tuple[int, int]) -> SpanTable:
+        """The pieces that objects of KV heads `group` of chunks `chunks` (indices into chunk_lens) fill, row by
+        row as their payload runs ([2, n, group heads, D]): the heads also in `heads` (this buffer's, from
+        heads[0]) into `full`, the others into a scratch piece (read and dropped). The read of chunks that
+        another layout wrote, or whose writer split its heads into several objects."""
+        total = sum(self.chunk_lens)
+        head_bytes = self.full.shape[3] * self.full.element_size()
+        row_bytes = self.full.shape[2] * head_bytes
+        a, b = max(group[0], heads[0]), min(group[1], heads[1])
+        before, own, after = (a - group[0]) * head_bytes, (b - a) * head_bytes, (group[1] - b) * head_bytes
+        starts = np.cumsum([0, *self.chunk_lens], dtype=np.int64)
+        pieces, first = [], [0]
+        for j in chunks:
+            rows = np.concatenate([kv * total + starts[j] + np.arange(self.chunk_lens[j], dtype=np.int64)
+                                   for kv in (0, 1)])
+            zeros, ones = np.zeros_like(rows), np.ones_like(rows)
+            columns = [np.stack([zeros, rows * row_bytes + (a - heads[0]) * head_bytes, zeros + own], 1)]
+            if before:
+                columns.insert(0, np.stack([ones, zeros, zeros + before], 1))
+            if after:
+                columns.append(np.stack([ones, zeros, zeros + after], 1))
+            pieces.append(np.stack(columns, 1).reshape(-1, 3))
+            first.append(first[-1] + len(pieces[-1]))
+        region = memoryview(self.full.view(-1).view(torch.uint8).numpy())
+        scratch = memoryview(np.empty(max(before, after, 1), np.uint8))
+        desc = np.ascontiguousarray(np.concatenate(pieces)) if pieces else np.zeros((0, 3), np.int64)
+        return SpanTable([region, scratch], desc, np.asarray(first, np.int64))
+
+    def retarget(self, table: SpanTable) -> SpanTable:
+        """A heads_table of another buffer of the same shape, over this one (a load's layers share one)."""
+        region = memoryview(self.full.view(-1).view(torch.uint8).numpy())
+        return table.with_regions([region, memoryview(np.empty(table.regions[1].nbytes, np.uint8))])
+
     @property
     def out(self) -> list[torch.Tensor]:
         """Each chunk's token slice of `full` (its K half and V half stay contiguous)."""
