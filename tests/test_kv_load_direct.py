@@ -257,6 +257,30 @@ class _Watching:
         return loaded
 
 
+def test_a_store_on_tmpfs_is_read_by_the_compiled_reader(compiled_reader):
+    """tmpfs keeps its files in memory and (on some kernels) refuses RWF_NOWAIT: the compiled reader reads
+    there plainly, so the store keeps its in-place reads instead of copying every load through scratch."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    root = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    mounts = [line.split() for line in Path("/proc/self/mounts").read_text().splitlines()]
+    assert max((m for m in mounts if str(root).startswith(m[1])), key=lambda m: len(m[1]))[2] == "tmpfs"
+    try:
+        with open_test_store(f"file://{root}", 2) as store:
+            keys, layers = make_chunks(3 * CHUNK + 5, 2)
+            write_all(store, keys, layers)
+            store.span_reader = compiled_reader
+            lens = [layers[1][key].shape[1] for key in keys]
+            staging = torch.zeros(2, sum(lens), *KV_SHAPE)
+            store.get_layer_spans(1, keys, _table_of(staging, lens), lens, WriteGate())
+            assert torch.equal(staging, torch.cat([layers[1][key] for key in keys], dim=1))
+            assert store._nowait  # noqa: SLF001 (no read fell back to the scratch path, which clears it)
+    finally:
+        shutil.rmtree(root)
+
+
 def test_an_object_partly_in_the_page_cache_is_finished_in_python(tmp_path, compiled_reader):
     """The compiled reader stops where the page cache ends (it never waits for the medium inside the gate);
     the rest of that object is read cold into scratch and copied in, and the layer lands whole."""

@@ -20,8 +20,10 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include "kv_object.h"
@@ -68,16 +70,29 @@ static uint64_t hash_object(void *state, int i, const int64_t *desc, const int64
     return xxh_digest(state);
 }
 
+/* Whether fd's filesystem keeps its files in memory (tmpfs, ramfs): a read there never waits for a
+ * medium, and such filesystems refuse RWF_NOWAIT on some kernels. */
+static int memory_backed(int fd) {
+    struct statfs fs;
+    return fstatfs(fd, &fs) == 0 && (fs.f_type == TMPFS_MAGIC || fs.f_type == RAMFS_MAGIC);
+}
+
 /* Object i from the page cache into its header and spans (preadv2 with RWF_NOWAIT: stops at the
- * first byte that is not there, never waits for the medium); the bytes read, or -errno
- * (EOPNOTSUPP: no RWF_NOWAIT on this filesystem). */
+ * first byte that is not there, never waits for the medium; a plain read on a memory-backed
+ * filesystem that refuses the flag); the bytes read, or -errno (EOPNOTSUPP: no RWF_NOWAIT on this
+ * filesystem, which keeps its files on a medium). */
 static int64_t read_object(int fd, struct iovec *iov, int count) {
     int64_t got = 0;
     int at = 0;
+    int flags = RWF_NOWAIT;
     while (at < count) {
-        ssize_t r = preadv2(fd, iov + at, count - at, got, RWF_NOWAIT);
+        ssize_t r = preadv2(fd, iov + at, count - at, got, flags);
         if (r < 0) {
             if (errno == EINTR) continue;
+            if (errno == EOPNOTSUPP && flags && memory_backed(fd)) {
+                flags = 0;
+                continue;
+            }
             return errno == EAGAIN ? got : -errno;
         }
         if (r == 0) break; /* the file ended early: the caller reports it */
