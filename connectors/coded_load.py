@@ -69,31 +69,34 @@ class CodedLoads:
         target = self.transfer.read_target(load.chunk_lens, self.kv_shape, self.dtype)
         nbytes = 0
         try:
-            by_group: dict[tuple[int, int], list[int]] = {}
-            for j, layout in enumerate(load.layouts or []):
-                reads = layout.reads(self.heads, self.num_kv_heads)
-                for group, _ in reads:
-                    by_group.setdefault(group, []).append(j)
-                if not _WIDE_READS.is_set() and (reads[0][0][0] < self.heads[0] or reads[-1][0][1] > self.heads[1]):
-                    _warn_wide_reads(layout, reads, self.heads, self.num_kv_heads)
-            for group, chunks in by_group.items():
-                table = load.part_tables.get(group)  # the same pieces for every layer of the load
-                if table is None:
-                    table = load.part_tables[group] = target.heads_table(chunks, group, self.heads)
-                else:
-                    table = target.retarget(table)
-                stored, codecs = self.store.get_layer_coded(
-                    layer, [load.keys[j] for j in chunks], table,
-                    [load.chunk_lens[j] for j in chunks], NO_GATE, heads=group,
-                    codecs=[load.layouts[j].codec for j in chunks])
+            if load.parts_plan is None:  # the same reads for every layer of the load
+                load.parts_plan = self._parts_plan(load, target)
+            for group, keys, chunk_lens, codecs, table in load.parts_plan:
+                stored, seen = self.store.get_layer_coded(layer, keys, target.retarget(table), chunk_lens, NO_GATE,
+                                                          heads=group, codecs=codecs)
                 nbytes += stored
                 with load.lock:
-                    load.codecs |= codecs
+                    load.codecs |= seen
         except BaseException:
             self.transfer.load(self.kv_caches[layer], 0, 0, load.slots, target)  # hand the buffer back
             raise
         self._scatter(load, layer, target)
         return nbytes
+
+    def _parts_plan(self, load: Any, target: Any) -> list[tuple[tuple[int, int], list[str], list[int], list[str],
+                                                                Any]]:
+        """Per object group overlapping this rank's heads: (group, its chunks' keys, their token counts, their
+        marker codecs, the pieces its rows fill: ReadTarget.heads_table)."""
+        by_group: dict[tuple[int, int], list[int]] = {}
+        for j, layout in enumerate(load.layouts or []):
+            reads = layout.reads(self.heads, self.num_kv_heads)
+            for group, _ in reads:
+                by_group.setdefault(group, []).append(j)
+            if not _WIDE_READS.is_set() and (reads[0][0][0] < self.heads[0] or reads[-1][0][1] > self.heads[1]):
+                _warn_wide_reads(layout, reads, self.heads, self.num_kv_heads)
+        return [(group, [load.keys[j] for j in chunks], [load.chunk_lens[j] for j in chunks],
+                 [load.layouts[j].codec for j in chunks], target.heads_table(chunks, group, self.heads))
+                for group, chunks in by_group.items()]
 
 
 def _warn_wide_reads(layout: Any, reads: list, heads: tuple[int, int], num_kv_heads: int) -> None:

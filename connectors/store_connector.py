@@ -61,7 +61,7 @@ class _Load(InFlightLoad):
     whole: bool = True  # every chunk has an object of exactly this rank's heads (known once layouts are)
     coded: bool = False  # some chunk was written with a codec (known once layouts are)
     codecs: set[str] = field(default_factory=set)  # the codecs of the objects read, when not all raw
-    part_tables: dict[tuple[int, int], Any] = field(default_factory=dict)  # object group -> its pieces (every layer)
+    parts_plan: list[Any] | None = None  # another layout's chunks: the reads of every layer (coded_load._parts_plan)
 
 
 @dataclass
