@@ -213,9 +213,8 @@ def check_size(name: str, size: int, payload: list[memoryview], shape: tuple[int
 def expected_header(fingerprint: str, dtype: torch.dtype, shape: tuple[int, ...], *, key: str, layer: int) -> bytes:
     """The checksummed header bytes [0, 56) of the one valid object for layer `layer` of chunk `key`
     holding a `dtype` tensor of `shape` [2, n, H, D]."""
-    length = shape[0] * shape[1] * shape[2] * shape[3] * dtype.itemsize
-    return _HEAD.pack(MAGIC, VERSION, DTYPE_CODES[dtype], 0, *shape, fingerprint_bytes(fingerprint), length,
-                      binding(key, layer))
+    return expected_coded_header(fingerprint, dtype, shape, key=key, layer=layer, codec=kv_codecs.RAW,
+                                 length=shape[0] * shape[1] * shape[2] * shape[3] * dtype.itemsize)
 
 
 def expected_coded_header(fingerprint: str, dtype: torch.dtype, shape: tuple[int, ...], *, key: str,
@@ -260,7 +259,7 @@ def header_and_digest_match(header: memoryview, digest: int, fingerprint: str, d
     reader that hashed the payload where it landed) is the checksum it carries. False: check_payload
     over the same bytes says why."""
     return header[:_HEAD.size] == expected_header(fingerprint, dtype, shape, key=key, layer=layer) and \
-        digest == _SUM.unpack_from(header, _HEAD.size)[0]
+        digest_matches(header, digest)
 
 
 def _checksum(head: bytes | memoryview, payload: list[memoryview]) -> int:
