@@ -1,0 +1,1 @@
+"""pytest hooks: tests that need root or the network say so with a marker and skip clearly without them."""
