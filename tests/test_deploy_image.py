@@ -24,7 +24,12 @@ import pytest
 from pdserve.common.native_build import sources
 from pdserve.deploy.processes import REPO, free_port
 
-pytestmark = pytest.mark.container
+pytestmark = [
+    pytest.mark.container,
+    pytest.mark.root("debootstraps the Debian base image and builds with podman's runc"),
+    pytest.mark.network("deb.debian.org:80", "debootstraps the Debian base image from deb.debian.org, and pip in "
+                        "the build reaches this host's package index"),
+]
 
 BASE = "localhost/pdserve-base:bookworm"
 IMAGE = "localhost/pdserve:test"

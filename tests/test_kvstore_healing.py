@@ -28,11 +28,12 @@ KV_SHAPE = (8, 128)
 TOKENS = 128  # one layer object: 2 x 128 x 8 x 128 fp32 = 1 MiB
 LAYERS = 2
 MiB = 2**20
+MOUNTS = pytest.mark.root("mounts a 20 MiB tmpfs (a real full disk)")  # every test taking the `disk` fixture
 
 
 @pytest.fixture()
 def disk(tmp_path):
-    """A real 20 MiB filesystem: writes past it fail with ENOSPC."""
+    """A real 20 MiB filesystem: writes past it fail with ENOSPC. Only root mounts one: its tests carry MOUNTS."""
     mnt = tmp_path / "disk"
     mnt.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(mnt)], check=True)
@@ -79,6 +80,7 @@ def _chunk_dirs(root: Path) -> dict[str, bool]:
     return {d.name: (d / "commit").exists() for d in (root / "kv" / FP).glob("*/*") if not d.name.startswith(".")}
 
 
+@MOUNTS
 def test_a_full_disk_costs_one_eviction_not_a_stream_of_failed_saves(disk):
     """max_bytes=16MiB on a 20 MiB disk that another tenant fills 6 MiB of: the bound alone would let saves
     fail with ENOSPC; each put evicts for the disk's real free space first, so every save succeeds."""
@@ -95,6 +97,7 @@ def test_a_full_disk_costs_one_eviction_not_a_stream_of_failed_saves(disk):
         assert store.get_layer(1, [_key(29)])[0].eq(29).all()
 
 
+@MOUNTS
 def test_a_failed_save_removes_what_it_wrote_and_its_later_layers_are_swept(disk):
     with _store(disk, max_bytes=64 * MiB) as store:  # a bound larger than the disk: nothing to evict yet
         store.sweep_after_s = 0.5
@@ -115,6 +118,7 @@ def test_a_failed_save_removes_what_it_wrote_and_its_later_layers_are_swept(disk
         assert (usage.chunks, usage.inflight_bytes, usage.orphaned_bytes) == (1, 0, 0)
 
 
+@MOUNTS
 def test_a_full_disk_during_a_save_evicts_room_for_the_next(disk):
     """The disk fills up under a save when the store holds committed chunks: the put evicts before it
     writes, and the save commits."""
@@ -160,6 +164,7 @@ def test_stats_separates_committed_in_flight_and_orphaned_bytes(tmp_path):
         assert f"{2 * obj} committed, {obj} in flight (1 chunk(s)), {obj} orphaned (1 chunk(s))" in text
 
 
+@MOUNTS
 def test_the_default_store_is_bounded_by_the_smaller_of_20_gib_and_10_percent_of_its_filesystem(disk, tmp_path):
     with _store(disk) as store:
         assert store.max_bytes == 2 * MiB  # 10% of 20 MiB
