@@ -44,10 +44,12 @@ def _alive(pid: int) -> bool:
 
 @contextlib.contextmanager
 def parallel_llm(path: Path, tp: int = 1, pp: int = 1, **kwargs) -> Iterator[LLM]:
-    """An LLM with tp x pp ranks; on leaving, the engine is shut down and its rank processes must be gone."""
+    """An LLM with tp x pp ranks; on leaving, the engine is shut down and its rank processes must be gone.
+    `distributed_timeout_s` (TIMEOUT_S unless given) also bounds the ranks' start-up: four ranks importing
+    torch on two busy cores need more than TIMEOUT_S."""
     before = child_pids()
     llm = LLM(str(path), dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
-              distributed_timeout_s=TIMEOUT_S, **{"kv_cache_memory": "16MiB", **kwargs})
+              **{"kv_cache_memory": "16MiB", "distributed_timeout_s": TIMEOUT_S, **kwargs})
     ranks = child_pids() - before
     assert len(ranks) == tp * pp - 1
     try:
