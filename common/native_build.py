@@ -167,7 +167,7 @@ def load_library(source: Path, build_dir: Path | None = None, extra_flags: tuple
     lower ISA level with e.g. -march=x86-64-v3); `prebuilt_dir`: default prebuilt_kernels_dir()."""
     r = recipe(source)
     build_dir = kernels_dir() if build_dir is None else build_dir
-    flags = (*FLAGS, *cpu_isa.march_flags(), *r.flags, *extra_flags)
+    flags = _build_flags(r, extra_flags)
     try:
         cc, version = _compiler()
         path = build_dir / f"{r.source.stem}-{_key(*r.texts, version, *flags, _cpu_identity())}.so"
@@ -182,6 +182,30 @@ def load_library(source: Path, build_dir: Path | None = None, extra_flags: tuple
             raise BuildError(f"{exc}; and no library prebuilt for this CPU") from None
         path, how = found
     return _open(r.source.stem, path, how)
+
+
+def _build_flags(r: Recipe, extra_flags: tuple[str, ...]) -> tuple[str, ...]:
+    return (*FLAGS, *cpu_isa.march_flags(), *r.flags, *extra_flags)
+
+
+def build_flags(source: Path, extra_flags: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The compiler flags `load_library(source, extra_flags=extra_flags)` builds with here."""
+    return _build_flags(recipe(source), tuple(extra_flags))
+
+
+def target_macros(flags: tuple[str, ...]) -> frozenset[str]:
+    """The macros the compiler predefines under `flags` (__AVX2__, __AVX512F__, __AVX512BF16__, ...): the
+    instruction sets a build with them targets, which is what the sources' `#if`s pick their vector paths
+    by. Tests use it to check that a build is the level they name. BuildError without a compiler."""
+    cc, _ = _compiler()
+    try:
+        proc = subprocess.run([cc, *flags, "-dM", "-E", "-x", "c", os.devnull], capture_output=True, text=True,
+                              timeout=_COMPILE_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise BuildError(f"{cc} -dM -E failed: {exc}") from None
+    if proc.returncode != 0:
+        raise BuildError(f"{cc} -dM -E failed: {proc.stderr.strip()[-2000:]}")
+    return frozenset(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("#define "))
 
 
 def _key(*parts: str) -> str:

@@ -1,8 +1,9 @@
 """The compiled CPU decode-attention kernel against the torch reference, and its build cache.
 
-Every case runs on four builds of the same source, so that the paths this machine would not take
-stay tested: native (-march=native), AVX-512 without avx512_bf16, AVX2 and plain C; a test checks
-that each build takes the path meant, as far as this CPU has it.
+Every case runs on one build per vector path of the source: plain C (-march=x86-64), AVX2 (x86-64-v3),
+AVX-512 without avx512_bf16 (x86-64-v4) and with it, so that the paths this machine would not take stay
+tested; a build this CPU (or the PDSERVE_CPU_ISA cap) cannot run skips, and every build is checked to
+take the path it is named for (tests/kernels_helpers.py).
 Cases: fp32/bf16/fp16; GQA ratios 1, 2, 3, 4, 8 and 16 (3 and 16: plain C below AVX-512); head dims
 64 and 128 and, not a multiple of 32 (AVX-512: a masked last chunk), 40, 56, 72 and 80 (40 and 72: plain C
 below AVX-512 for bf16); block sizes 8 and 16; lengths 1, at and around block boundaries, and past the
@@ -11,44 +12,31 @@ that is a strided view of a fused qkv projection.
 """
 from __future__ import annotations
 
-import platform
-
 import pytest
 import torch
 
 from pdserve.kernels import torch_ref
-from pdserve.kernels.cpu_attention import ISA_PATHS, CpuDecodeAttention
+from pdserve.kernels.cpu_attention import ISA_PATHS, SOURCE, CpuDecodeAttention
+from tests.kernels_helpers import built_level, level_params, require
 
 # Against the reference on the same (rounded) inputs.
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 LENGTHS = [1, 15, 16, 17, 255, 256, 257, 600]
-# Build name -> (extra compiler flags, the best path that build may take).
-BUILDS = {"native": ((), "avx512_bf16"), "avx512": (("-mno-avx512bf16",), "avx512"),
-          "avx2": (("-mno-avx512f",), "avx2"), "c": (("-mno-avx",), "c")}
 
 
-def _cpu_path() -> str:
-    """The best path this CPU runs (the C source's feature tests, from /proc/cpuinfo's flags)."""
-    with open("/proc/cpuinfo") as f:
-        flags = set(next((line for line in f if line.startswith("flags")), "").split())
-    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
-        return "avx512_bf16" if "avx512_bf16" in flags else "avx512"
-    return "avx2" if {"avx2", "fma", "f16c"} <= flags else "c"
-
-
-# Lower ISA levels only on x86 (their -mno-* flags are x86 options).
-RUNNABLE = [name for name, (flags, _) in BUILDS.items() if not flags or platform.machine() in ("x86_64", "AMD64")]
-
-
-@pytest.fixture(scope="module", params=RUNNABLE)
+@pytest.fixture(scope="module", params=level_params(*ISA_PATHS))
 def kernel(request, tmp_path_factory) -> CpuDecodeAttention:
-    return CpuDecodeAttention(tmp_path_factory.mktemp("kernels"), BUILDS[request.param][0])
+    """The build at one level (ISA_PATHS names the source's paths by the levels), or a skip."""
+    level = require(request.param)
+    k = CpuDecodeAttention(tmp_path_factory.mktemp("kernels"), level.flags)
+    assert k.isa == level.name, f"the {level.name} build runs the {k.isa} path"
+    return k
 
 
 def test_each_build_takes_its_path(kernel):
-    """A lower-ISA build really runs its own path (else the cases below would test one path four times)."""
-    meant = next(cap for flags, cap in BUILDS.values() if flags == kernel.extra_flags)
-    assert kernel.isa == min(meant, _cpu_path(), key=ISA_PATHS.index)
+    """A build runs the path of the level its flags target (else the cases below would test one path four
+    times): the library's own answer and the compiler's macros under the build's flags agree."""
+    assert kernel.isa == built_level(SOURCE, kernel.extra_flags)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
