@@ -1,6 +1,7 @@
 """The compiled elementwise block steps (kernels/cpu_block_ops.py) against the torch reference
-(engine/models/block_ops.py), on three builds of the same source: native, AVX2 and no AVX (the loops
-are plain C that each build vectorizes its own way).
+(engine/models/block_ops.py), on one build of the same source per level: plain C (-march=x86-64),
+AVX2, AVX-512 (plain loops that each build vectorizes its own way) and AVX512_BF16 (bf16 rows take the
+16-lane conversions of kernels/csrc/bf16.h); a level this CPU (or the PDSERVE_CPU_ISA cap) lacks skips.
 
 Exactness, as the C source's header states it: the residual sum and RoPE equal the reference bit for
 bit; RMSNorm and SiLU-and-multiply within a few fp32 ulps or one bf16 ulp, and mostly equal (the sum of
@@ -8,24 +9,24 @@ squares is added in another order; SiLU has its own exp).
 """
 from __future__ import annotations
 
-import platform
-
 import pytest
 import torch
 
 from pdserve.engine.models import block_ops
-from pdserve.kernels.cpu_block_ops import CpuBlockOps
+from pdserve.kernels.cpu_block_ops import SOURCE, CpuBlockOps
 from pdserve.kernels.ops import use_backend
+from tests.kernels_helpers import LEVELS, built_level, level_params, require
 
-BUILDS = {"native": (), "avx2": ("-mno-avx512f",), "c": ("-mno-avx",)}
-RUNNABLE = [name for name, flags in BUILDS.items() if not flags or platform.machine() in ("x86_64", "AMD64")]
 DTYPES = [torch.float32, torch.bfloat16]
 ULP = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7}
 
 
-@pytest.fixture(scope="module", params=RUNNABLE)
+@pytest.fixture(scope="module", params=level_params("c", "avx2", "avx512", "avx512_bf16"))
 def ops(request, tmp_path_factory) -> CpuBlockOps:
-    return CpuBlockOps(tmp_path_factory.mktemp("kernels"), BUILDS[request.param])
+    """The build at one level, or a skip; its flags must target that level (no build passes for another)."""
+    level = require(request.param)
+    assert built_level(SOURCE, level.flags) == level.name
+    return CpuBlockOps(tmp_path_factory.mktemp("kernels"), level.flags)
 
 
 def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -164,12 +165,23 @@ def test_a_missing_source_is_one_warning_and_the_torch_path(tmp_path, monkeypatc
     assert "gone.c is missing" in caplog.text and "; torch ops" in caplog.text
 
 
-def test_native_bf16_conversions_equal_the_integer_rounding_bit_for_bit(tmp_path):
+@pytest.fixture()
+def bf16_and_plain(tmp_path) -> tuple[CpuBlockOps, CpuBlockOps]:
+    """The AVX512_BF16 build (what -march=native gives a CPU with the instruction) and the AVX-512 one without
+    it: they differ in the instruction only. On a CPU without it they would be one build compared with
+    itself, so the case skips there."""
+    bf16, avx512 = require("avx512_bf16"), LEVELS["avx512"]
+    assert (built_level(SOURCE, bf16.flags), built_level(SOURCE, avx512.flags)) == ("avx512_bf16", "avx512")
+    return CpuBlockOps(tmp_path / "native", bf16.flags), CpuBlockOps(tmp_path / "plain", avx512.flags)
+
+
+@pytest.mark.kernel_level("avx512_bf16")
+def test_native_bf16_conversions_equal_the_integer_rounding_bit_for_bit(bf16_and_plain):
     """Where the build has AVX512_BF16, bf16 rows take the 16-lane paths of kernels/csrc/bf16.h
     (vcvtneps2bf16, which flushes fp32 denormals: those vectors take the integer path); a build without
     the instruction runs the plain loops. Both must store the same bits, denormals, NaN, infinities,
     signed zeros, exp's clamps and row tails included."""
-    native, plain = CpuBlockOps(tmp_path / "native"), CpuBlockOps(tmp_path / "plain", ("-mno-avx512bf16",))
+    native, plain = bf16_and_plain
     specials = torch.tensor([1e-39, -2e-40, float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3e-38])
 
     def data(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
