@@ -70,9 +70,14 @@ def require(name: str) -> Level:
     return level
 
 
-def level_params(*names: str, prefix: str = "") -> list[Any]:
-    """Parameters for the levels `names`: ids `<prefix><level>`, each case marked with its level."""
-    return [pytest.param(name, id=f"{prefix}{name}", marks=getattr(pytest.mark, MARKER)(name)) for name in names]
+def level_param(name: str, value: Any = None, id: str | None = None) -> Any:
+    """A parameter (`value`, default the level's name; id default the name) marked as a case at level `name`."""
+    return pytest.param(name if value is None else value, id=id or name, marks=getattr(pytest.mark, MARKER)(name))
+
+
+def level_params(*names: str) -> list[Any]:
+    """Parameters for the levels `names`, each its level's name, id and marker."""
+    return [level_param(name) for name in names]
 
 
 def built_level(source: Path, extra_flags: tuple[str, ...]) -> str:

@@ -1,27 +1,28 @@
 """The compiled bf16 linear kernels against the exact product, and the build cache behind them.
 
-Every kernel runs here whatever the CPU, in each build a CPU could get: `fp32-widen` (the kernel of
-AVX2-only CPUs) built for this CPU, for an AVX2-only CPU (-march=x86-64-v3, as on a Zen 3) and for
-baseline x86-64 (its portable C path); `bf16-dot` (AVX512_BF16) built for this CPU where it has the
-instruction (skipped elsewhere), and built for an AVX2-only CPU, where it must say it cannot run.
+Every kernel runs in one build per level it has, whatever this machine's own: `fp32-widen` (the kernel of
+CPUs without bf16 instructions) built for AVX-512F (x86-64-v4: 16-lane accumulators, 12-row tiles), for
+an AVX2-only CPU (x86-64-v3, as on a Zen 3) and for baseline x86-64 (its portable C path); `bf16-dot`
+built for AVX512_BF16. A level this CPU (or the PDSERVE_CPU_ISA cap) lacks skips with a reason; each
+build is checked to target its level. The dot kernel built for an AVX2-only CPU must say it cannot run.
 Row counts cover every register-tile height of both (1..16 rows), evened-out tiles (17, 33) and
 more than one block of rows; output counts that are not a multiple of the 16-column panel leave a
 partial last panel; a strided x is a view of a wider tensor.
 """
 from __future__ import annotations
 
-import platform
-
 import pytest
 import torch
 
 from pdserve.common.native_build import BuildError, load_library
+from pdserve.kernels import cpu_linear
 from pdserve.kernels.cpu_linear import Bf16DotLinear, Bf16Linear
+from tests.kernels_helpers import LEVELS, X86, built_level, level_param, require
 
-X86 = platform.machine() in ("x86_64", "AMD64")
-AVX2_ONLY = ("-march=x86-64-v3",)  # a later -march wins over FLAGS' -march=native
-BUILDS = {"widen-native": (Bf16Linear, ()), "widen-avx2": (Bf16Linear, AVX2_ONLY),
-          "widen-x86-64": (Bf16Linear, ("-march=x86-64",)), "dot-native": (Bf16DotLinear, ())}
+AVX2_ONLY = LEVELS["avx2"].flags  # a later -march wins over FLAGS' -march=native
+# Each kernel's levels: the vector paths its source has.
+KERNELS = {"widen": (Bf16Linear, cpu_linear.SOURCE, ("avx512", "avx2", "c")),
+           "dot": (Bf16DotLinear, cpu_linear.DOT_SOURCE, ("avx512_bf16",))}
 
 
 @pytest.fixture(scope="module")
@@ -29,17 +30,16 @@ def build_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("kernels")
 
 
-# The builds this machine can run: lower ISA levels only on x86 (their -march values are x86 options), the
-# dot kernel's native build only on a CPU with AVX512_BF16 (elsewhere the test below checks it refuses).
-RUNNABLE = [name for name, (cls, flags) in BUILDS.items()
-            if (X86 or not flags) and (cls is not Bf16DotLinear or torch.cpu._is_avx512_bf16_supported())]
-
-
-@pytest.fixture(scope="module", params=RUNNABLE)
+@pytest.fixture(scope="module", params=[level_param(level, (name, level), f"{name}-{level}")
+                                        for name, (_, _, levels) in KERNELS.items() for level in levels])
 def kernel(request, build_dir):
-    cls, flags = BUILDS[request.param]
-    k = cls(build_dir, flags)
-    assert getattr(k, "available", True), f"{request.param} cannot run on this CPU"
+    """One kernel built at one of its levels, or a skip where this CPU lacks the level."""
+    name, level_name = request.param
+    cls, source, _ = KERNELS[name]
+    level = require(level_name)
+    assert built_level(source, level.flags) == level.name
+    k = cls(build_dir, level.flags)
+    assert getattr(k, "available", True), f"the {level.name} build of {cls.__name__} cannot run"
     return k
 
 
