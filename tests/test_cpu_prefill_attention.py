@@ -1,30 +1,23 @@
 """The compiled bf16 prompt attention (kernels/cpu_prefill_attention.py) against the torch reference.
 
-On a CPU with AVX512_BF16 the native build runs every case, and on a CPU with AVX-512 the build without
-the dot instruction (its products by FMAs) runs them too (elsewhere those cases are not generated);
-on every CPU a build without AVX-512 must say it cannot run and refuse calls, and the CPU
-backend must then keep torch's attention. Cases: GQA groups 1, 3, 4 and 8; head dims 64 and 128;
-prompt lengths 1, around the kernel's 16-position items and 64-key tiles, and several items long;
-query, key and value rows as views of one fused projection; chunks over cached history (1 to 70
-query rows after 0 to 300 cached tokens) read from a paged cache through scattered block tables.
+Every case runs on the source's two levels: AVX512_BF16 (the dot instruction) and AVX-512 without it
+(x86-64-v4: the instruction's products by FMAs); a level this CPU (or the PDSERVE_CPU_ISA cap) lacks
+skips with a reason, and each build is checked to target its level. On every CPU a build without AVX-512
+must say it cannot run and refuse calls, and the CPU backend must then keep torch's attention. Cases:
+GQA groups 1, 3, 4 and 8; head dims 64 and 128; prompt lengths 1, around the kernel's 16-position items
+and 64-key tiles, and several items long; query, key and value rows as views of one fused projection;
+chunks over cached history (1 to 70 query rows after 0 to 300 cached tokens) read from a paged cache
+through scattered block tables.
 """
 from __future__ import annotations
-
-import platform
 
 import pytest
 import torch
 
 from pdserve.kernels import torch_ref
-from pdserve.kernels.cpu_prefill_attention import CpuPrefillAttention
-from tests.kernels_helpers import count_calls
+from pdserve.kernels.cpu_prefill_attention import SOURCE, CpuPrefillAttention
+from tests.kernels_helpers import LEVELS, built_level, count_calls, level_params, require, runs
 
-X86 = platform.machine() in ("x86_64", "AMD64")
-# The builds this CPU runs: native where it has AVX512_BF16 (the dot instruction), and for AVX-512 without it
-# (-march=x86-64-v4: the instruction's products by FMAs) where it has AVX-512.
-BUILDS = {"native": (), "avx512": ("-march=x86-64-v4",)}
-NATIVE = (["native"] if torch.cpu._is_avx512_bf16_supported() else []) + \
-    (["avx512"] if X86 and torch.cpu._is_avx512_supported() else [])
 SHAPES = [(4, 4, 64, 1), (8, 2, 64, 15), (8, 2, 64, 16), (8, 2, 64, 17), (12, 4, 64, 63), (12, 4, 64, 65),
           (16, 2, 64, 100), (8, 1, 128, 257), (32, 8, 128, 64), (6, 2, 64, 600)]
 
@@ -34,9 +27,12 @@ def build_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("kernels")
 
 
-@pytest.fixture(scope="module", params=NATIVE)
+@pytest.fixture(scope="module", params=level_params("avx512_bf16", "avx512"))
 def kernel(request, build_dir) -> CpuPrefillAttention:
-    k = CpuPrefillAttention(build_dir, BUILDS[request.param])
+    """The build at one level, or a skip; its flags must target that level (the dot instruction or not)."""
+    level = require(request.param)
+    assert built_level(SOURCE, level.flags) == level.name
+    k = CpuPrefillAttention(build_dir, level.flags)
     assert k.available
     return k
 
@@ -119,21 +115,22 @@ def test_refuses_what_it_cannot_take(kernel):
     assert not kernel.supports(q.transpose(0, 1).contiguous().transpose(0, 1), k, v)  # heads not dense
 
 
-def test_built_without_avx512_bf16_says_so(build_dir):
-    """As on a Zen 3 (on other architectures, as it is): it compiles, reports it cannot run and refuses."""
-    k = CpuPrefillAttention(build_dir, ("-march=x86-64-v3",) if X86 else ())
-    if X86 or not torch.cpu._is_avx512_bf16_supported():
-        assert k.available is False
-        q, kk, v = _fused(4, 2, 1, 64, seed=2)
-        assert not k.supports(q, kk, v)
-        with pytest.raises(RuntimeError, match="AVX512_BF16"):
-            k(q, kk, v, 0.125, torch.empty(q.shape, dtype=torch.bfloat16))
+def test_a_build_without_avx512_says_so(build_dir):
+    """As on a Zen 3 (x86-64-v3; on other architectures, as it is): it compiles, reports it cannot run and
+    refuses."""
+    k = CpuPrefillAttention(build_dir, LEVELS["avx2"].flags)
+    assert k.available is False
+    q, kk, v = _fused(4, 2, 1, 64, seed=2)
+    assert not k.supports(q, kk, v)
+    with pytest.raises(RuntimeError, match="AVX512_BF16"):
+        k(q, kk, v, 0.125, torch.empty(q.shape, dtype=torch.bfloat16))
 
 
 def test_backend_takes_it_for_bf16_prefill_chunks(monkeypatch):
     """A bf16 batch of decodes, a chunk over cached history and a fresh prompt through the cpu backend:
-    where the CPU has AVX512_BF16 the chunk goes through `paged` and the fresh prompt through the new-rows
-    entry (once each; decodes never), and every output row agrees with the torch reference backend."""
+    where the CPU (under the cap) has AVX-512 the chunk goes through `paged` and the fresh prompt through the
+    new-rows entry (once each; decodes never), elsewhere neither; every output row agrees with the torch
+    reference backend."""
     from pdserve.engine.attention import build_attention_metadata, select_attention_backend
 
     heads, kv_heads, dim, block = 8, 2, 64, 16
@@ -151,7 +148,8 @@ def test_backend_takes_it_for_bf16_prefill_chunks(monkeypatch):
     cpu = select_attention_backend(torch.device("cpu"), "cpu")
     calls = count_calls([(CpuPrefillAttention, "__call__"), (CpuPrefillAttention, "paged")], monkeypatch.setattr)
     got = cpu.forward(q, k, v, cache.clone(), meta, dim ** -0.5)
-    taken = 1 if cpu.prefill_kernel.available else 0
+    assert cpu.prefill_kernel.available is runs("avx512")  # the backend's own build, for this CPU and cap
+    taken = 1 if runs("avx512") else 0
     assert calls.get("__call__", 0) == taken and calls.get("paged", 0) == taken
     want = select_attention_backend(torch.device("cpu"), "torch").forward(q, k, v, cache.clone(), meta, dim ** -0.5)
     torch.testing.assert_close(got, want, atol=2e-2, rtol=0)
