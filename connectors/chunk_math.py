@@ -18,11 +18,14 @@ class LoadPlan:
     num_local: int  # N (block-aligned local prefix-cache hit)
     hit: int  # H (tokens covered by the longest present chunk prefix)
     chunk_size: int  # C
+    # Output tokens the request already has (handed over by the prefill node, or resumed): with any,
+    # the prompt's last token needs no logits here, so its KV loads too.
+    num_outputs: int = 0
 
     @property
     def need_to_load(self) -> int:
-        """Tokens to bring in: the last prompt token is always computed to produce logits."""
-        return max(0, min(self.hit, self.num_tokens - 1) - self.num_local)
+        """Tokens to bring in: the request's last token is always computed to produce logits."""
+        return max(0, min(self.hit, self.num_tokens + self.num_outputs - 1) - self.num_local)
 
     @property
     def aligned_start(self) -> int:

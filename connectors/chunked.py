@@ -168,7 +168,8 @@ class ChunkedConnector(KVConnectorBase):
             state.hit = hit
             if self.role.saves:
                 state.skip_leading_tokens = hit
-        plan = LoadPlan(request.num_prompt_tokens, num_computed_tokens, state.hit, self.chunk_size)
+        plan = LoadPlan(request.num_prompt_tokens, num_computed_tokens, state.hit, self.chunk_size,
+                        request.num_output_tokens)
         if not self.role.loads:
             state.plan = plan
             return 0, False

@@ -73,7 +73,7 @@ class KVTransferMetrics:
     def on_load(self, request_id: str, plan: LoadPlan, num_bytes: int, seconds: float,
                 codec: str | None = None) -> None:
         self._report(KVTransfer(LOAD, request_id, num_bytes, seconds, codec=codec,
-                                plan=(plan.num_tokens, plan.num_local, plan.hit, plan.chunk_size)))
+                                plan=(plan.num_tokens, plan.num_local, plan.hit, plan.chunk_size, plan.num_outputs)))
 
     def on_save(self, request_id: str, start: int, end: int, num_tokens: int, skip_leading_tokens: int,
                 num_chunks: int, num_bytes: int, seconds: float) -> None:

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from pdserve.engine.outputs import RequestOutput, Resume
+from pdserve.engine.outputs import FirstToken, RequestOutput, Resume
 from pdserve.engine.parallel.launcher import exit_process
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -137,9 +137,11 @@ class AsyncLLMEngine:
         return None if started is None else time.monotonic() - started
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       cache_salt: str | None = None, resume: Resume | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, resume: Resume | None = None,
+                       first_token: FirstToken | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request until it finishes (each of its n choices, told apart by `index`).
-        Closing the iterator early aborts the request; `resume` continues another engine's stream.
+        Closing the iterator early aborts the request; `resume` continues another engine's stream;
+        `first_token` is its first output token as a P/D prefill node sampled it (LLMEngine.add_request).
 
         Raises EngineShutdownError / EngineOverloadedError before the first output, ValueError
         when the engine rejects the request, RequestAbortedError when the server aborts it.
@@ -153,7 +155,8 @@ class AsyncLLMEngine:
             raise ValueError(f"request id {request_id!r} is already in flight")
         stream = _Stream(request_id, len(prompt_token_ids), num_open_choices=params.n)
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt_token_ids, params, cache_salt, stream.arrival, resume))
+        self._commands.put(("add", request_id, prompt_token_ids, params, cache_salt, stream.arrival, resume,
+                            first_token))
         finished = False
         try:
             while True:
@@ -286,9 +289,10 @@ class AsyncLLMEngine:
             if cmd[0] == "stop":
                 return False
             if cmd[0] == "add":
-                _, rid, ids, params, salt, arrival, resume = cmd
+                _, rid, ids, params, salt, arrival, resume, first_token = cmd
                 try:
-                    self.engine.add_request(rid, ids, params, cache_salt=salt, arrival_time=arrival, resume=resume)
+                    self.engine.add_request(rid, ids, params, cache_salt=salt, arrival_time=arrival, resume=resume,
+                                            first_token=first_token)
                     live.add(rid)
                 except ValueError as e:  # the client's fault: 400
                     self._post(self._fail, rid, e, self.engine.get_stats())

@@ -16,7 +16,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output_state import OutputState, cut_at_stop_string, stop_holdback
-from pdserve.engine.outputs import EngineStats, Logprob, RequestOutput, Resume
+from pdserve.engine.outputs import EngineStats, FirstToken, Logprob, RequestOutput, Resume
 from pdserve.engine.prompt_logprobs import prompt_logprobs_output
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
@@ -77,6 +77,7 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_id)
         self._states: dict[str, OutputState] = {}  # engine request id (one per choice) -> output state
         self._groups: dict[str, list[str]] = {}  # the caller's request id -> its choices' engine ids
+        self._ready: list[RequestOutput] = []  # made outside a step (a given first token): the next step's
         self.num_requests_added = 0
         self.num_requests_finished = 0
         self.num_generation_tokens = 0
@@ -99,7 +100,7 @@ class LLMEngine:
     # ---- requests ----
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     cache_salt: str | None = None, arrival_time: float | None = None,
-                    resume: Resume | None = None) -> None:
+                    resume: Resume | None = None, first_token: FirstToken | None = None) -> None:
         """Queue a request; ValueError with a clear message when it can never run.
 
         With n > 1 it becomes n engine requests (choice 0 keeps `request_id`, choice i is
@@ -110,6 +111,9 @@ class LLMEngine:
         this request's first outputs (recomputed, never re-sent), so the continuation is what the
         uninterrupted request would have produced (greedy, or seeded: the sampler's seed depends
         only on the token position).
+
+        `first_token` (n = 1 only) is the first output token as the P/D prefill node sampled it: it
+        goes out at once as this request's first output, and the engine continues from it.
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -131,6 +135,11 @@ class LLMEngine:
         if resume is not None and (params.n > 1 or params.use_beam_search or len(done) >= params.max_tokens):
             raise ValueError("nothing to resume: " + (f"{len(done)} output tokens already reach max_tokens="
                                                       f"{params.max_tokens}" if params.n == 1 else "n > 1"))
+        if first_token is not None:
+            if resume is not None or params.n > 1 or params.use_beam_search or params.prompt_logprobs is not None:
+                raise ValueError("a given first token needs n = 1, no beam search, no prompt_logprobs and no resume")
+            if not 0 <= first_token.token_id < self.vocab_size:
+                raise ValueError(f"the first token id must be in [0, {self.vocab_size}); got {first_token.token_id}")
         out_of_vocab = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
         if out_of_vocab:
             raise ValueError(f"logit_bias token id {out_of_vocab[0]} is outside the vocabulary [0, {self.vocab_size})")
@@ -166,17 +175,32 @@ class LLMEngine:
             # value the step could not handle fails this request now, never the batch it would join.
             self.model_runner.sampler.prepare(choice)
         choices[0].forks = choices[1:]
-        self.scheduler.add_request(choices[0])
         for state in states:
             self._states[state.request.request_id] = state
         self._groups[request_id] = [c.request_id for c in choices]
+        if first_token is None:
+            self.scheduler.add_request(choices[0])
+        else:
+            self._take_first_token(states[0], first_token)
         self.num_requests_added += 1
         choices_note = f", n {params.n} (the prompt is computed once)" if params.n > 1 else ""
         if params.use_beam_search:
             choices_note = f", beam search width {params.n} (length_penalty {params.length_penalty:g})"
         logger.info("Reqid: %s, added: prompt %d tokens, max_tokens %d%s%s", request_id, len(ids), params.max_tokens,
                     choices_note,
-                    f", resuming after {len(done)} output tokens" if resume is not None else "")
+                    f", resuming after {len(done)} output tokens" if resume is not None else
+                    f", first token {first_token.token_id} given" if first_token is not None else "")
+
+    def _take_first_token(self, state: OutputState, first: FirstToken) -> None:
+        """Append a given first token as if this engine had sampled it (grammar, stop checks), queue its
+        output for the next step, and schedule the request unless that token ended it."""
+        request, params = state.request, state.request.sampling_params
+        request.first_token_given = True
+        top = list(first.top_logprobs or []) if params.top_logprobs or params.logprob_token_ids else None
+        request.append_output_token(first.token_id, first.logprob if params.logprobs else None, top)
+        if not self.scheduler.check_stop(request, first.token_id):
+            self.scheduler.add_request(request)  # before its output: a stop string there ends it in the scheduler
+        self._ready.append(self._make_output(request))
 
     @staticmethod
     def _replay(state: OutputState, token_ids: list[int], num_sent_chars: int) -> None:
@@ -204,7 +228,7 @@ class LLMEngine:
         return request_id in self._groups
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return bool(self._ready) or self.scheduler.has_unfinished_requests()
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
@@ -216,7 +240,8 @@ class LLMEngine:
         else:
             runner_output = ModelRunnerOutput()
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs = [out for r in updated if (out := self._output_or_failure(r)) is not None]
+        outputs, self._ready = self._ready, []
+        outputs += [out for r in updated if (out := self._output_or_failure(r)) is not None]
         searches, self.scheduler.finished_beam_searches = self.scheduler.finished_beam_searches, []
         for search in searches:
             outputs.extend(self._beam_search_outputs(search))

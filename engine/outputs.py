@@ -55,6 +55,18 @@ class Resume:
     num_sent_chars: int
 
 
+@dataclass(frozen=True)
+class FirstToken:
+    """A request's first output token, sampled by the P/D prefill node that computed its prompt
+    (docs/architecture.md, "The first token"): the decode node streams it as its own first token and
+    computes from there, so it never recomputes the prompt's last position. Its logprobs ride along
+    when the request asked for them."""
+
+    token_id: int
+    logprob: float | None = None  # with logprobs
+    top_logprobs: list[tuple[int, float]] | None = None  # with top_logprobs or logprob_token_ids
+
+
 @dataclass
 class EngineStats:
     """Counters since start-up (monotonic) plus the current queue and cache state."""

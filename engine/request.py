@@ -79,6 +79,10 @@ class Request:
     prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] = field(default_factory=list)
     error: str | None = None  # why it ended with FINISHED_ERROR
     beam: BeamSearch | None = None  # use_beam_search: the search this sequence is a beam of
+    # Its first output token came with it (a P/D prefill node sampled it, engine/outputs.FirstToken):
+    # a prompt it must compute after all (a store miss, a preemption) is computed up to its end, and
+    # that token's row afterwards as a decode row, as monolithic serving computes them.
+    first_token_given: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

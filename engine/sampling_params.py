@@ -225,12 +225,12 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def prefill_only(self) -> SamplingParams:
-        """A P/D prefill node's params: compute the prompt's KV and one token that is thrown away
-        (decode samples the real ones), so nothing that shapes the output is worth doing there."""
-        return dataclasses.replace(self, n=1, max_tokens=1, min_tokens=0, structured_outputs=None,
-                                   prompt_logprobs=None, logprobs=False, top_logprobs=0, logprob_token_ids=None,
-                                   presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-                                   logit_bias=None, bad_words=[], bad_words_token_ids=None, allowed_token_ids=None,
+        """A P/D prefill node's params: compute the prompt's KV and sample the first output token as
+        monolithic serving would (the decode node streams it and continues from it: engine/outputs.py
+        FirstToken), so everything that shapes that one token stays (seed, logit_bias, bad words,
+        allowed tokens, penalties, structured outputs, min_tokens as far as one token, its logprobs);
+        what only later tokens or other choices need goes."""
+        return dataclasses.replace(self, n=1, max_tokens=1, min_tokens=min(self.min_tokens, 1), prompt_logprobs=None,
                                    use_beam_search=False)
 
     def for_choice(self, index: int) -> SamplingParams:

@@ -182,6 +182,8 @@ class Scheduler(SequenceForks):
 
     def _num_tokens_to_schedule(self, request: Request, num_computed: int, budget: int) -> int:
         n = request.num_tokens - num_computed
+        if request.first_token_given and num_computed < request.num_prompt_tokens:
+            n = request.num_prompt_tokens - num_computed
         threshold = self.config.long_prefill_token_threshold
         if threshold:
             n = min(n, threshold)
@@ -285,7 +287,7 @@ class Scheduler(SequenceForks):
             forks = self._fork(request, runner_output) if request.forks else []
             request.append_output_token(token, runner_output.logprobs.get(rid), runner_output.top_logprobs.get(rid))
             held = False
-            if self._check_stop(request, token):
+            if self.check_stop(request, token):
                 self.running.remove(request)
                 if self._free_request(request):  # its final output waits for the commit of its KV
                     self._held_outputs[rid] = time.monotonic() + self.save_timeout_s
@@ -306,7 +308,9 @@ class Scheduler(SequenceForks):
                     request.request_id, request.num_local_computed_tokens)
         request.num_external_computed_tokens = 0
 
-    def _check_stop(self, request: Request, token: int) -> bool:
+    def check_stop(self, request: Request, token: int) -> bool:
+        """Whether `token`, just appended, ends the request (EOS, a stop token, max_tokens, the context
+        length); sets its finished status."""
         params = request.sampling_params
         if token == request.eos_token_id and not params.ignore_eos:
             request.status = RequestStatus.FINISHED_STOPPED

@@ -49,7 +49,7 @@ class SequenceForks:
             fork.prompt_logprobs = parent.prompt_logprobs
             token = runner_output.sampled_token_ids[rid]
             fork.append_output_token(token, runner_output.logprobs.get(rid), runner_output.top_logprobs.get(rid))
-            if self._check_stop(fork, token):  # done at its first token: needs no blocks at all
+            if self.check_stop(fork, token):  # done at its first token: needs no blocks at all
                 self._free_request(fork)
                 continue
             if not self._place_fork(parent, fork):

@@ -243,16 +243,22 @@ class Proxy:
                           max_model_len: int) -> AsyncIterator[pb.GenerateDelta]:
         """One prompt's deltas: Prefill on a prefill node (or not), then Generate on a decode node."""
         prompt = prompt_to_pb(req)
-        token_ids = await self._prefill(rid, req, prompt)
-        if token_ids is not None:  # the same 400 as pd-serve before any decoding starts
+        reply = await self._prefill(rid, req, prompt)
+        first = None
+        if reply is not None:  # the same 400 as pd-serve before any decoding starts
+            token_ids = list(reply.prompt_token_ids)
             req.sampling_params(len(token_ids), max_model_len)
             prompt = token_ids_to_pb(token_ids)
-        async with contextlib.aclosing(self._decode(rid, req, prompt)) as deltas:
+            # One choice: decode continues from the token the prefill node sampled, so the prompt's last
+            # position is computed once, there, as monolithic serving computes it (docs/architecture.md).
+            if reply.HasField("first_token") and req.n == 1 and not req.sampling.get("use_beam_search"):
+                first = reply.first_token
+        async with contextlib.aclosing(self._decode(rid, req, prompt, first)) as deltas:
             async for d in deltas:
                 yield d
 
-    async def _prefill(self, rid: str, req: oai.GenerationRequest, prompt: pb.Prompt) -> list[int] | None:
-        """Prompt token ids once a prefill node has committed the KV; None: let decode prefill locally."""
+    async def _prefill(self, rid: str, req: oai.GenerationRequest, prompt: pb.Prompt) -> pb.PrefillResponse | None:
+        """A prefill node's reply once it has committed the KV; None: let decode prefill locally."""
         if not self.prefill.nodes:  # a decode-only cluster (its ready line says so): nothing to log per request
             return None
         if prompt_size_bound(req) < self.config.local_prefill_threshold:
@@ -285,7 +291,7 @@ class Proxy:
                 node.load.in_flight -= 1
             logger.info("Reqid: %s, prefilled on %s: %d tokens, %d cached, %.1f ms", rid, node.address,
                         len(reply.prompt_token_ids), reply.num_cached_tokens, reply.prefill_ms)
-            return list(reply.prompt_token_ids)
+            return reply
         logger.warning("Reqid: %s, no prefill node available: decode node prefills locally", rid)
         return None
 
@@ -302,11 +308,12 @@ class Proxy:
         finally:
             reply.cancel()
 
-    def _decode(self, rid: str, req: oai.GenerationRequest, prompt: pb.Prompt) -> AsyncIterator[pb.GenerateDelta]:
+    def _decode(self, rid: str, req: oai.GenerationRequest, prompt: pb.Prompt,
+                first: pb.FirstToken | None) -> AsyncIterator[pb.GenerateDelta]:
         """Deltas from the decode nodes under the deadlines: retried before the first token, resumed
         on another node after it (proxy/decode_stream.py); APIError when no node is left."""
         call = pb.GenerateRequest(request_id=rid, prompt=prompt, params=sampling_to_pb(req),
-                                  cache_salt=req.cache_salt or "")
+                                  cache_salt=req.cache_salt or "", first_token=first)
         lookup = pb.LookupRequest(prompt=prompt, cache_salt=req.cache_salt or "")
         return DecodeStream(rid, self.decode, call, lookup, self.config.deadlines).deltas()
 

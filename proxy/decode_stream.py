@@ -149,6 +149,7 @@ class DecodeStream:
         call = pb.GenerateRequest()
         call.CopyFrom(self.call)
         call.resume.CopyFrom(pb.Resume(output_token_ids=self.token_ids, num_sent_chars=self.num_chars))
+        call.ClearField("first_token")  # the client has it: it is among the resumed tokens
         for name in _SENT_WITH_THE_FIRST_DELTA:
             if name in call.params.DESCRIPTOR.fields_by_name:
                 call.params.ClearField(name)

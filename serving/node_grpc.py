@@ -51,12 +51,12 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         return await self.server.prompt_token_ids_of(req)  # the HTTP API's own tokenization
 
     async def _outputs(self, rid: str, req: oai.GenerationRequest, ids: list[int], params: Any,
-                       resume: Any = None) -> AsyncIterator[Any]:
+                       resume: Any = None, first_token: Any = None) -> AsyncIterator[Any]:
         """Engine outputs with engine errors raised as the call's failure (CallFailed, pd-serve's OpenAI
         errors); closing it (the caller left) aborts the request."""
         from pdserve.engine.async_engine import RequestAbortedError
 
-        outputs = self.async_engine.generate(rid, ids, params, req.cache_salt, resume)
+        outputs = self.async_engine.generate(rid, ids, params, req.cache_salt, resume, first_token)
         finish_reason: str | None = None
         rejected = False  # _abort counts rejections itself
         async with contextlib.aclosing(outputs):
@@ -82,7 +82,8 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         req = wire.request_from_pb(request.prompt, request.params, request.cache_salt)
         try:
             ids = await self._token_ids(req)
-            # Only the prompt's KV matters here: decode samples every output token (and checks the rest).
+            # The prompt's KV, and its first output token sampled as monolithic serving samples it: the
+            # decode node streams that token and continues from it (engine/outputs.py FirstToken).
             params = (await self.server.engine_params(req, len(ids))).prefill_only()
         except oai.APIError as e:
             await self._abort(context, e)
@@ -96,7 +97,7 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         logger.info("Reqid: %s, prefill done: %d prompt tokens, %d cached, KV committed, %.1f ms",
                     request.request_id, len(ids), last.num_cached_tokens, ms)
         return pb.PrefillResponse(prompt_token_ids=ids, num_cached_tokens=last.num_cached_tokens,
-                                  prefill_ms=ms)
+                                  prefill_ms=ms, first_token=wire.first_token_to_pb(last))
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateDelta]:
@@ -123,9 +124,10 @@ class NodeServicer(pb_grpc.PDNodeServicer):
             from pdserve.engine.outputs import Resume
 
             resume = Resume(list(request.resume.output_token_ids), request.resume.num_sent_chars)
+        first_token = wire.first_token_from_pb(request.first_token) if request.HasField("first_token") else None
         started: set[int] = set()  # choices that sent their first delta
         open_choices = params.n
-        outputs = self._outputs(request.request_id, req, ids, params, resume)
+        outputs = self._outputs(request.request_id, req, ids, params, resume, first_token)
         async with contextlib.aclosing(with_heartbeat(outputs)) as beats:
             async for out in beats:
                 if out is None:  # still waiting (queue, KV load, prefill): an empty delta says "alive"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.sampling_params import StructuredOutputsParams
 from pdserve.protos import pdserve_pb2 as pb
@@ -18,6 +18,9 @@ from pdserve.serving.protocol_chat import ChatTemplateOptions, parse_template_kw
 from pdserve.serving.protocol_prompt import PromptOptions
 from pdserve.serving.responses import Delta, PromptPosition, usage_dict
 from pdserve.serving.tokenize_api import TokenizeRequest
+
+if TYPE_CHECKING:
+    from pdserve.engine.outputs import FirstToken, RequestOutput
 
 
 def messages_to_pb(messages: list[dict[str, str]]) -> list[pb.ChatMessage]:
@@ -202,3 +205,20 @@ def tokenize_from_pb(call: pb.TokenizeRequest) -> TokenizeRequest:
                            add_special_tokens=call.add_special_tokens,
                            chat_template=chat_options_from_pb(call.prompt.chat) if chat else ChatTemplateOptions(),
                            return_token_strs=call.return_token_strs)
+
+
+def first_token_to_pb(out: RequestOutput) -> pb.FirstToken | None:
+    """A prefill node's final RequestOutput as the first token the decode node continues from (None
+    when it sampled nothing)."""
+    if not out.token_ids:
+        return None
+    top = out.new_top_logprobs[0] if out.new_top_logprobs else []
+    return pb.FirstToken(token_id=out.token_ids[0], logprob=out.new_logprobs[0] if out.new_logprobs else None,
+                         top_token_ids=[t for t, _ in top], top_logprobs=[lp for _, lp in top])
+
+
+def first_token_from_pb(first: pb.FirstToken) -> FirstToken:
+    from pdserve.engine.outputs import FirstToken  # the node's side: the proxy process never imports it
+
+    return FirstToken(first.token_id, first.logprob if first.HasField("logprob") else None,
+                      list(zip(first.top_token_ids, first.top_logprobs)))

@@ -57,7 +57,8 @@ def test_completions_match_pd_serve_and_hf(cluster, pd_serve, hf_refs):
         ids, resp = _ids(proxy, prompt, rid)
         assert ids == ref == _ids(mono, prompt, rid)[0]
         assert resp.id == "cmpl-" + rid and resp.usage.prompt_tokens == len(prompt)
-        assert resp.usage.prompt_tokens_details.cached_tokens == len(prompt) - 1  # all but the last: loaded
+        # every prompt token loaded, the last one's too: decode continues from the prefill node's first token
+        assert resp.usage.prompt_tokens_details.cached_tokens == len(prompt)
         streamed = proxy.completions.create(model=proxy.model_name, prompt=prompt, max_tokens=MAX_TOKENS,
                                             temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in streamed) == resp.choices[0].text
@@ -124,7 +125,7 @@ def test_decode_log_shows_hit_and_load_and_kv_hits_reports_it(cluster):
         r = rows[rid]
         assert r["total_tokens"] == len(prompt) and r["fallback"] is None
         assert r["hit_tokens"] >= len(prompt) // CHUNK_SIZE * CHUNK_SIZE and r["hit_tokens"] > 0
-        assert r["need_to_load"] == min(r["hit_tokens"], len(prompt) - 1) == r["loaded"]
+        assert r["need_to_load"] == min(r["hit_tokens"], len(prompt)) == r["loaded"]
         assert r["retrieved"] >= r["need_to_load"] and r["stored"] > 0 and r["load_gbps"] > 0
     s = report["summary"]
     assert s["fallbacks"] == 0 and s["loaded_tokens"] > 0 and s["hit_rate"] > 0.5

@@ -19,6 +19,18 @@ def test_worked_example_from_the_design():
     assert list(plan.chunk_range) == [1]
 
 
+@pytest.mark.parametrize("T,N,H,outputs,need", [
+    (256, 0, 256, 1, 256),  # the first output token came with the request: the prompt's last token loads too
+    (257, 0, 257, 3, 257),  # resumed after 3 tokens: the whole prompt loads, the outputs are recomputed
+    (513, 0, 512, 1, 512),  # the hit still bounds it
+    (600, 288, 512, 1, 224),
+])
+def test_load_plan_with_known_outputs(T, N, H, outputs, need):
+    plan = LoadPlan(T, N, H, C, num_outputs=outputs)
+    assert plan.need_to_load == need and plan.write_range == (N, N + need)
+    assert plan.retrieved == (H - N // C * C if need else 0)
+
+
 @pytest.mark.parametrize("T,N,H,need,start,retrieved,chunks", [
     (1, 0, 1, 0, 0, 0, []),  # a one-token prompt is always computed
     (2, 0, 2, 1, 0, 2, [0]),

@@ -31,7 +31,7 @@ class KVTransfer:
     num_bytes: int
     seconds: float
     codec: str | None = None  # a load's: the codec(s) its bytes were stored with, "+"-joined
-    plan: tuple[int, int, int, int] = (0, 0, 0, 0)  # a load's LoadPlan: T, N, H, C (connectors/chunk_math.py)
+    plan: tuple[int, ...] = (0, 0, 0, 0, 0)  # a load's LoadPlan: T, N, H, C, outputs (connectors/chunk_math.py)
     start: int = 0  # a save's prompt tokens [start, end) of num_tokens
     end: int = 0
     num_tokens: int = 0
