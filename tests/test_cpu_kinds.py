@@ -4,12 +4,12 @@ chooses its linear paths among what runs there, and still computes what HF compu
 the exactness tolerance of tests/test_models.py, bf16 logits within HF's own bf16 error.
 
 Each kind runs in a process of its own: oneDNN reads its cap once, at its first use. A cap above what
-this CPU has changes nothing, so on a smaller CPU the expectations are those of its own level."""
+this CPU has changes nothing, so a kind this CPU (or this process's own cap) does not reach skips with a
+reason instead of passing as a smaller kind."""
 from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.common import cpu_isa
+from tests.kernels_helpers import LEVELS, Level, built_level, level_params, require
 
 REPO = Path(__file__).resolve().parent.parent
 # Each kind as the two caps that emulate it: pdserve's and oneDNN's.
@@ -59,23 +60,24 @@ def _run(kind: str, code: str, timeout: float) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
-def _expected_level(kind: str) -> str:
-    native = cpu_isa.native_level()
-    return kind if cpu_isa.LEVELS.index(kind) < cpu_isa.LEVELS.index(native) else native
+@pytest.fixture()
+def level(request) -> Level:
+    """The level (a kind's, for the capped processes) a case runs at, or a skip where this CPU lacks it."""
+    return require(request.param)
 
 
 @pytest.mark.slow  # compiles every C source for each level once (then cached)
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_a_capped_process_sees_and_builds_only_its_level(kind):
+@pytest.mark.parametrize("level", level_params(*KINDS), indirect=True)
+def test_a_capped_process_sees_and_builds_only_its_level(level):
     """The capped level decides the flags the process sees, the decode attention kernel's vector path (its
     build's -march), whether the bf16 dot instruction runs (linear) and the prefill attention kernel
     (AVX-512 on), and which linear paths are measured: oneDNN packs bf16 from AVX-512 on (emulated without
     AVX512_BF16), not below."""
+    kind = level.name
     got = json.loads(_run(kind, PROBE, 300))
-    level = _expected_level(kind)
-    assert got["level"] == level
-    assert got["decode_isa"] == ISA_OF_LEVEL[level]
-    dot, avx512 = level == "avx512_bf16", level in ("avx512", "avx512_bf16")
+    assert got["level"] == kind
+    assert got["decode_isa"] == ISA_OF_LEVEL[kind]
+    dot, avx512 = kind == "avx512_bf16", kind in ("avx512", "avx512_bf16")
     assert got["bf16"] is dot and ("bf16_dot" in got["paths"]) is dot
     assert got["avx512f"] is avx512 and got["prefill_kernel"] is avx512  # the dot's products by FMAs without it
     assert ("onednn_bf16" in got["paths"]) is avx512
@@ -84,46 +86,46 @@ def test_a_capped_process_sees_and_builds_only_its_level(kind):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["avx2", "avx512"])
-def test_a_capped_kind_computes_what_hf_computes(kind):
+@pytest.mark.parametrize("level", level_params("avx2", "avx512"), indirect=True)
+def test_a_capped_kind_computes_what_hf_computes(level):
     """Under the cap: fp32 logits of chunked prefill and decode steps in mixed batches equal HF's to
     tests/test_models.py's tolerance, and bf16 logits (through the linear paths chosen under the cap)
     are as close to HF's fp32 logits as HF's own bf16 run, with the same greedy tokens wherever HF's top
     two are clearly apart."""
-    assert _run(kind, CHECKS, 600) == "ok"
+    assert _run(level.name, CHECKS, 600) == "ok"
 
 
 @pytest.mark.slow
-def test_the_real_model_in_bf16_on_the_xeon_kind(smollm2):
+@pytest.mark.parametrize("level", level_params("avx512"), indirect=True)
+def test_the_real_model_in_bf16_on_the_xeon_kind(level, smollm2):
     """SmolLM2 in bf16 on the kind where oneDNN's bf16 GEMM is emulated (AVX-512 without AVX512_BF16, the
     issue's Xeon), where the measured choice takes other paths than natively: the logits stay within
     tests/test_real_model.py's tolerance of HF fp32."""
     code = ("from pathlib import Path\n"
             "from tests.test_real_model import test_bf16_logits_are_as_close_to_hf_fp32_as_hf_bf16 as check\n"
             f"check(Path({str(smollm2)!r}))\nprint('ok')")
-    assert _run("avx512", code, 600) == "ok"
+    assert _run(level.name, code, 600) == "ok"
 
 
-def test_the_widening_kernel_gives_the_same_bits_at_every_level(tmp_path):
-    """The fp32-widening bf16 linear kernel built for AVX-512F (one 16-lane accumulator per row, 12-row tiles),
-    for AVX2 (two 8-lane ones, 6-row tiles) and for baseline x86-64 adds the same products in the same
-    order: one kind's figures and another's outputs belong to the same arithmetic. Rows cover every tile
-    height of both vector builds and a partial last panel."""
+@pytest.mark.parametrize("level", level_params("avx512", "avx2"), indirect=True)
+def test_the_widening_kernel_gives_the_same_bits_at_every_level(level, tmp_path):
+    """The fp32-widening bf16 linear kernel built for AVX-512F (one 16-lane accumulator per row, 12-row tiles)
+    and for AVX2 (two 8-lane ones, 6-row tiles) adds the same products in the same order as its baseline
+    x86-64 build: one kind's figures and another's outputs belong to the same arithmetic. Rows cover every
+    tile height of both vector builds and a partial last panel."""
     import torch
 
-    from pdserve.kernels.cpu_linear import Bf16Linear
+    from pdserve.kernels.cpu_linear import SOURCE, Bf16Linear
 
-    levels = [lvl for lvl in ("avx512", "avx2", "x86-64")
-              if cpu_isa.LEVELS.index(lvl) <= cpu_isa.LEVELS.index(cpu_isa.native_level())]
-    kernels = [Bf16Linear(tmp_path, cpu_isa._MARCH[lvl]) for lvl in levels] if platform.machine() == "x86_64" \
-        else [Bf16Linear(tmp_path)]
+    plain = LEVELS["c"]
+    assert (built_level(SOURCE, level.flags), built_level(SOURCE, plain.flags)) == (level.name, "c")
+    kernel, reference = Bf16Linear(tmp_path, level.flags), Bf16Linear(tmp_path, plain.flags)
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(50, 72, generator=g).bfloat16(), torch.randn(50, generator=g).bfloat16()
     packed = Bf16Linear.pack(w, b)
     for rows in (1, 5, 6, 7, 11, 12, 13, 25, 100):
         x = torch.randn(rows, 72, generator=g).bfloat16()
-        outs = [k(x, packed) for k in kernels]
-        assert all(torch.equal(outs[0], o) for o in outs[1:]), rows
+        assert torch.equal(kernel(x, packed), reference(x, packed)), rows
 
 
 def test_the_cap_is_read_from_either_variable(monkeypatch):
