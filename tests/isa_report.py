@@ -44,12 +44,15 @@ def lacks(level: str, flag: str) -> str:
 
 
 def _why(reason: str) -> str:
-    """A skip reason as the summary line puts it: 'CPU lacks avx512f', 'PDSERVE_CPU_ISA=avx2 hides avx512f'."""
+    """A skip reason as the summary line puts it: 'CPU lacks avx512f', 'PDSERVE_CPU_ISA=avx2 hides avx512f' (any
+    other reason as it is)."""
     reason = reason.removeprefix("Skipped: ")
     m = _REASON.match(reason)
     if m is None:
         return reason
-    return f"{m['var']}={m['at']} hides {m['flag']}" if m["cap"] else f"CPU lacks {m['flag']}"
+    if not m["cap"]:
+        return f"CPU lacks {m['flag']}"
+    return f"{m['var']}={os.environ.get(m['var'], m['at']).strip()} hides {m['flag']}"
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from pdserve.common import cpu_isa
 from pdserve.engine.models.linear import Linear
 from pdserve.kernels import linear_choice, linear_paths
 from pdserve.kernels.linear_choice import LARGE_FROM, MIN_GAIN, choose
+from tests.kernels_helpers import level_param, require, runs
 
 
 @pytest.fixture()
@@ -114,20 +116,73 @@ def _check_gemm(lin: Linear, w: torch.Tensor, b: torch.Tensor, seed: int) -> Non
         assert torch.equal(lin(x.view(1, rows, -1)), y.view(1, rows, -1))
 
 
-@pytest.mark.parametrize("path", list(linear_paths.PATHS))
+# The compiled dot kernel is the avx512_bf16 level of the linear paths; the others run on every x86-64 CPU
+# (oneDNN's bf16 packing where oneDNN says so).
+PATH_PARAMS = [level_param("avx512_bf16", name, name) if name == "bf16_dot" else name for name in linear_paths.PATHS]
+
+
+@pytest.fixture()
+def path(request) -> str:
+    """A linear path, or a skip where this CPU (under the caps) lacks what it needs (the dot kernel must then be
+    kept out: it would stop the process on an unknown instruction)."""
+    name = request.param
+    if name == "bf16_dot" and not runs("avx512_bf16"):
+        assert name not in linear_paths.available()
+        require("avx512_bf16")
+    if name == "onednn_bf16" and not linear_paths._onednn_packs_bf16():
+        onednn = os.environ.get(cpu_isa.ONEDNN_ENV, "").strip()
+        under = f" under {cpu_isa.ONEDNN_ENV}={onednn}" if onednn else ""
+        pytest.skip(f"onednn_bf16 needs avx512bw (or avx_ne_convert); oneDNN on this CPU ({cpu_isa.model_name()})"
+                    f"{under} does not pack bf16 weights")
+    return name
+
+
+@pytest.mark.parametrize("path", PATH_PARAMS, indirect=True)
 def test_every_path_is_a_bf16_gemm(fresh, monkeypatch, path):
     """PDSERVE_LINEAR=PATH wins over the measurement: the layer packs for that path alone (the plain weight
-    dropped) and its calls are a bf16 GEMM's. A path that cannot run here is a start-up error naming the
-    paths that can."""
+    dropped) and its calls are a bf16 GEMM's."""
+    assert path in linear_paths.available()  # where the CPU has what the path needs, it runs
     monkeypatch.setenv(linear_choice.ENV, path)
     lin, w, b = _layer(1)
-    if path not in linear_paths.available():
-        with pytest.raises(ValueError, match=f"{path} cannot run here"):
-            lin.pack()
-        return
     lin.pack()
     assert lin.small.name == lin.large.name == path and lin.large_state is lin.small_state and lin.weight is None
     _check_gemm(lin, w, b, 2)
+
+
+def test_a_path_that_cannot_run_is_a_start_up_error(fresh, monkeypatch):
+    """PDSERVE_LINEAR naming a path this process cannot run (here the compiled kernels, kept out by
+    PDSERVE_KERNELS=torch) fails the layer's pack with the paths that can."""
+    monkeypatch.setenv("PDSERVE_KERNELS", "torch")
+    monkeypatch.setenv(linear_choice.ENV, "bf16_widen")
+    with pytest.raises(ValueError, match=r"bf16_widen cannot run here \(available: onednn_"):
+        _layer(1)[0].pack()
+
+
+@pytest.fixture()
+def amx() -> None:
+    """A skip where this CPU (under the caps) has no AMX, or where oneDNN's own cap keeps it below AMX
+    (PDSERVE_CPU_ISA=native leaves ONEDNN_MAX_CPU_ISA to oneDNN alone)."""
+    require("amx")
+    onednn = os.environ.get(cpu_isa.ONEDNN_ENV, "").strip().upper()
+    if onednn and "AMX" not in onednn and onednn not in ("ALL", "DEFAULT"):
+        pytest.skip(f"amx needs amx_tile; oneDNN under {cpu_isa.ONEDNN_ENV}={onednn} does not use it")
+
+
+@pytest.mark.kernel_level("amx")
+def test_onednn_bf16_runs_on_amx_where_the_cpu_has_it(fresh, monkeypatch, capfd, amx):
+    """No pdserve source has an AMX path: on a CPU with AMX, the onednn_bf16 linear path is where AMX runs
+    (oneDNN's bf16 GEMM on tiles). oneDNN's verbose mode names each call's implementation: AMX for decode- and
+    prefill-sized calls, and their results are a bf16 GEMM's."""
+    monkeypatch.setenv(linear_choice.ENV, "onednn_bf16")
+    lin, w, b = _layer(11)
+    lin.pack()
+    capfd.readouterr()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON):
+        _check_gemm(lin, w, b, 12)
+    # onednn_verbose,v1,primitive,exec,cpu,inner_product,<implementation>,...: one line per call
+    calls = [line.split(",") for line in capfd.readouterr().out.splitlines() if line.startswith("onednn_verbose,")]
+    impls = [fields[6] for fields in calls if fields[2:5] == ["primitive", "exec", "cpu"]]
+    assert len(impls) >= 10 and all("amx" in impl for impl in impls), impls
 
 
 def test_two_paths_in_one_layer(fresh, monkeypatch):
