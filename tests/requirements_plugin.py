@@ -9,10 +9,7 @@ be made by root. `make test` runs as root on CI with the network up, so there ev
 on a developer's machine without them the run says which tests it skipped and why (`-ra`), instead of
 failing on a `mount` or an `ip netns add`.
 
-tests/conftest.py takes this module's names with `import *`, as it takes tests/isa_report.py's: two modules
-defining the same hook there would silently leave one of them out. So the only name exported is
-`pytest_addhooks` (called once, as conftest registers), which registers the hooks below as their own
-plugin.
+tests/conftest.py registers this module as a plugin of its own (`pytest_plugins`).
 """
 from __future__ import annotations
 
@@ -22,15 +19,12 @@ import socket
 
 import pytest
 
-__all__ = ["pytest_addhooks"]
-
 MARKERS = (
     "root(why): needs root (mounts, network namespaces, tc, debootstrap); skipped with `why` when not root",
     "network(host_port, why): needs real network access to host_port beyond loopback; skipped with `why` "
     "when it cannot be reached",
 )
 NETNS_WHY = "runs processes in Linux network namespaces"
-PLUGIN_NAME = "pdserve-requirements"
 PROBE_S = 5.0  # one TCP connect per host and session; an unreachable host answers nothing at all
 
 
@@ -79,27 +73,21 @@ def _why(item: pytest.Item, mark: pytest.Mark) -> str:
     return mark.args[0]
 
 
-class RequirementsHooks:
-    """The hooks: markers registered, root needs skipped at collection, network needs at set-up."""
+def pytest_configure(config: pytest.Config) -> None:
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
 
-    def pytest_configure(self, config: pytest.Config) -> None:
-        for line in MARKERS:
-            config.addinivalue_line("markers", line)
 
-    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
-        for item in items:
-            network_needs(item)  # a badly written mark fails the run here, not only where probed
-            reason = root_reason(item)
-            if reason is not None:
-                item.add_marker(pytest.mark.skip(reason=reason))
-
-    def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        # At set-up, not collection: a run that selects no network test probes nothing.
-        reason = network_reason(item)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        network_needs(item)  # a badly written mark fails the run here, not only where probed
+        reason = root_reason(item)
         if reason is not None:
-            pytest.skip(reason)
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
-def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
-    if pluginmanager.get_plugin(PLUGIN_NAME) is None:
-        pluginmanager.register(RequirementsHooks(), PLUGIN_NAME)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # At set-up, not collection: a run that selects no network test probes nothing.
+    reason = network_reason(item)
+    if reason is not None:
+        pytest.skip(reason)
