@@ -13,6 +13,7 @@ import httpx
 import openai
 
 from pdserve.deploy.processes import Child, ClusterSpec, LocalCluster, python_module
+from tests.timing import HANG_S
 
 # Small, exact (fp32) nodes; chunk 64 = 4 blocks of 16, so prompts of a few hundred tokens span several chunks.
 MAX_MODEL_LEN = 1024
@@ -56,7 +57,7 @@ def _healthy_counts(url: str) -> tuple[int, int] | None:
     return sum(n["healthy"] for n in status["prefill"]), sum(n["healthy"] for n in status["decode"])
 
 
-def wait_until(predicate, what: str, timeout_s: float = 30.0) -> Any:
+def wait_until(predicate, what: str, timeout_s: float = HANG_S) -> Any:
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()

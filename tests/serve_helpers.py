@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from tests.timing import HANG_S
 from tests.utils import console_script
 
 PD_SERVE = console_script("pd-serve")
@@ -87,7 +88,7 @@ class ServerProcess:
         assert status == 200, (status, body)
         return json.loads(body)
 
-    def wait_for(self, predicate, what: str, timeout: float = 20.0, path: str = "/stats") -> Any:
+    def wait_for(self, predicate, what: str, timeout: float = HANG_S, path: str = "/stats") -> Any:
         """Poll a JSON endpoint until predicate(json) holds; returns that json."""
         deadline = time.monotonic() + timeout
         while True:
