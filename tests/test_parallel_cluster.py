@@ -2,7 +2,7 @@
 rank processes, a real store.
 
 - a prefill node of one layout hands off to a decode node of another, exactly;
-- a decode node's rank SIGKILLed mid-stream: that node exits non-zero within seconds, the proxy resumes the
+- a decode node's rank SIGKILLed mid-stream: that node exits non-zero of itself, the proxy resumes the
   stream on the other decode node, the client sees one exact stream, and no rank process is left.
 """
 from __future__ import annotations
@@ -11,7 +11,6 @@ import json
 import os
 import random
 import signal
-import time
 
 import httpx
 import pytest
@@ -19,6 +18,7 @@ import pytest
 from pdserve.serving import LLM, SamplingParams
 from tests.cluster_helpers import NODE_ARGS, log_lines, wait_until
 from tests.parallel_helpers import child_pids, wait_gone
+from tests.timing import HANG_S
 
 rng = random.Random(7)
 PROMPT = [rng.randrange(3, 259) for _ in range(200)]
@@ -68,7 +68,7 @@ def test_a_decode_rank_killed_mid_stream_resumes_on_the_other_node(tiny_llama, t
     try:
         ranks = {node.name: child_pids(node.proc.pid) for node in cluster.decode}
         assert all(len(r) == 1 for r in ranks.values()), ranks
-        text, victim, killed_at = "", None, None
+        text, victim = "", None
         with httpx.stream("POST", cluster.url + "/v1/completions", timeout=60, headers={"X-Request-Id": "kill-1"},
                           json={"prompt": PROMPT, "max_tokens": max_tokens,
                                 "temperature": 0, "ignore_eos": True, "stream": True}) as resp:
@@ -81,10 +81,12 @@ def test_a_decode_rank_killed_mid_stream_resumes_on_the_other_node(tiny_llama, t
                     victim = next(n for n in cluster.decode if log_lines(n.log_file, "kill-1"))
                     (rank1,) = ranks[victim.name]
                     os.kill(rank1, signal.SIGKILL)
-                    killed_at = time.monotonic()
         assert victim is not None and text == want
-        wait_until(lambda: victim.proc.poll() is not None, f"{victim.name} exits", 10)
-        assert victim.proc.returncode != 0 and time.monotonic() - killed_at < 10
+        # Only a node that lingers on without its rank fails here, not a slow machine: the stream above (and
+        # so this wait's start) may come long after the kill.
+        wait_until(lambda: victim.proc.poll() is not None, f"{victim.name} to exit of itself after losing a rank "
+                   "(docs/parallelism.md: gone within a second or two)", HANG_S)
+        assert victim.proc.returncode != 0
         assert "this server exits" in victim.log_file.read_text()
         assert "resuming on" in cluster.proxy.out_path.read_text()
         assert not wait_gone(ranks[victim.name])
