@@ -19,6 +19,7 @@ from tests.connector_helpers import (ENGINE_KW, FALLBACK_RE, GREEDY, LENGTHS, LO
                                      SAVE_RE, broken_at_load_start, capture, check_full_handoff, check_partial_load,
                                      check_salts_never_share, engine_pair, hf_greedy,
                                      lines, mono_engine, prompt, prompt_tokens_computed, token_ids)
+from tests.timing import HANG_S
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -244,9 +245,9 @@ def test_retried_admission_does_not_ask_the_store_again(file_pair, caplog):
     request = Request("retry-1", full, GREEDY)
     capture(caplog)
     before = connector.store.stats().lookups
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + HANG_S  # (milliseconds from a local file store)
     while (answer := connector.get_num_new_matched_tokens(request, 0)) == (None, False):
-        assert time.monotonic() < deadline
+        assert time.monotonic() < deadline, "the background lookup never answered"
         time.sleep(0.001)
     assert answer == (299, True)  # 299 tokens to load, in the background if the scheduler wants
     assert connector.get_num_new_matched_tokens(request, 0) == (299, True)

@@ -10,6 +10,7 @@ import pytest
 from tests.connector_helpers import (FALLBACK_RE, GREEDY, PREFILL, capture, engine_pair, lines, mono_engine, prompt,
                                      token_ids)
 from tests.redis_cluster import RedisClusterServer
+from tests.timing import HANG_S
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -66,12 +67,12 @@ def test_cluster_handoff_is_exact_through_a_master_failover(tiny_llama, caplog):
                                     lambda: cluster.kill(cluster.master_of(store.object_name(keys[0], 0))))
         assert result.num_cached_tokens == 0 and [r for r, _ in fallbacks] in (["unavailable"], ["timeout"])
 
-        deadline = time.monotonic() + 30  # the replica takes over: hits resume, outputs stay exact
+        deadline = time.monotonic() + HANG_S  # the replica takes over (in seconds): hits resume, outputs stay exact
         for seed in itertools.count(64):  # a new prompt each try: nothing from the local prefix cache
             result, fallbacks = _decode(producer, consumer, mono, prompt(700, seed=seed), caplog)
             if result.num_cached_tokens == 699:
                 break
-            assert time.monotonic() < deadline, f"no hit 30 s after the failover: {fallbacks}"
+            assert time.monotonic() < deadline, f"no hit {HANG_S:g} s after the failover: {fallbacks}"
             time.sleep(0.5)
     finally:
         producer.engine.shutdown()

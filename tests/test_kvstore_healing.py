@@ -23,6 +23,7 @@ from pdserve.kvstore import fs_space
 from tests.cluster_helpers import NODE_ARGS, client, log_lines, wait_until
 from tests.kvstore_helpers import FP
 from tests.test_generate import hf_greedy, random_prompt
+from tests.timing import HANG_S
 
 KV_SHAPE = (8, 128)
 TOKENS = 128  # one layer object: 2 x 128 x 8 x 128 fp32 = 1 MiB
@@ -100,7 +101,8 @@ def test_a_full_disk_costs_one_eviction_not_a_stream_of_failed_saves(disk):
 @MOUNTS
 def test_a_failed_save_removes_what_it_wrote_and_its_later_layers_are_swept(disk):
     with _store(disk, max_bytes=64 * MiB) as store:  # a bound larger than the disk: nothing to evict yet
-        store.sweep_after_s = 0.5
+        # (the default 2 s: the check that follows the later put below comes well within it, on any machine)
+        store.sweep_after_s = fs_space.SWEEP_AFTER_S
         store.put_layer(0, {_key(1): _layer(1)})
         assert _chunk_dirs(disk) == {_key(1): False}
         _ballast(disk / "tenant")  # the disk fills up under the save
@@ -111,7 +113,7 @@ def test_a_failed_save_removes_what_it_wrote_and_its_later_layers_are_swept(disk
         store.put_layer(1, {_key(1): _layer(1)})  # the failed save's later layer: a connector still puts it
         assert _chunk_dirs(disk) == {_key(1): False}
         # swept once quiet, with no later successful save to trigger it
-        wait_until(lambda: _chunk_dirs(disk) == {}, "the failed save's later layer swept", 10)
+        wait_until(lambda: _chunk_dirs(disk) == {}, "the failed save's later layer swept", HANG_S)
         assert store.lookup([_key(1)]) == 0
         _save(store, 2)  # the next save succeeds and nothing of the failed one is counted
         usage = store.inventory()[FP]
@@ -230,7 +232,8 @@ def test_a_damaged_chunk_is_healed_by_the_next_prefill(store, tiny_llama, tmp_pa
         ids, _ = complete(f"heal-{store}-2")  # the decode's load fails: it recomputes, exactly
         assert ids == ref
         assert any("KV load failed" in line for line in decode_lines(f"heal-{store}-2"))
-        wait_until(lambda: not _committed(store, cluster.kv_store, root, key), "the damaged chunk un-committed", 20)
+        wait_until(lambda: not _committed(store, cluster.kv_store, root, key), "the damaged chunk un-committed",
+                   HANG_S)
         assert complete(f"heal-{store}-3") == (ref, len(PD_PROMPT) - 1)  # the prefill rewrote it: a hit again
         assert _committed(store, cluster.kv_store, root, key)
         assert not any("KV load failed" in line for line in decode_lines(f"heal-{store}-3"))
