@@ -10,6 +10,7 @@ import pytest
 
 from tests.serve_helpers import ServerProcess, open_stream, send_request, sse_events
 from tests.test_generate import random_prompt
+from tests.timing import HANG_S
 
 MAX_MODEL_LEN = 1024
 
@@ -160,7 +161,7 @@ def test_sigint_drains_then_exits_cleanly(server):
 
 
 def _wait_health_503(server) -> None:
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + HANG_S
     while server.request("GET", "/health")[0] != 503:
         assert time.monotonic() < deadline, "server never reported shutting down"
         time.sleep(0.02)

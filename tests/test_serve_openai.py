@@ -11,12 +11,21 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import torch
+import yaml
 
+from pdserve.deploy.processes import REPO
 from pdserve.serving.responses import top_by_text
+from tests.cluster_helpers import wait_until
 from tests.serve_helpers import ServerProcess, open_stream, sse_events
 from tests.test_generate import hf_greedy, random_prompt
 
 MAX_TOKENS = 12
+# How long /health may take where it matters: the readiness probe of the Kubernetes deployment.
+READINESS_TIMEOUT_S = min(
+    float(doc["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["timeoutSeconds"])
+    for role in ("prefill", "decode")
+    for doc in yaml.safe_load_all((REPO / "deploy" / "kubernetes" / f"{role}.yaml").read_text())
+    if doc and doc.get("kind") == "StatefulSet")
 
 
 @pytest.fixture(scope="module")
@@ -200,10 +209,14 @@ def test_request_id_echoed_and_logged(server, model_name):
     status, headers, _ = server.request("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})
     generated = headers["X-Request-Id"]
     assert status == 200 and len(generated) >= 16
-    time.sleep(0.1)
-    for rid in ("my-req-42", generated):
-        lines = [ln for ln in server.log.splitlines() if rid in ln]
-        assert len(lines) >= 2 and all(f"Reqid: {rid}," in ln for ln in lines)
+    for rid in ("my-req-42", generated):  # (a log line may land a little after the answer)
+        lines = wait_until(lambda: _log_lines(server, rid) if len(_log_lines(server, rid)) >= 2 else None,
+                           f"two log lines of {rid}")
+        assert all(f"Reqid: {rid}," in ln for ln in lines), lines
+
+
+def _log_lines(server: ServerProcess, needle: str) -> list[str]:
+    return [ln for ln in server.log.splitlines() if needle in ln]
 
 
 def test_client_disconnect_mid_stream_frees_blocks(server, model_name):
@@ -218,8 +231,7 @@ def test_client_disconnect_mid_stream_frees_blocks(server, model_name):
     resp.close()  # drop the connection mid-stream
     server.wait_for(lambda s: s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_in_flight"] == 0
                     and s["num_free_blocks"] == total, "the aborted request's blocks to be freed")
-    time.sleep(0.1)
-    assert "Reqid: disconnect-me, aborted" in server.log
+    wait_until(lambda: "Reqid: disconnect-me, aborted" in server.log, "the abort's log line")
     assert 'outcome="abort"} 1.0' in server.request("GET", "/metrics")[2].decode()
 
 
@@ -238,7 +250,9 @@ def test_health_answers_during_long_prefill(server, model_name):
     assert status == 200 and json.loads(body)["status"] == "ok"
     # The same prefill step was running before and after the health check: it answered mid-step.
     assert after["num_steps"] == before["num_steps"] and after["step_running_s"] is not None
-    assert latency < 0.2, f"/health took {latency * 1e3:.0f} ms during a prefill"
+    # So it did not wait for the step. How long it took is a matter of the machine; the bound is the one a
+    # deployment holds it to (deploy/kubernetes/*.yaml: readinessProbe timeoutSeconds).
+    assert latency < READINESS_TIMEOUT_S, f"/health took {latency * 1e3:.0f} ms during a prefill"
     assert done.wait(60)
 
 

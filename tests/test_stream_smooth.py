@@ -22,6 +22,7 @@ from pdserve.serving.responses import Delta, ResponseBuilder
 from pdserve.serving.sse import SSEStream
 from tests.cluster_helpers import start_cluster
 from tests.serve_helpers import ServerProcess, sse_events
+from tests.timing import HANG_S
 
 
 @pytest.fixture(scope="module")
@@ -90,16 +91,22 @@ async def _sse(request: web.Request) -> web.StreamResponse:
     for k in range(NUM_DELTAS):
         await sse.delta(Delta("" if k % 2 else "a longer piece of text " * 4, token_ids=[k]))
         await asyncio.sleep(0.001)
+    if request.query.get("slow"):
+        request.app[ISSUED].set()
     await sse.delta(Delta("", finish_reason="length"))
     request.app[MERGED].append(sse.num_merged)
     return await sse.finish(None)
 
 
 MERGED = web.AppKey("merged", list)
+ISSUED = web.AppKey("issued", asyncio.Event)  # the slow client's stream has issued every delta
 
 
-async def _read(port: int, slow: bool) -> list:
-    """The stream's events over HTTP/1.0 (no chunked framing); a slow client waits a second before reading."""
+async def _read(port: int, issued: asyncio.Event | None = None) -> list:
+    """The stream's events over HTTP/1.0 (no chunked framing). A slow client (`issued` given) reads nothing
+    until the server has issued every delta: however long that takes on this machine, what did not fit
+    in the kernel's buffers meanwhile waits, merged."""
+    slow = issued is not None
     loop = asyncio.get_running_loop()
     sock = socket.socket()
     if slow:
@@ -108,7 +115,7 @@ async def _read(port: int, slow: bool) -> list:
     await loop.sock_connect(sock, ("127.0.0.1", port))
     await loop.sock_sendall(sock, b"GET /sse%s HTTP/1.0\r\n\r\n" % (b"?slow=1" if slow else b""))
     if slow:
-        await asyncio.sleep(1.0)
+        await asyncio.wait_for(issued.wait(), HANG_S)
     data = b""
     while chunk := await loop.sock_recv(sock, 65536):
         data += chunk
@@ -119,14 +126,15 @@ async def _read(port: int, slow: bool) -> list:
 async def _both_clients() -> tuple[list, list, list]:
     app = web.Application()
     app[MERGED] = []
+    app[ISSUED] = asyncio.Event()
     app.router.add_get("/sse", _sse)
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     port = runner.addresses[0][1]
     try:
-        fast = await _read(port, slow=False)
-        slow = await _read(port, slow=True)
+        fast = await _read(port)
+        slow = await _read(port, app[ISSUED])
     finally:
         await runner.cleanup()
     return fast, slow, app[MERGED]
