@@ -9,7 +9,7 @@ SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test test-quick test-gpu gpu-deps check-kernels serve bench-pd bench-link bench-vllm install redis-server container-tools test-tools promtool protos clean
+.PHONY: test test-quick test-release test-gpu gpu-deps check-kernels serve bench-pd bench-link bench-vllm install redis-server container-tools test-tools promtool protos clean
 
 install: $(STAMP)
 
@@ -38,13 +38,18 @@ test-tools: promtool
 	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
 	  $(SUDO) apt-get install -y -qq --no-install-recommends chromium; }
 
-# The contract CI runs: every test.
-test: install redis-server container-tools test-tools
-	$(PY) -m pytest -q --durations=20 tests
+# The contract CI runs: every test but what only a release needs (pytest marker `release`).
+test: install redis-server test-tools
+	$(PY) -m pytest -q --durations=20 -m "not release" tests
+
+# What a release adds: the container image built and run with podman, the compose and Kubernetes files'
+# command lines run until healthy (the image is built once per build context and then reused).
+test-release: install redis-server container-tools test-tools
+	$(PY) -m pytest -q --durations=20 -m release tests
 
 # The inner loop: no container build, no browser, no network namespaces, none of the slow cluster suites
 # or tests (pytest markers, registered in pyproject.toml; a new test that takes seconds carries `slow`).
-QUICK_MARKERS := not container and not browser and not netns and not slow
+QUICK_MARKERS := not container and not browser and not netns and not slow and not release
 test-quick: install redis-server promtool
 	$(PY) -m pytest -q -m "$(QUICK_MARKERS)" tests
 

@@ -179,6 +179,7 @@ def _rehearse(steps, tmp_path: Path, proxy: str, redis: str, security_line: str)
 
 
 @pytest.mark.slow
+@pytest.mark.release  # every node of the files started for real: a release check
 def test_compose_command_lines_run_until_healthy(tmp_path):
     """With PDSERVE_NODE_API_KEY set, as an operator would: nodes require the key, the proxy sends it."""
     steps = compose_steps(COMPOSE, tmp_path / "work", {"PDSERVE_NODE_API_KEY": "compose-key"})
@@ -186,6 +187,7 @@ def test_compose_command_lines_run_until_healthy(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.release  # every node of the files started for real: a release check
 def test_kubernetes_command_lines_run_until_ready(tmp_path):
     steps = kubernetes_steps(KUBERNETES, tmp_path / "work")
     assert sum(s.source[0] in NODES for s in steps) == 4  # both replicas of both StatefulSets

@@ -11,6 +11,7 @@ cannot raise resource limits (no CAP_SYS_RESOURCE), so they get limits below the
 """
 from __future__ import annotations
 
+import hashlib
 import re
 import subprocess
 import sys
@@ -26,13 +27,14 @@ from pdserve.deploy.processes import REPO, free_port
 
 pytestmark = [
     pytest.mark.container,
+    pytest.mark.release,  # minutes of image build: the release checks it (make test-release), not every change
     pytest.mark.root("debootstraps the Debian base image and builds with podman's runc"),
     pytest.mark.network("deb.debian.org:80", "debootstraps the Debian base image from deb.debian.org, and pip in "
                         "the build reaches this host's package index"),
 ]
 
 BASE = "localhost/pdserve-base:bookworm"
-IMAGE = "localhost/pdserve:test"
+IMAGE = "localhost/pdserve:test"  # + "-" + the build context's digest
 PODMAN = ["podman", "--runtime", "runc"]
 LIMITS = ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1000:1000"]
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
@@ -79,27 +81,48 @@ def _pip_build_args() -> tuple[list[str], list[str]]:
     return args, mounts
 
 
-@pytest.mark.timeout(3600)  # the first build installs torch and every dependency; later ones reuse the layers
-def test_podman_builds_the_image_and_it_serves():
+def _context_digest() -> str:
+    """What the image is built from: every file of the checkout git does not ignore (the build context), by
+    content. An image tagged with it was built from exactly this tree and need not be built again."""
+    names = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], 60, cwd=REPO).stdout
+    digest = hashlib.sha256()
+    for name in sorted(set(filter(None, names.split("\0")))):
+        path = REPO / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _built_image() -> str:
+    """The image of this checkout: built once per build context (_context_digest), then reused."""
+    image = f"{IMAGE}-{_context_digest()}"
+    if subprocess.run(PODMAN + ["image", "exists", image]).returncode == 0:
+        return image
     _base_image()
     args, mounts = _pip_build_args()
     _run(PODMAN + ["build", "--network", "host", *LIMITS, *mounts, "--build-arg", f"BASE={BASE}",
-                   "--build-arg", "TORCH_PIP_ARGS=", *args, "-t", IMAGE, "-f", "deploy/Dockerfile", "."],
+                   "--build-arg", "TORCH_PIP_ARGS=", *args, "-t", image, "-f", "deploy/Dockerfile", "."],
          3000, cwd=REPO)
+    return image
+
+
+@pytest.mark.timeout(3600)  # the first build installs torch and every dependency; later ones reuse the layers
+def test_podman_builds_the_image_and_it_serves():
+    image = _built_image()
     for command in ("pd-prefill", "pd-decode", "pd-proxy", "pd-kvstore"):
-        out = _run(PODMAN + ["run", "--rm", *LIMITS, IMAGE, command, "--help"], 120).stdout
+        out = _run(PODMAN + ["run", "--rm", *LIMITS, image, command, "--help"], 120).stdout
         assert f"usage: {command}" in out
-    compilers = _run(PODMAN + ["run", "--rm", *LIMITS, IMAGE, "python", "-c",
+    compilers = _run(PODMAN + ["run", "--rm", *LIMITS, image, "python", "-c",
                                "import shutil; print([shutil.which(c) for c in ('cc', 'gcc', 'clang')])"], 120).stdout
     assert compilers.strip() == "[None, None, None]"
     # Every C source of the checkout (kernels/csrc, kvstore/csrc) loads there, prebuilt for this host's CPU.
-    loads = _run(PODMAN + ["run", "--rm", *LIMITS, IMAGE, "python", "-m", "pdserve.common.native_build"], 120).stdout
+    loads = _run(PODMAN + ["run", "--rm", *LIMITS, image, "python", "-m", "pdserve.common.native_build"], 120).stdout
     for source in sources():
         where = rf"^{source.stem}: prebuilt for x86-64\S*: /opt/pdserve/share/pdserve/kernels/"
         assert re.search(where, loads, re.M), loads
     port = free_port()
     name = f"pdserve-test-{port}"
-    _run(PODMAN + ["run", "-d", "--name", name, "--network", "host", *LIMITS, IMAGE, "pd-serve", "--host",
+    _run(PODMAN + ["run", "-d", "--name", name, "--network", "host", *LIMITS, image, "pd-serve", "--host",
                    "127.0.0.1", "--port", str(port), "--kv-cache-memory", "64MiB"], 120)
     try:
         deadline = time.monotonic() + 180
