@@ -27,13 +27,16 @@ import httpx
 from pdserve.deploy.fault_relay import FaultRelay
 from pdserve.deploy.processes import HOST, ClusterSpec, LocalCluster, Node
 from tests.cluster_helpers import CHUNK_SIZE, NODE_ARGS
+from tests.timing import HANG_S
 from tests.utils import RedisServer
 
 LOAD_TIMEOUT_S = 4.0  # the nodes' --kv-load-timeout: a frozen store costs a request at most this
-# Proxy deadlines: a frozen node is noticed by its silent stream within STALL_S.
+# Proxy deadlines: a frozen node is noticed by its silent stream within STALL_S. No scenario waits for the
+# token deadline: a stream that ends only there has hung, so it lies beyond what a test would call hung.
 STALL_S = 2.0
+TOKEN_S = 2 * HANG_S
 PROXY_ARGS = ["--health-interval", "0.3", "--connect-timeout", "2", "--first-token-timeout", "60",
-              "--token-timeout", "30", "--stall-timeout", str(STALL_S)]
+              "--token-timeout", str(TOKEN_S), "--stall-timeout", str(STALL_S)]
 # One OpenMP thread per node: two spinning threads per step make a busy machine's steps 10x slower.
 NODE_ENV = {"OMP_NUM_THREADS": "1"}
 

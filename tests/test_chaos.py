@@ -11,17 +11,22 @@ import asyncio
 
 import pytest
 
-from tests.chaos_helpers import (LOAD_TIMEOUT_S, STALL_S, ChaosCluster, Tally, frozen_decode, frozen_redis,
+from tests.chaos_helpers import (LOAD_TIMEOUT_S, STALL_S, ChaosCluster, Outcome, Tally, frozen_decode, frozen_redis,
                                  killed_decode, request_bodies, run_load, send, send_malformed, slow_store, stopped,
                                  wait_tokens)
 from tests.cluster_helpers import log_lines, status
+from tests.timing import HANG_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 N = 6  # concurrent streams per scenario
 BODIES = request_bodies(N, seed=7)
-# A running stream's worst inter-token gap while the store misbehaves: far below the store's timeout.
-MAX_GAP_S = LOAD_TIMEOUT_S / 2
+# The bounds on a running stream's silences are the faults' own lengths, never a figure measured here: a
+# stream that waited on the store would be silent for at least that long, one that did not for a step
+# or two (milliseconds; a slow, busy machine makes it tenths).
+SLOW_REPLY_S = 1.0  # "slow store": every redis reply this late
+SLOW_WAIT_S = 2 * SLOW_REPLY_S  # a request's lookup, then its load: what a stream waiting on them would wait
+FREEZE_S = 5 * STALL_S  # "frozen decode": how long the node stays stopped; the stall deadline ends the wait first
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +37,18 @@ def chaos(tiny_llama, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(chaos) -> dict[int, list[int]]:
-    """Tokens of every request without any fault."""
+def reference_run(chaos) -> list[Outcome]:
+    """Every request without any fault, on this machine and cluster."""
     outcomes, _ = asyncio.run(run_load(chaos.url, BODIES, "reference", N))
     tally = Tally.of("reference", outcomes, None)
     assert (tally.ok, tally.truncated, dict(tally.failed)) == (N, 0, {})
-    return {o.index: o.token_ids for o in outcomes}
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run) -> dict[int, list[int]]:
+    """Tokens of every request without any fault."""
+    return {o.index: o.token_ids for o in reference_run}
 
 
 @pytest.fixture()
@@ -70,7 +81,7 @@ def test_frozen_redis_stalls_only_the_requests_that_need_it(healthy, reference):
     outcomes, late = asyncio.run(scenario())
     tally = Tally.of("redis frozen", outcomes, reference)
     check_all_exact(tally)
-    assert tally.worst_gap_s < MAX_GAP_S, tally
+    assert tally.worst_gap_s < LOAD_TIMEOUT_S, tally  # a stream waiting on the frozen store: a whole deadline
     quiet, _ = asyncio.run(run_load(chaos.url, newcomers, "frozen-quiet", 2))
     assert [o.token_ids for o in late] == [o.token_ids for o in quiet]
     assert all(o.status == 200 and o.finish_reason == "length" for o in late)
@@ -79,10 +90,10 @@ def test_frozen_redis_stalls_only_the_requests_that_need_it(healthy, reference):
 def test_slow_store_costs_no_stream_its_pace(healthy, reference):
     """Every redis reply 1 s late (a delaying TCP relay): lookups, loads and saves wait in the
     background; streams never wait for them."""
-    outcomes, _ = asyncio.run(run_load(healthy.url, BODIES, "slow", N, slow_store(healthy, 1.0, 8.0)))
+    outcomes, _ = asyncio.run(run_load(healthy.url, BODIES, "slow", N, slow_store(healthy, SLOW_REPLY_S, 8.0)))
     tally = Tally.of("redis slow", outcomes, reference)
     check_all_exact(tally)
-    assert tally.worst_gap_s < MAX_GAP_S, tally
+    assert tally.worst_gap_s < SLOW_WAIT_S, tally
 
 
 def test_killed_decode_node_streams_resume_elsewhere(healthy, reference):
@@ -97,16 +108,16 @@ def test_killed_decode_node_streams_resume_elsewhere(healthy, reference):
 def test_frozen_decode_node_is_noticed_by_its_silence(healthy, reference):
     """SIGSTOP a decode node mid-stream: its streams go silent, the proxy takes it out of rotation within
     the stall deadline and resumes them on the other node."""
-    outcomes, _ = asyncio.run(run_load(healthy.url, BODIES, "frozen-node", N,
-                                       frozen_decode(healthy, 3 * STALL_S, 30)))
+    outcomes, _ = asyncio.run(run_load(healthy.url, BODIES, "frozen-node", N, frozen_decode(healthy, FREEZE_S, 30)))
     tally = Tally.of("decode frozen", outcomes, reference)
     check_all_exact(tally)
-    assert tally.worst_gap_s < 3 * STALL_S, tally  # the stall deadline, not the freeze, bounds the wait
+    assert tally.worst_gap_s < FREEZE_S, tally  # the stall deadline, not the thaw, ended the wait
     assert "silent for" in healthy.cluster.proxy.out_path.read_text()
 
 
-def test_bad_input_is_a_cheap_4xx_beside_running_streams(healthy, reference):
-    """Every malformed request of the table is an OpenAI-shaped 4xx within a second, while streams run on."""
+def test_bad_input_is_a_cheap_4xx_beside_running_streams(healthy, reference, reference_run):
+    """Every malformed request of the table is an OpenAI-shaped 4xx, answered sooner than any request is
+    served on this machine, while streams run on."""
     async def scenario():
         async def fault(progress):
             await wait_tokens(progress, 10)
@@ -118,8 +129,9 @@ def test_bad_input_is_a_cheap_4xx_beside_running_streams(healthy, reference):
     wrong = [(what, expected, got, kind) for what, expected, got, kind, _ in results
              if got != expected or kind != "invalid_request_error"]
     assert not wrong, wrong
-    slow = [(what, round(secs, 2)) for what, _, _, _, secs in results if secs > 2.0]
-    assert not slow, slow
+    served_s = min(o.latency_s for o in reference_run)  # the quickest request served without a fault
+    slow = [(what, round(secs, 2)) for what, _, _, _, secs in results if secs > served_s]
+    assert not slow, (slow, f"a request is served in {served_s:.2f} s")
     # A header line beyond what the parser reads (32 KiB) is an OpenAI-shaped 400: one log line, no traceback.
     import httpx
     r = httpx.post(healthy.url + "/v1/completions", json={"prompt": [5], "max_tokens": 1},
@@ -154,7 +166,7 @@ def test_no_decode_node_left_ends_each_stream_with_an_error_chunk(chaos, referen
     tally = Tally.of("all decode killed", outcomes, reference)
     assert tally.truncated + sum(tally.failed.values()) > 0 and tally.exact == tally.ok, tally
     for o in outcomes:
-        assert o.latency_s < 30, o
+        assert o.latency_s < HANG_S, o  # none ended only at the proxy's token deadline (chaos_helpers.TOKEN_S)
         assert o.token_ids == reference[o.index][:len(o.token_ids)], o
         if o.status == 200 and o.finish_reason is None:
             assert o.error is not None and "no_healthy_decode_node" in o.error, o
