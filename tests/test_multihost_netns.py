@@ -23,10 +23,12 @@ import httpx
 import pytest
 
 from pdserve.deploy.processes import Child, console_script, python_module, wait_for_port
+from pdserve.proxy.decode_stream import Deadlines
 from tests.cluster_helpers import NODE_ARGS, wait_until
 from tests.connector_helpers import hf_greedy
 from tests.netns_helpers import NetnsLab
 from tests.tls_helpers import make_pki
+from tests.timing import HANG_S
 
 pytestmark = pytest.mark.netns
 
@@ -190,12 +192,15 @@ def test_partition_mid_stream_is_routed_around_without_hanging(multihost, tiny_l
         for i, prompt in prompts.items():
             assert results[i] == hf_greedy(tiny_llama, [prompt], 4)[0]
         assert wait_until(lambda: (h := _healthy(mh)) and not h[decode] and not h[prefill] and h, "the proxy "
-                          "seeing the partition", 30) == {**{h: True for h in HOSTS[1:5]}, decode: False, prefill: False}
+                          "seeing the partition") == {**{h: True for h in HOSTS[1:5]}, decode: False, prefill: False}
         # The stream that was on the partitioned decode node goes silent; the proxy resumes it on the other
-        # decode node within its stall deadline: one uninterrupted stream, every token exact.
-        reader.join(60)
+        # decode node once its stall deadline passes (5 s by default): one uninterrupted stream, every token
+        # exact. The token deadline (60 s) would end the silence too: the stream must be done before it,
+        # however slow the machine.
+        token_s = Deadlines().token_s
+        reader.join(max(0.0, cut_at + token_s - time.monotonic()) + HANG_S)
         assert not reader.is_alive(), f"the stream hung after the partition: {len(out['ids'])} tokens so far"
-        assert out["done_at"] - cut_at < 45
+        assert out["done_at"] - cut_at < token_s, "the stream was resumed only at the token deadline"
         assert (out["ids"], out["finish"], out["error"]) == (expected, "length", None)
         assert re.search(r"Reqid: cut, resuming on [\d.]+:\d+ after \d+ tokens", mh.log("proxy"))
     finally:
