@@ -227,14 +227,14 @@ def test_a_damaged_chunk_is_healed_by_the_next_prefill(store, tiny_llama, tmp_pa
         def decode_lines(rid: str) -> list[str]:
             return [line for node in cluster.decode for line in log_lines(node.log_file, rid)]
 
-        assert complete(f"heal-{store}-1") == (ref, len(PD_PROMPT) - 1)  # saved, then loaded
+        assert complete(f"heal-{store}-1") == (ref, len(PD_PROMPT))  # saved, then loaded (all of it: decode goes on from the first token)
         key = _damage_one_chunk(store, cluster.kv_store, root)
         ids, _ = complete(f"heal-{store}-2")  # the decode's load fails: it recomputes, exactly
         assert ids == ref
         assert any("KV load failed" in line for line in decode_lines(f"heal-{store}-2"))
         wait_until(lambda: not _committed(store, cluster.kv_store, root, key), "the damaged chunk un-committed",
                    HANG_S)
-        assert complete(f"heal-{store}-3") == (ref, len(PD_PROMPT) - 1)  # the prefill rewrote it: a hit again
+        assert complete(f"heal-{store}-3") == (ref, len(PD_PROMPT))  # the prefill rewrote it: a hit again
         assert _committed(store, cluster.kv_store, root, key)
         assert not any("KV load failed" in line for line in decode_lines(f"heal-{store}-3"))
     finally:
