@@ -37,6 +37,7 @@ def hf_beams(model, prompt: list[int], width: int, length_penalty: float, max_to
 
 
 @pytest.mark.parametrize("width,length_penalty,max_tokens", CASES)
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_beams_equal_hf(llm, hf_model, width, length_penalty, max_tokens):
     params = SamplingParams(n=width, use_beam_search=True, length_penalty=length_penalty, max_tokens=max_tokens)
     outs = llm.generate(PROMPTS, params)

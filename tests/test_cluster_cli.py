@@ -30,6 +30,7 @@ def _run(*argv: str) -> subprocess.CompletedProcess:
      "--token-timeout must be a positive number of seconds"),
     (("pd-kv-hits", "/nonexistent.log"), 1, "cannot read /nonexistent.log"),
 ])
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_launcher_errors_are_one_line(tmp_path, argv, code, needle):
     argv = tuple(a.format(port=free_port()) for a in argv)
     if argv[0] in ("pd-prefill", "pd-decode") and "--kv-store" not in argv:

@@ -81,6 +81,7 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["file", "redis", "cluster"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_every_codec_round_trips_and_a_plain_reader_needs_no_configuration(kind, dtype, tmp_path, request):
     keys, layers = make_chunks(40, 2, dtype=dtype)
     plain = open_test_store(_url(kind, tmp_path, request, "raw").split("?")[0], 2, dtype=dtype)
@@ -138,6 +139,7 @@ def test_stats_shows_bytes_by_codec_and_the_ratio(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("codec", ["raw", "lossless"])
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_raw_and_lossless_hand_offs_are_token_identical_to_hf(codec, tiny_llama, tmp_path, caplog):
     prompts = [prompt(n, seed=7) for n in (17, 256, 300)]
     expected = hf_greedy(tiny_llama, prompts)

@@ -140,6 +140,7 @@ def test_a_flipped_byte_in_one_coded_object_fails_only_that_load(tiny_llama, tmp
 
 
 @pytest.mark.parametrize("codec", ["lossless", "int8"])
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_a_chunk_written_raw_next_to_a_coded_one_loads(codec, tiny_llama, tmp_path, caplog):
     """Chunk 0 by a raw writer, chunk 1 by a writer of `codec` (a store whose setting changed): one load reads
     both, and names both codecs; raw + lossless is token-identical to HF."""

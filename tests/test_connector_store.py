@@ -64,16 +64,19 @@ def _chunk_file(root: Path, key: str, layer: int) -> Path:
 
 
 @pytest.mark.parametrize("pair", ["file_pair", "redis_pair"])
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_handoff_is_exact_and_computes_one_prompt_token(request, pair, all_lengths, caplog):
     prompts, expected = all_lengths
     check_full_handoff(*request.getfixturevalue(pair), prompts, expected, caplog)
 
 
 @pytest.mark.parametrize("case,want", PARTIAL_CASES)
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_local_prefix_loads_only_the_rest(file_pair, mono, case, want, caplog):
     check_partial_load(*file_pair, mono, case, want, caplog, seed=10 + sum(case))
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_prompt_extension_writes_only_new_chunks(file_pair, mono, caplog):
     producer, consumer = file_pair
     store = producer.engine.connector.store
@@ -99,6 +102,7 @@ def test_prompt_extension_writes_only_new_chunks(file_pair, mono, caplog):
     assert out[0].num_cached_tokens == 699
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_chunked_prefill_saves_every_chunk_once(tiny_llama, store_dir, file_pair, mono, caplog):
     _, consumer = file_pair
     producer = LLM(str(tiny_llama), kv_store=f"file://{store_dir}", kv_role="producer", max_num_batched_tokens=96,
@@ -144,6 +148,7 @@ def test_corrupt_object_is_recomputed(file_pair, store_dir, mono, caplog):
     assert consumer.engine.connector.metrics.value("pdserve_kv_fallbacks_total", reason="corrupt") >= 1
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_chunk_with_missing_layer_is_recomputed(file_pair, store_dir, mono, caplog):
     producer, consumer = file_pair
     full = prompt(600, seed=41)
@@ -152,6 +157,7 @@ def test_chunk_with_missing_layer_is_recomputed(file_pair, store_dir, mono, capl
     assert [(reason, n) for _, reason, n in found] == [("missing", 599)]
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_store_deleted_between_prefill_and_decode(file_pair, store_dir, mono, caplog):
     producer, consumer = file_pair
     # deleted before decode starts: the lookup reports the outage and the consumer computes the prompt
@@ -171,6 +177,7 @@ def test_store_deleted_between_prefill_and_decode(file_pair, store_dir, mono, ca
     assert [(reason, n) for _, reason, n in found] == [("missing", 299)]
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_redis_stopped_between_prefill_and_decode(redis_pair, redis_module, mono, caplog):
     producer, consumer = redis_pair
     full = prompt(300, seed=44)
@@ -198,10 +205,12 @@ def test_frozen_redis_hits_the_load_deadline(redis_pair, redis_module, mono, cap
     assert [(reason, n) for _, reason, n in found] == [("timeout", 299)]
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_cache_salts_never_share_chunks(file_pair, mono, caplog):
     check_salts_never_share(*file_pair, mono, caplog, seed=50)
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_two_models_never_share_chunks(file_pair, tiny_qwen2, store_dir, caplog):
     producer, _ = file_pair
     full = prompt(300, seed=51)

@@ -33,6 +33,7 @@ def kernel(request, tmp_path_factory) -> CpuDecodeAttention:
     return k
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_each_build_takes_its_path(kernel):
     """A build runs the path of the level its flags target (else the cases below would test one path four
     times): the library's own answer and the compiler's macros under the build's flags agree."""
@@ -43,6 +44,7 @@ def test_each_build_takes_its_path(kernel):
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
     (4, 4, 64, 16), (8, 4, 64, 16), (12, 4, 64, 8), (16, 4, 128, 16), (16, 2, 40, 8), (8, 1, 64, 16),
     (8, 4, 40, 16), (4, 4, 72, 16), (16, 1, 64, 16), (8, 2, 80, 16), (8, 2, 56, 16)])
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_decode_matches_reference(kernel, dtype, heads, kv_heads, head_dim, block_size):
     gen = torch.Generator().manual_seed(heads * 1000 + head_dim + block_size)
     batch = len(LENGTHS)
@@ -109,6 +111,7 @@ def test_backend_matches_torch_reference_on_a_mixed_batch():
     torch.testing.assert_close(got, expected, atol=TOL[torch.float32], rtol=0)
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_engine_with_cpu_backend_matches_hf(tiny_llama):
     """The default CPU engine (this backend) is token-identical to HF through chunked prefill (a
     48-token budget), decoding and a prefill over a cached paged prefix."""

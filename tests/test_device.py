@@ -40,6 +40,7 @@ def test_config_rejects_bad_device_and_backend(bad):
         EngineConfig.from_kwargs("m", attention_backend=bad or "flash")
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_cli_rejects_bad_device_in_milliseconds():
     proc = subprocess.run([sys.executable, "-m", "pdserve.serving.server", "--device", "gpu"], capture_output=True, text=True,
                           timeout=60)

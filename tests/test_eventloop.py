@@ -36,6 +36,7 @@ def test_unknown_loop_is_refused(monkeypatch):
 
 @pytest.mark.parametrize("prog,args", [("pd-proxy", ["--decode", "127.0.0.1:1"]), ("pd-serve", []),
                                        ("pd-decode", ["--kv-store", "file:///nonexistent"])])
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_processes_refuse_an_unknown_loop_in_one_line(prog, args):
     proc = subprocess.run([*console_script(prog), *args], capture_output=True, text=True,
                           timeout=60, env={**os.environ, eventloop.ENV: "trio"})

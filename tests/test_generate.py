@@ -60,6 +60,7 @@ def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY
     return [o.token_ids for o in outs]
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_defaults_match_hf(tiny_llama, llama_refs):
     llm = LLM(str(tiny_llama), dtype="float32")
     assert generate(llm, PROMPTS) == llama_refs[:len(PROMPTS)]
@@ -98,6 +99,7 @@ def test_preemption_matches_hf(tiny_llama, llama_refs):
     assert stats.num_preemptions > 0 and stats.num_free_blocks == 48
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_qwen2_matches_hf_plain_and_chunked(tiny_qwen2, qwen2_refs):
     assert generate(LLM(str(tiny_qwen2), dtype="float32", kv_cache_memory="64MiB"), PROMPTS) == qwen2_refs
     chunked = LLM(str(tiny_qwen2), dtype="float32", max_num_batched_tokens=64,
@@ -130,6 +132,7 @@ def test_running_outputs_carry_the_delta_and_the_final_one_everything(llm):
     assert outs[-1].text == "".join(o.new_text for o in outs)
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_seeded_sampling_is_reproducible(llm):
     params = SamplingParams(max_tokens=16, temperature=1.0, seed=1234)
     alone = llm.generate([PROMPTS[4]], params)[0].token_ids

@@ -108,6 +108,7 @@ def _prompt(seed: int) -> tuple[list[int], list[torch.Tensor]]:
 
 @pytest.mark.parametrize("codec", ["raw", "int8"])
 @pytest.mark.parametrize("kind", ["file", "redis", "cluster"])
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_every_reader_of_a_split_writer_reads_its_own_objects_exactly(kind, codec, tmp_path, request):
     url = store_url(kind, tmp_path, request)
     seed = {"raw": 1, "int8": 2}[codec] * 10

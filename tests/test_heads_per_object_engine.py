@@ -30,6 +30,7 @@ def _decode(model: Path, store: str) -> tuple[list, int]:
         return outs, llm.engine.connector.store.stats().bytes_read
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_prefill_tp1_split_per_head_hands_off_to_decode_tp2_at_half_the_bytes(tiny_llama, tmp_path, caplog, capfd,
                                                                              monkeypatch):
     refs = hf_greedy(tiny_llama, PROMPTS, max_tokens=8)

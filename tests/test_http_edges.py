@@ -185,6 +185,7 @@ def test_broken_chunk_after_a_good_one_is_400_not_a_wait(port):
     assert answer.closed
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_expect_100_continue_within_the_limit_gets_continue_then_the_answer(port):
     with socket.create_connection(("127.0.0.1", port), timeout=HANG_S) as sock:
         sock.sendall(post(b"", "Expect: 100-continue", length=len(b"{not json")))
@@ -205,18 +206,21 @@ def fired_at(seconds: float, deadline_s: float, default_s: float) -> bool:
     return deadline_s - TIMER_EARLY_S <= seconds < default_s
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_half_sent_headers_get_408_at_the_header_deadline(port):
     answer = exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: edge\r\n")
     assert_openai_error(answer, 408, "request_timeout")
     assert fired_at(answer.seconds, HEADER_S, DEFAULTS.header_s) and answer.closed, answer
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_half_sent_body_gets_408_at_the_body_deadline(port):
     answer = exchange(port, post(REQUEST[:5], length=len(REQUEST)))
     assert_openai_error(answer, 408, "request_timeout")
     assert fired_at(answer.seconds, BODY_S, DEFAULTS.body_s) and answer.closed, answer
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_silent_and_idle_connections_are_closed(port):
     silent = exchange(port)  # connects, sends nothing: closed at the header deadline, no answer
     assert silent.status == 0 and silent.body == b"" and fired_at(silent.seconds, HEADER_S, DEFAULTS.header_s), silent
@@ -307,6 +311,7 @@ def test_a_frozen_prefill_node_under_24_prefills_logs_one_cause_per_line(cluster
     ("pd-decode", ["--timeout-request-body", "nan"]),
     ("pd-proxy", ["--decode", "127.0.0.1:1", "--timeout-keep-alive", "-1"]),
 ])
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_a_bad_deadline_flag_is_one_line_exit_2(program, args):
     proc = subprocess.run([*console_script(program), *args], capture_output=True, text=True, timeout=60,
                           env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})

@@ -145,6 +145,7 @@ ATTN_CASES = [  # (gqa ratio, block size, head dim): every ratio meets both bloc
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ratio,block_size,head_dim", ATTN_CASES)
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_decode_attention(ratio: int, block_size: int, head_dim: int, dtype: torch.dtype, backend,
                           monkeypatch: pytest.MonkeyPatch) -> None:
     from pdserve.kernels import triton_attention
@@ -161,6 +162,7 @@ def test_decode_attention(ratio: int, block_size: int, head_dim: int, dtype: tor
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("ratio,block_size,head_dim", ATTN_CASES)
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_context_attention(ratio: int, block_size: int, head_dim: int, dtype: torch.dtype, backend,
                            monkeypatch: pytest.MonkeyPatch) -> None:
     from pdserve.kernels import triton_attention
@@ -200,6 +202,7 @@ def test_attention_long_query_spans_several_tiles(backend) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [2, 3])
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_split_kv_decode_matches_reference(dtype: torch.dtype, num_splits: int) -> None:
     """Flash-decoding: keys split into slices (one of them empty with 3 splits of 64-key tiles),
     partial results combined by their log-sum-exp; sequences shorter than one slice included."""

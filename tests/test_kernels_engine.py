@@ -35,6 +35,7 @@ def triton_kernels(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         yield calls
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_monolithic_triton_matches_hf(tiny_llama: Path, triton_kernels: dict[str, int]) -> None:
     prompts = [prompt(n, seed=7) for n in LENGTHS]
     expected = hf_greedy(tiny_llama, prompts, MAX_TOKENS)
@@ -47,6 +48,7 @@ def test_monolithic_triton_matches_hf(tiny_llama: Path, triton_kernels: dict[str
                                                       "context_attention"))
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_prefill_file_store_decode_triton_and_staging_match_hf(tiny_llama: Path, tmp_path: Path,
                                                                triton_kernels: dict[str, int],
                                                                monkeypatch: pytest.MonkeyPatch) -> None:

@@ -402,6 +402,7 @@ class HungStore(FileSystemStore):
 
 
 @pytest.mark.parametrize("kv_load_mode", ["async", "layerwise"])
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_a_late_read_never_writes_into_blocks_it_gave_up(tiny_llama, tmp_path, kv_load_mode, caplog):
     capture(caplog)
     url = f"file://{tmp_path}"
@@ -435,6 +436,7 @@ def test_a_late_read_never_writes_into_blocks_it_gave_up(tiny_llama, tmp_path, k
 
 
 @pytest.mark.parametrize("kv_load_mode", ["async", "layerwise"])
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_layers_still_queued_when_their_load_is_given_up_are_never_read(tiny_llama, tmp_path, kv_load_mode,
                                                                          caplog):
     """A load's layers wait for the store's only I/O thread, held by other work past the load deadline:
@@ -469,6 +471,7 @@ def test_layers_still_queued_when_their_load_is_given_up_are_never_read(tiny_lla
         consumer.engine.shutdown()
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_loads_read_in_place_into_host_blocks(tiny_llama, tmp_path):
     """The CPU engine's loads take the in-place path (no staging buffer is ever taken from the pool),
     through the compiled reader."""

@@ -5,6 +5,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 from pdserve.kvstore.cli import main
@@ -24,6 +25,7 @@ def _fill(url: str) -> None:
     other.put_layer(0, layers[0])  # uncommitted: objects but no chunks
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_file_store_stats_ls_verify_clear(tmp_path, capsys):
     url = f"file://{tmp_path}"
     _fill(url)
@@ -80,6 +82,7 @@ def test_redis_store_stats_and_verify(redis_server, capsys):
     assert "removed 9 object(s)" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_unreachable_store_and_bad_url_are_one_line_errors(redis_server):
     redis_server.stop()
     done = _cli(redis_server.url, "stats", "--timeout", "1")

@@ -65,6 +65,7 @@ def test_misplaced_object_is_corrupt_and_verify_names_it(redis_cluster):
         client.close()
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_pd_kvstore_works_on_a_cluster(redis_cluster, capsys):
     keys, layers = make_chunks(40, LAYERS, torch.bfloat16)
     write_all(open_test_store(redis_cluster.url, LAYERS, torch.bfloat16), keys, layers)

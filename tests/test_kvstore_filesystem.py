@@ -191,6 +191,7 @@ def test_ledger_operations_stay_cheap_at_100k_chunks(tmp_path):
     assert other.disk_scans == 0 and other.total == 100_000_000
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_bound_holds_with_writer_processes_sharing_the_directory(tmp_path):
     keys, layers = make_chunks(100, 2)
     chunk_bytes = 2 * (64 + layers[0][keys[0]].nbytes)

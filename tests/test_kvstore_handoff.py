@@ -26,6 +26,7 @@ def _decode(producer, consumer, mono, full, caplog, between=lambda: None):
     return out[0], [(reason, n) for _, reason, n in lines(caplog, FALLBACK_RE)]
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_object_under_another_chunks_key_is_a_corrupt_fallback(tiny_llama, tmp_path, caplog):
     producer, consumer = engine_pair(tiny_llama, f"file://{tmp_path}")
     mono = mono_engine(tiny_llama)

@@ -147,6 +147,7 @@ def test_max_bytes_counts_chunks_in_flight(tmp_path):
         assert [store.lookup([_key(i)]) for i in (0, 1, 2, 10, 11)] == [0, 1, 1, 1, 1]  # one evicted
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_stats_separates_committed_in_flight_and_orphaned_bytes(tmp_path):
     with _store(tmp_path) as store:
         _save(store, 1)
@@ -262,6 +263,7 @@ def _lookups(url: str) -> list[int]:
         return [store.lookup([_key(i)]) for i in range(4)]
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_verify_reports_and_repairs_each_kind_of_damage_in_a_file_store(tmp_path):
     url = f"file://{tmp_path}"
     _four_chunks(url)
@@ -289,6 +291,7 @@ def test_verify_reports_and_repairs_each_kind_of_damage_in_a_file_store(tmp_path
     assert _lookups(url) == [1, 1, 1, 1]
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_verify_reports_and_repairs_damage_in_redis(redis_server):
     url = redis_server.url
     _four_chunks(url)

@@ -183,6 +183,7 @@ def _scattered_table(region: memoryview, sizes: list[int], rng: random.Random) -
 
 
 @pytest.mark.parametrize("seed", range(3))
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_compiled_receiver_lands_each_value_of_a_pipeline_in_its_spans(redis_server, compiled_reader, seed):
     """Values of every size (more than a socket buffer, less than a framing read, header only) land
     whole in header and spans with their xxh3; a missing key and a value of the wrong size are told

@@ -204,6 +204,7 @@ def test_concurrent_writer_processes_leave_a_valid_store(process_url):
         assert all(c.committed and c.objects == LAYERS for c in store.list_chunks(FP))
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_writer_killed_between_layers_leaves_nothing_visible(process_url):
     url = process_url
     keys, layers = make_chunks(100, LAYERS)

@@ -53,6 +53,7 @@ def test_a_second_layout_only_for_a_clear_gain():
     assert choose(clear).large == ("onednn_bf16", "bf16_dot")
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_measurement_is_bounded_and_cached(fresh, caplog, monkeypatch):
     """The first choice measures every available path (well under two seconds on top of building the
     kernels), writes its numbers as JSON and logs one line with the CPU and the chosen paths' GFLOP/s; a

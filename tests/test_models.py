@@ -78,6 +78,7 @@ def check_against_hf(path: Path) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_bf16_logits_within_tolerance_of_hf(tmp_path, arch):
     """bf16 weights on CPU (oneDNN's bf16 GEMM, or engine/models/linear.py's compiled bf16 kernel where
     the CPU has no bf16 instructions), through chunked prefill over paged history and decode steps:
@@ -111,6 +112,7 @@ def test_logits_match_transformers(tmp_path, arch, num_kv_heads):
     check_against_hf(path)
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_mistral_and_llama3_rope_scaling_match_transformers(tmp_path):
     check_against_hf(make_model(tmp_path / "mistral", arch="mistral"))
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,

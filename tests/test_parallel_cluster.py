@@ -47,6 +47,7 @@ def cluster_with(model, tmp_path, store: str, prefill: list[str], decode: list[l
 @pytest.mark.parametrize("store", ["file", "redis"])
 @pytest.mark.parametrize("prefill, decode", [(["-tp", "2"], []), ([], ["-pp", "2"]), (["-pp", "2"], ["-tp", "2"])],
                          ids=["TP2->TP1", "TP1->PP2", "PP2->TP2"])
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_pairs_through_the_proxy(tiny_llama, tmp_path, store, prefill, decode):
     want = reference(tiny_llama, 16)
     cluster = cluster_with(tiny_llama, tmp_path, store, prefill, [decode])
@@ -61,6 +62,7 @@ def test_pairs_through_the_proxy(tiny_llama, tmp_path, store, prefill, decode):
         cluster.stop()
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_a_decode_rank_killed_mid_stream_resumes_on_the_other_node(tiny_llama, tmp_path):
     max_tokens = 400
     want = reference(tiny_llama, max_tokens)

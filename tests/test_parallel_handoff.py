@@ -65,6 +65,7 @@ def test_heterogeneous_pairs_hand_off_exactly(tiny_llama, refs, tmp_path, redis_
     assert kv_lines(logs, "Retrieved") == dict.fromkeys(ids, 1)
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_a_load_failing_on_one_rank_makes_rank0_recompute(tiny_llama, refs, tmp_path, caplog, capfd):
     """Rank 1's part of layer 2 is damaged in every chunk: rank 1's loads fail their checksum, rank 0's
     succeed; the requests recompute and the output is still exact."""

@@ -47,6 +47,7 @@ def layer_kv(root: Path, fingerprint: str, key: str, layer: int, parts: bool) ->
 
 
 @pytest.mark.parametrize("mode", ["async", "layerwise"])
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_a_kv_both_node_commits_nothing_computed_over_another_ranks_failed_load(tiny_llama, tmp_path, mode):
     store, clean = tmp_path / "store", tmp_path / "clean"
     with parallel_llm(tiny_llama, 2, 1, kv_store=store.as_uri(), kv_role="kv_producer") as llm:

@@ -26,7 +26,7 @@ class Clock:
 
 
 def load(rid: str, num_bytes: int, seconds: float, codec: str | None = "raw") -> KVTransfer:
-    return KVTransfer(LOAD, rid, num_bytes, seconds, codec=codec, plan=(600, 0, 600, 256))
+    return KVTransfer(LOAD, rid, num_bytes, seconds, codec=codec, plan=(600, 0, 600, 256, 0))
 
 
 def save(rid: str, num_bytes: int, start: int = 0, end: int = 600) -> KVTransfer:

@@ -73,6 +73,7 @@ def test_one_line_per_request_with_the_whole_nodes_bytes(tiny_llama, tmp_path, c
     assert not PARTIAL.search(text)
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_a_replica_layouts_save_lines_are_whole(tmp_path, caplog, capfd):
     """One KV head over TP=2: rank 1 replicates rank 0's head and saves nothing (its empty save is no part:
     test_parallel_kv_join.py); the save lines are whole, with the one head's bytes."""
@@ -86,6 +87,7 @@ def test_a_replica_layouts_save_lines_are_whole(tmp_path, caplog, capfd):
     assert not PARTIAL.search(text)
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_a_load_failing_on_one_rank_writes_no_load_line(tiny_llama, tmp_path, caplog, capfd):
     """Rank 1's part of layer 2 is damaged in every chunk: rank 0's loads succeed, rank 1's fail, so no
     request has a load line (rank 1's warning says why) and rank 0 counts no load bytes."""

@@ -29,6 +29,7 @@ def _completion(server: ServerProcess, max_tokens: int) -> list[str]:
     return json.loads(body)["choices"][0]["text"]
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_pd_serve_pp2_answers_as_one_process_and_logs_its_layout(tiny_llama):
     want = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="16MiB").generate(
         PROMPT, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0].text

@@ -25,6 +25,7 @@ def test_layer_split_gives_the_remainder_to_the_stages_before_the_last():
     assert pp_layer_ranges(30, 4) == [(0, 7), (7, 15), (15, 23), (23, 30)]
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_pp2_matches_hf_with_chunked_prefill_and_prefix_hits(tiny_llama, caplog):
     refs = hf_greedy(tiny_llama, WAVE2)
     caplog.set_level("INFO", logger="pdserve")
@@ -39,6 +40,7 @@ def test_pp2_matches_hf_with_chunked_prefill_and_prefix_hits(tiny_llama, caplog)
     assert "rank 1 (pp 1, tp 0): layers [2, 4), q heads [0, 4), kv heads [0, 2), final norm" in caplog.text
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_pp2_uneven_layer_count_matches_hf(tmp_path, caplog):
     path = make_model(tmp_path / "l3", preset="tiny", arch="llama", num_hidden_layers=3)
     caplog.set_level("INFO", logger="pdserve")
@@ -51,6 +53,7 @@ def test_pp2_uneven_layer_count_matches_hf(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "qwen2"])
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_pp2_other_families_match_hf(tmp_path, arch):
     """Gemma 3 hands one stream between stages (no separate residual); Qwen2 ties its embeddings."""
     path = make_model(tmp_path / arch, preset="tiny", arch=arch)
@@ -58,6 +61,7 @@ def test_pp2_other_families_match_hf(tmp_path, arch):
         assert generate(llm, PROMPTS[:3]) == hf_greedy(path, PROMPTS[:3])
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_pp2_prompt_logprobs_come_back_to_rank0(tiny_llama):
     params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
     with parallel_llm(tiny_llama) as single:

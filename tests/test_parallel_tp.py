@@ -35,6 +35,7 @@ def llama_refs(tiny_llama):
     return hf_greedy(tiny_llama, WAVE2)
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_tp2_matches_hf_with_chunked_prefill_and_prefix_hits(tiny_llama, llama_refs):
     with parallel_llm(tiny_llama, tp=2, max_num_batched_tokens=64) as llm:
         assert generate(llm, PROMPTS) == llama_refs[:len(PROMPTS)]
@@ -47,6 +48,7 @@ def test_tp2_matches_hf_with_chunked_prefill_and_prefix_hits(tiny_llama, llama_r
         assert [c.token_ids for c in forked.outputs] == [llama_refs[1]] * 2
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_tp2_replicates_kv_heads_when_tp_exceeds_them(tmp_path, caplog):
     path = make_model(tmp_path / "kv1", preset="tiny", arch="llama", num_kv_heads=1)
     caplog.set_level("INFO", logger="pdserve")
@@ -58,12 +60,14 @@ def test_tp2_replicates_kv_heads_when_tp_exceeds_them(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral", "gemma3"])
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_tp2_every_model_family_matches_hf(tmp_path, arch):
     path = make_model(tmp_path / arch, preset="tiny", arch=arch)
     with parallel_llm(path, tp=2) as llm:
         assert generate(llm, PROMPTS[:3]) == hf_greedy(path, PROMPTS[:3])
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_tp1_engine_after_tp2_in_the_same_process(tiny_llama, llama_refs):
     """The TP group belongs to its engine: a later TP=1 engine never all-reduces against the TP=2 one's peer,
     whether that engine is still alive or already shut down. While the TP=2 engine runs, its ranks share the
@@ -80,6 +84,7 @@ def test_tp1_engine_after_tp2_in_the_same_process(tiny_llama, llama_refs):
     assert generate(LLM(str(tiny_llama), dtype="float32", kv_cache_memory="16MiB"), PROMPTS[:1]) == llama_refs[:1]
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_prompt_logprobs_under_tp2_equal_one_process(tiny_llama):
     params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1, logprobs=1)
     single = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="16MiB").generate(PROMPTS[1:3], params)

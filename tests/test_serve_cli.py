@@ -57,6 +57,7 @@ def test_model_dir_without_config(tmp_path):
                                  "config.json"]
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_corrupt_model_dir(tmp_path):
     (tmp_path / "config.json").write_text("{ this is not json")
     rc, lines = _run("--model", str(tmp_path))
@@ -163,6 +164,7 @@ def _log_line(server: ServerProcess, pattern: str, timeout_s: float = 10.0) -> r
     return matches[-1]
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_kv_transfer_config_runs_a_prefill_and_a_decode_node(tiny_llama, tmp_path):
     """vLLM-style JSON alone configures both nodes: the prefill node (vLLM's SharedStorageConnector, its
     directory as a file store, chunks of 32) saves; the decode node (StoreConnector on the same store, and

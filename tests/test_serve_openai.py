@@ -50,6 +50,7 @@ def _complete_ids(client, model_name, prompt, **kw):
     return resp.choices[0].token_ids, resp
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_openai_client_completion_matches_hf_greedy(tiny_llama, client, model_name):
     prompts = [random_prompt(n, seed=100 + n) for n in (5, 40, 300)]
     refs = hf_greedy(tiny_llama, prompts, MAX_TOKENS)
@@ -65,6 +66,7 @@ def test_openai_client_completion_matches_hf_greedy(tiny_llama, client, model_na
     assert resp.usage.prompt_tokens_details.cached_tokens == 288  # 18 full blocks of 16
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_streamed_text_concatenates_to_non_streamed(client, model_name):
     prompt = "The quick brown fox jumps over the lazy dog. " * 3
     full = client.completions.create(model=model_name, prompt=prompt, max_tokens=40, temperature=0)
@@ -78,6 +80,7 @@ def test_streamed_text_concatenates_to_non_streamed(client, model_name):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_chat_stream_and_non_stream_agree(client, model_name):
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
     full = client.chat.completions.create(model=model_name, messages=messages, max_tokens=30, temperature=0)

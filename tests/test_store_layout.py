@@ -103,6 +103,7 @@ def _prompt(seed: int) -> tuple[list[int], list[torch.Tensor]]:
 
 
 @pytest.mark.parametrize("kind", ["file", "redis", "cluster"])
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_every_layout_reads_what_every_layout_wrote(kind, tmp_path, request):
     url = store_url(kind, tmp_path, request)
     for seed, (writer, reader) in enumerate(itertools.product(LAYOUTS, LAYOUTS), start=1):

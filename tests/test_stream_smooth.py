@@ -49,6 +49,7 @@ def stream(url: str, path: str, body: dict) -> list:
         return sse_events(line.encode() for line in r.iter_lines())
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_a_completion_stream_has_one_chunk_per_token(url):
     body = {"prompt": [5, 6, 7, 8, 9], "max_tokens": 48, "temperature": 0, "ignore_eos": True}
     events = stream(url, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
@@ -140,6 +141,7 @@ async def _both_clients() -> tuple[list, list, list]:
     return fast, slow, app[MERGED]
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_the_sse_writer_merges_deltas_only_for_a_client_that_falls_behind():
     fast, slow, merged = asyncio.run(_both_clients())
     for events in (fast, slow):

@@ -54,6 +54,7 @@ def chat(url: str, model_dir: Path, messages, **extra):
                                                max_tokens=8, extra_body={"return_token_ids": True, **extra})
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_continue_final_message_continues_the_assistant_prefill(urls, model_dir):
     tokenizer = load_tokenizer(model_dir)
     expected = apply_chat_template(tokenizer, PREFILL, False, continue_final_message=True)
@@ -75,6 +76,7 @@ def test_continue_final_message_continues_the_assistant_prefill(urls, model_dir)
     assert closed.prompt_token_ids == apply_chat_template(tokenizer, PREFILL, False) != expected
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_chat_template_kwargs_and_truncation_shape_the_prompt_alike(urls, model_dir):
     tokenizer = load_tokenizer(model_dir)
     question = [PREFILL[0]]
@@ -93,6 +95,7 @@ def test_chat_template_kwargs_and_truncation_shape_the_prompt_alike(urls, model_
         assert tok.json()["tokens"] == no_think, kind
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_beam_search_equals_hf_with_beams_ending_at_eos(urls, model_dir):
     """Beams that end at <|im_end|> are finished hypotheses ranked by HF's length-normalised score."""
     from tests.real_model_helpers import _hf_model
