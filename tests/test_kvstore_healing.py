@@ -99,6 +99,7 @@ def test_a_full_disk_costs_one_eviction_not_a_stream_of_failed_saves(disk):
 
 
 @MOUNTS
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_a_failed_save_removes_what_it_wrote_and_its_later_layers_are_swept(disk):
     with _store(disk, max_bytes=64 * MiB) as store:  # a bound larger than the disk: nothing to evict yet
         # (the default 2 s: the check that follows the later put below comes well within it, on any machine)

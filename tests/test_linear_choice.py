@@ -84,6 +84,7 @@ def test_measurement_is_bounded_and_cached(fresh, caplog, monkeypatch):
     assert linear_choice.linear_choice().source.startswith("measured in")
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_a_contended_measurement_is_not_cached(fresh, caplog, monkeypatch):
     """A measurement whose thread had the core for less than MIN_CORE_SHARE of its time serves this process
     but is not written: its numbers say more about the neighbours than about the paths. (A share above 1

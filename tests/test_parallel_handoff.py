@@ -48,6 +48,7 @@ def kv_lines(text: str, what: str) -> dict[str, int]:
 
 @pytest.mark.parametrize("store_kind", ["file", "redis"])
 @pytest.mark.parametrize("pair", list(PAIRS))
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_heterogeneous_pairs_hand_off_exactly(tiny_llama, refs, tmp_path, redis_server, store_kind, pair, caplog,
                                               capfd):
     store = (tmp_path / "store").as_uri() if store_kind == "file" else redis_server.url

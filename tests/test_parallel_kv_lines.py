@@ -47,6 +47,7 @@ def gb(num_bytes: int) -> float:
 
 
 @pytest.mark.parametrize("pair", list(PAIRS))
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_one_line_per_request_with_the_whole_nodes_bytes(tiny_llama, tmp_path, caplog, capfd, pair):
     caplog.set_level("INFO", logger="pdserve")
     store = (tmp_path / "store").as_uri()

@@ -48,6 +48,7 @@ def test_pd_serve_pp2_answers_as_one_process_and_logs_its_layout(tiny_llama):
     assert not wait_gone(ranks)
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_pd_serve_exits_of_itself_when_a_rank_dies_mid_stream(tiny_llama):
     server = ServerProcess("--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-memory", "16MiB",
                            "--tensor-parallel-size", "2").start()

@@ -103,6 +103,7 @@ def test_prompt_logprobs_under_tp2_equal_one_process(tiny_llama):
     (dict(pipeline_parallel_size=5), "pipeline_parallel_size=5 exceeds the model's 4 layers"),
     (dict(tensor_parallel_size=2, kv_store="lm://127.0.0.1:1", kv_role="kv_producer"), "LMCache connector serves one"),
 ])
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_bad_layouts_are_clear_errors_and_start_no_process(tiny_llama, options, message):
     before = child_pids()
     with pytest.raises(ValueError, match=message):
@@ -110,6 +111,7 @@ def test_bad_layouts_are_clear_errors_and_start_no_process(tiny_llama, options, 
     assert child_pids() == before
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_a_killed_rank_fails_the_engine_before_the_collective_timeout(tiny_llama):
     before = child_pids()
     llm = LLM(str(tiny_llama), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=2,

@@ -64,6 +64,7 @@ def test_a_completion_stream_has_one_chunk_per_token(url):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.slow  # seconds: outside make test-quick
 def test_each_chat_choice_has_one_chunk_per_token(url):
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 24, "n": 2, "temperature": 1.0,
             "seed": 3, "ignore_eos": True}
