@@ -3,15 +3,13 @@ serving hands to LLMEngine, called once the model runner exists."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from pdserve.engine.kv_connector import KVConnectorBase
-from pdserve.kvstore import SCHEMES as STORE_SCHEMES
+from pdserve.kvstore import registry
+from pdserve.kvstore.registry import ServedBy
 
 if TYPE_CHECKING:
     from pdserve.engine.config import EngineConfig
-
-LMCACHE_SCHEMES = ("lm",)
 
 
 def kv_shard(runner: Any) -> Any:
@@ -33,29 +31,31 @@ def kv_shard(runner: Any) -> Any:
 
 
 def create_connector(config: EngineConfig, runner: Any) -> KVConnectorBase | None:
-    """file:// and redis:// -> StoreConnector; lm://host:port or an LMCache config -> LMCacheConnector.
+    """The store URL's registry entry picks the connector (kvstore/registry.py): file://, redis:// and
+    redis+cluster:// -> StoreConnector; lm://host:port, or an LMCache config alone -> LMCacheConnector.
 
     `runner` supplies fingerprint, dtype, num_layers, num_kv_heads, head_dim and kv_caches.
     """
     kt = config.kv_transfer
     if not kt.enabled:
         return None
-    scheme = urlsplit(kt.kv_store).scheme.lower() if kt.kv_store else None
+    entry = registry.lookup(kt.kv_store) if kt.kv_store else None
+    served_by = entry.served_by if entry is not None else None
     part = kv_shard(runner)
     shard = {} if part is None else {"shard": part}  # a single-process engine passes none
-    if scheme in LMCACHE_SCHEMES or (scheme is None and kt.lmcache_config):
+    if served_by is ServedBy.LMCACHE or (not kt.kv_store and kt.lmcache_config):
         from pdserve.connectors.lmcache_connector import LMCacheConnector
 
         connector: KVConnectorBase = LMCacheConnector(config, runner, **shard)
-    elif scheme in STORE_SCHEMES:
+    elif served_by is ServedBy.STORE:
         if kt.lmcache_config:
-            raise ValueError(f"lmcache_config applies to LMCache stores (lm://host:port), not {kt.kv_store!r}")
+            raise ValueError(f"lmcache_config applies to LMCache stores "
+                             f"({registry.url_forms(registry.entries(ServedBy.LMCACHE))}), not {kt.kv_store!r}")
         from pdserve.connectors.store_connector import StoreConnector
 
         connector = StoreConnector(config, runner, **shard)
     else:
-        raise ValueError(f"unsupported kv_store {kt.kv_store!r}: use file:///dir, redis://host:port/db "
-                         "or lm://host:port")
+        raise ValueError(f"unsupported kv_store {kt.kv_store!r}: use {registry.url_forms()}")
     if getattr(runner, "kv_caches", None):
         connector.register_kv_caches(runner.kv_caches)
     return connector

@@ -10,7 +10,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from pdserve.kvstore import open_store
+from pdserve.kvstore import open_store, registry
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import StoreError
 
@@ -80,8 +80,7 @@ COMMANDS = {"stats": _stats, "ls": _ls, "verify": _verify, "clear": _clear}
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pd-kvstore", description=__doc__.splitlines()[0])
-    parser.add_argument("url", help="file:///path, redis://host:port/db or redis+cluster://host:port[,host:port...]/ "
-                        "(query options as for open_store)")
+    parser.add_argument("url", help=f"{registry.url_forms(registry.store_entries())} (query options as for open_store)")
     parser.add_argument("command", choices=COMMANDS, help="stats: counts and bytes per model fingerprint; "
                         "ls: chunks; verify: re-check every object's checksum and that it lies under its own key, and every "
                         "committed chunk's marker and layers; "

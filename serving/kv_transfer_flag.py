@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pdserve.engine.config import KVRole
+from pdserve.kvstore import registry
+from pdserve.kvstore.registry import ServedBy
 
 # Node option dest -> its own flag (for the "given twice" error).
 FLAGS = {"kv_store": "--kv-store", "kv_role": "--kv-role", "chunk_size": "--chunk-size",
@@ -58,18 +60,23 @@ class ExtraKey:
 _COMMON = {"chunk_size": ExtraKey("chunk_size", _positive_int),
            "kv_load_timeout": ExtraKey("load_timeout_s", _positive_seconds)}
 
-# kv_connector -> the extra config keys it reads. Which connector a store URL picks stays the
-# factory's rule (connectors/factory.py); node start-up checks the URL agrees with the name.
+# kv_connector -> the extra config keys it reads. Which connector a store URL picks is the store
+# registry's (kvstore/registry.py, read by connectors/factory.py); node start-up checks the URL agrees
+# with the name.
 CONNECTORS: dict[str, dict[str, ExtraKey]] = {
-    # pdserve's own connector over file://, redis:// and redis+cluster:// stores.
+    # pdserve's own connector over the registry's ServedBy.STORE schemes.
     "StoreConnector": {"kv_store": ExtraKey("kv_store", _text), **_COMMON},
     # vLLM's file-based example connector: its directory becomes a file:// store (pdserve's format).
     "SharedStorageConnector": {"shared_storage_path": ExtraKey("kv_store", _directory_url), **_COMMON},
-    # LMCache: an lm://host:port server and/or LMCache's YAML config.
+    # LMCache: a ServedBy.LMCACHE server (lm://host:port) and/or LMCache's YAML config.
     "LMCacheConnectorV1": {"kv_store": ExtraKey("kv_store", _text),
                            "lmcache_config": ExtraKey("lmcache_config", _text), **_COMMON},
 }
-LMCACHE_CONNECTORS = ("LMCacheConnectorV1",)
+LMCACHE_CONNECTORS = ("LMCacheConnectorV1",)  # the names whose store URLs the registry marks ServedBy.LMCACHE
+
+
+def _lmcache_urls() -> str:
+    return registry.url_forms(registry.entries(ServedBy.LMCACHE))
 
 
 def _options(config: Any) -> dict[str, Any]:
@@ -97,7 +104,7 @@ def _options(config: Any) -> dict[str, Any]:
     if name in LMCACHE_CONNECTORS and "lmcache_config" not in options and os.environ.get("LMCACHE_CONFIG_FILE"):
         options["lmcache_config"] = os.environ["LMCACHE_CONFIG_FILE"]  # where vLLM's LMCache connector looks
     if name in LMCACHE_CONNECTORS and "kv_store" not in options and "lmcache_config" not in options:
-        raise ValueError(f"{name} needs kv_connector_extra_config.kv_store (lm://host:port), "
+        raise ValueError(f"{name} needs kv_connector_extra_config.kv_store ({_lmcache_urls()}), "
                          "kv_connector_extra_config.lmcache_config (a YAML file) or LMCACHE_CONFIG_FILE")
     options["kv_connector"] = name
     return options
@@ -130,16 +137,17 @@ def apply_kv_transfer_config(parser: argparse.ArgumentParser, args: argparse.Nam
     return connector
 
 
-def check_connector_store(connector: str, kv_store: str | None, lmcache_config: str | None,
-                          lmcache_schemes: tuple[str, ...]) -> None:
-    """The node's store must pick the named connector (the factory picks by URL scheme); ValueError if not."""
+def check_connector_store(connector: str, kv_store: str | None, lmcache_config: str | None) -> None:
+    """The node's store must pick the named connector (the factory picks by the URL's registry entry);
+    ValueError if not."""
     lmcache = connector in LMCACHE_CONNECTORS
     if not lmcache and lmcache_config:
         raise ValueError(f"kv_connector {connector} takes no LMCache config (that is LMCacheConnectorV1's)")
     if kv_store is None:
         return
-    scheme = kv_store.split("://", 1)[0].lower() if "://" in kv_store else ""
-    if lmcache != (scheme in lmcache_schemes):
-        wanted = "an lm://host:port store" if lmcache else \
-            "a file://, redis:// or redis+cluster:// store (lm:// is LMCacheConnectorV1's)"
+    entry = registry.lookup(kv_store)
+    if lmcache != (entry is not None and entry.served_by is ServedBy.LMCACHE):
+        stores, lmcaches = (registry.scheme_names(registry.entries(s)) for s in (ServedBy.STORE, ServedBy.LMCACHE))
+        wanted = f"an {_lmcache_urls()} store" if lmcache else \
+            f"a {stores} store ({lmcaches} is {LMCACHE_CONNECTORS[0]}'s)"
         raise ValueError(f"kv_connector {connector} takes {wanted}, got {kv_store!r}")

@@ -15,6 +15,8 @@ from urllib.parse import urlsplit
 import grpc
 
 from pdserve.engine.config import KVRole
+from pdserve.kvstore import registry
+from pdserve.kvstore.registry import ServedBy
 from pdserve.protos import KEEPALIVE_SERVER_OPTIONS, MESSAGE_LIMITS
 from pdserve.protos import pdserve_pb2_grpc as pb_grpc
 from pdserve.serving.auth import GrpcSecurity, add_node_security_args, http_api_key_middleware, node_interceptors, node_security
@@ -53,8 +55,9 @@ def build_parser(role: NodeRole) -> ArgumentParser:
     g = parser.add_argument_group("P/D node")
     g.add_argument("--grpc-port", type=int, default=role.grpc_port,
                    help=f"gRPC port for pd-proxy (default {role.grpc_port}; 0 picks a free one)")
-    g.add_argument("--kv-store", default=None, help="shared KV store: file:///dir, redis://host:port/db or "
-                   "lm://host:port (LMCache server); default file:// under ~/.cache/pdserve/kvstore")
+    lmcache = registry.scheme_names(registry.entries(ServedBy.LMCACHE))
+    g.add_argument("--kv-store", default=None, help=f"shared KV store: {registry.url_forms()} ({lmcache} through "
+                   "LMCache); default file:// under ~/.cache/pdserve/kvstore")
     g.add_argument("--lmcache-config", default=None, help="LMCache YAML config (instead of --kv-store)")
     g.add_argument("--chunk-size", type=int, default=None, help="tokens per stored chunk (default 256)")
     g.add_argument("--kv-role", choices=[*(r.value for r in KVRole), "producer", "consumer", "both"],
@@ -75,12 +78,12 @@ def build_parser(role: NodeRole) -> ArgumentParser:
 
 def check_store(url: str, timeout_s: float = 3.0) -> None:
     """Fail start-up with one line when the store cannot be reached (before loading any weights)."""
-    parts = urlsplit(url)
-    if parts.scheme == "lm":
+    entry = registry.lookup(url)
+    if entry is not None and entry.served_by is ServedBy.LMCACHE:  # LMCache's protocol: a TCP connect is our check
         try:
-            socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 65432), timeout=timeout_s).close()
+            socket.create_connection(entry.address(url), timeout=timeout_s).close()
         except OSError as e:
-            raise StartupError(f"LMCache server {parts.netloc} unreachable: {e.strerror or e}") from None
+            raise StartupError(f"LMCache server {urlsplit(url).netloc} unreachable: {e.strerror or e}") from None
         return
     from pdserve.kvstore import StoreError, open_store
 
@@ -145,10 +148,8 @@ def node_main(role: NodeRole, argv: list[str] | None = None) -> int:
         if args.model is not None:
             check_model_dir(args.model)  # cheap checks first: the store checks import torch
         if connector is not None:
-            from pdserve.connectors.factory import LMCACHE_SCHEMES
-
             try:
-                check_connector_store(connector, args.kv_store, args.lmcache_config, LMCACHE_SCHEMES)
+                check_connector_store(connector, args.kv_store, args.lmcache_config)
             except ValueError as e:
                 raise StartupError(str(e)) from None
         if args.lmcache_config and not os.access(args.lmcache_config, os.R_OK):
