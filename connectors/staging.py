@@ -1,8 +1,9 @@
 """How KV bytes move between a store's host tensors and paged device memory (docs/architecture.md, §7).
 
-Two ways, one interface (`KVTransfer`), picked by `make_kv_transfer` from the engine's device:
+Two ways, one interface (`DirectTransfer`'s: `StagedTransfer` overrides every step), picked by
+`make_kv_transfer` from the engine's device:
 
-- `KVTransfer` (CPU): a store read of one layer of a request's chunks lands in one reusable host
+- `DirectTransfer` (CPU): a store read of one layer of a request's chunks lands in one reusable host
   buffer [2, T, H, D] (`PinnedPool`, plain memory on CPU; each chunk in its token slice: no
   allocation or page faults per load), and one scatter per layer writes the needed rows into
   their slots, a whole paged block per copy (`BlockScatter`, planned once per load: every layer
@@ -209,7 +210,7 @@ class HostChunks:
     buffers: list[torch.Tensor] = field(default_factory=list)  # pool buffers to release after the put
 
 
-class KVTransfer:
+class DirectTransfer:
     """The direct (CPU) way; StagedTransfer overrides every step of it."""
 
     # Store reads may land straight in paged memory (connectors/direct_rows.py): it is host memory.
@@ -268,7 +269,7 @@ class KVTransfer:
         """The put of these chunks is done (I/O thread)."""
 
 
-class StagedTransfer(KVTransfer):
+class StagedTransfer(DirectTransfer):
     reads_in_place = False  # paged memory is on the device: reads land in pinned staging buffers
 
     def __init__(self, platform: Platform) -> None:
@@ -344,5 +345,5 @@ def use_staging(platform: Platform) -> bool:
     return platform.is_cuda
 
 
-def make_kv_transfer(platform: Platform) -> KVTransfer:
-    return StagedTransfer(platform) if use_staging(platform) else KVTransfer(platform)
+def make_kv_transfer(platform: Platform) -> DirectTransfer:
+    return StagedTransfer(platform) if use_staging(platform) else DirectTransfer(platform)

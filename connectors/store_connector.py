@@ -2,8 +2,8 @@
 
 Worker half: `_start_loads` gives every (request, layer) read its own future and lets up to
 io_threads readers on the store's I/O pool take them in layer order, and each read's chunk rows
-go into paged memory through the engine device's `KVTransfer` (connectors/staging.py: directly on
-CPU; pinned buffers, a copy stream and one event per layer on CUDA). A layer-wise load (ChunkedConnector decides which) is waited for
+go into paged memory through the transfer `make_kv_transfer` picks for the engine's device
+(connectors/staging.py: `DirectTransfer` on CPU; pinned buffers, a copy stream and one event per layer on CUDA). A layer-wise load (ChunkedConnector decides which) is waited for
 right before each layer's attention, so reads overlap compute; a background load is polled
 between steps while its request waits, and the compute stream waits for its copies' events
 once it is done. Saves gather a layer's complete chunks right after the layer wrote its KV

@@ -14,7 +14,7 @@ import torch
 import pytest
 
 from pdserve.connectors.chunk_math import slots_for
-from pdserve.connectors.staging import BlockScatter, KVTransfer, PinnedPool, StagedTransfer, make_kv_transfer, use_staging
+from pdserve.connectors.staging import BlockScatter, DirectTransfer, PinnedPool, StagedTransfer, make_kv_transfer, use_staging
 from pdserve.engine.device import Platform
 from pdserve.kernels import torch_ref
 
@@ -58,7 +58,7 @@ def cache_and_slots(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_staged_save_is_chunk_major_and_equals_the_direct_gather():
     cache, slots = cache_and_slots(0)
     chunk_lens = [64, 64, 22]
-    direct = KVTransfer(CPU).save(cache, slots, chunk_lens)
+    direct = DirectTransfer(CPU).save(cache, slots, chunk_lens)
     staged_transfer = StagedTransfer(CPU)
     staged = staged_transfer.save(cache, slots, chunk_lens)
     assert [t.shape for t in staged.tensors] == [(2, 64, 2, 8), (2, 64, 2, 8), (2, 22, 2, 8)]
@@ -89,7 +89,7 @@ def test_staged_load_is_one_buffer_per_layer_and_writes_only_the_needed_rows():
     transfer.fence()
     assert torch.equal(cache, expected) and transfer.pool.num_free == 1
     # the direct (CPU) path reads into one pooled buffer too and writes the same rows with one scatter
-    direct = KVTransfer(CPU)
+    direct = DirectTransfer(CPU)
     for _ in range(2):  # the second load reuses the first one's buffer
         direct_target = direct.read_target([64, 30], (2, 8), torch.bfloat16)
         for t, src in zip(direct_target.out, target.out):
@@ -100,14 +100,14 @@ def test_staged_load_is_one_buffer_per_layer_and_writes_only_the_needed_rows():
 
 
 def test_the_device_picks_the_transfer():
-    assert type(make_kv_transfer(CPU)) is KVTransfer
+    assert type(make_kv_transfer(CPU)) is DirectTransfer
     assert use_staging(Platform(torch.device("cuda", 0))) and not use_staging(CPU)
 
 
 @pytest.mark.parametrize("case", ["shuffled blocks, partial last block", "whole blocks only",
                                   "consecutive blocks", "starts mid-block", "one partial block"])
 def test_direct_load_copies_whole_blocks_and_equals_the_reference_scatter(case):
-    """KVTransfer's planned scatter (whole blocks by numpy, the tail by kernels.scatter_kv) writes the
+    """DirectTransfer's planned scatter (whole blocks by numpy, the tail by kernels.scatter_kv) writes the
     same cache as one reference scatter, on the engine's own paged layout, and nothing else."""
     block_size, num_blocks = 16, 12
     start, end, block_ids = {"shuffled blocks, partial last block": (32, 90, [7, 3, 10, 1, 5, 0]),
@@ -119,7 +119,7 @@ def test_direct_load_copies_whole_blocks_and_equals_the_reference_scatter(case):
     cache = CPU.allocate_kv_caches(1, num_blocks, block_size, 2, 8, torch.bfloat16)[0]
     cache.copy_(torch.randn(cache.shape).to(torch.bfloat16))
     expected = cache.clone()
-    transfer = KVTransfer(CPU)
+    transfer = DirectTransfer(CPU)
     target = transfer.read_target([64, 64], (2, 8), torch.bfloat16)
     target.full.copy_(torch.randn(target.full.shape).to(torch.bfloat16))
     lo = start - (start // 64) * 64  # rows of the chunk-aligned read that are written
