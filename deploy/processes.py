@@ -138,7 +138,7 @@ class Child:
             self.proc.wait()
 
     def listen_ports(self) -> list[int]:
-        """The ports this child was given to listen on (a Node: HTTP and gRPC)."""
+        """The ports this child was given to listen on (a NodeProcess: HTTP and gRPC)."""
         return list(self.ports)
 
     def not_listening(self) -> list[int]:
@@ -156,7 +156,9 @@ class Child:
 
 
 @dataclass
-class Node(Child):
+class NodeProcess(Child):
+    """A prefill or decode node's process and its ports (the proxy's handle on a node is proxy/health.py's Node)."""
+
     role: str = "prefill"
     http_port: int = 0
     grpc_port: int = 0
@@ -247,10 +249,10 @@ class LocalCluster:
         store_dir = self.spec.log_dir / "kvstore"
         return store_dir.resolve().as_uri()
 
-    def _node(self, role: str, index: int) -> Node:
+    def _node(self, role: str, index: int) -> NodeProcess:
         name = f"{role}{index}"
-        node = Node(name, [], self.spec.log_dir, shared_cores_env(self.spec.env), role=role, http_port=free_port(),
-                    grpc_port=free_port())
+        node = NodeProcess(name, [], self.spec.log_dir, shared_cores_env(self.spec.env), role=role,
+                           http_port=free_port(), grpc_port=free_port())
         node.argv = python_module(f"pdserve.{role}_node", "--model", self.spec.model, "--kv-store", self.kv_store,
                                   "--host", HOST, "--port", str(node.http_port), "--grpc-port", str(node.grpc_port),
                                   "--log-file", str(node.log_file), *self.spec.node_args)

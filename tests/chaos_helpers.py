@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from pdserve.deploy.fault_relay import FaultRelay
-from pdserve.deploy.processes import HOST, ClusterSpec, LocalCluster, Node
+from pdserve.deploy.processes import HOST, ClusterSpec, LocalCluster, NodeProcess
 from tests.cluster_helpers import CHUNK_SIZE, NODE_ARGS
 from tests.timing import HANG_S
 from tests.utils import RedisServer
@@ -68,7 +68,7 @@ class ChaosCluster:
         return self.cluster.url
 
     @property
-    def decode(self) -> list[Node]:
+    def decode(self) -> list[NodeProcess]:
         return self.cluster.decode
 
     def stop(self) -> None:
