@@ -14,7 +14,7 @@ from typing import Any
 
 _EXPORTS = {
     "LLMEngine": "pdserve.engine.llm_engine",
-    "RequestOutput": "pdserve.engine.outputs",
+    "StepOutput": "pdserve.engine.outputs",
     "EngineStats": "pdserve.engine.outputs",
     "SamplingParams": "pdserve.engine.sampling_params",
 }

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from pdserve.engine.outputs import FirstToken, RequestOutput, Resume
+from pdserve.engine.outputs import FirstToken, Resume, StepOutput
 from pdserve.engine.parallel.launcher import exit_process
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -138,7 +138,7 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None, resume: Resume | None = None,
-                       first_token: FirstToken | None = None) -> AsyncIterator[RequestOutput]:
+                       first_token: FirstToken | None = None) -> AsyncIterator[StepOutput]:
         """Outputs of one request until it finishes (each of its n choices, told apart by `index`).
         Closing the iterator early aborts the request; `resume` continues another engine's stream;
         `first_token` is its first output token as a P/D prefill node sampled it (LLMEngine.add_request).
@@ -199,7 +199,7 @@ class AsyncLLMEngine:
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
 
-    def _dispatch(self, outputs: list[RequestOutput], stats: Any) -> None:
+    def _dispatch(self, outputs: list[StepOutput], stats: Any) -> None:
         """Runs on the loop: route one step's outputs to their streams, observe latencies."""
         self._stats = stats
         now = time.monotonic()

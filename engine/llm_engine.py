@@ -1,6 +1,6 @@
 """LLMEngine: tokenizer + scheduler + KV cache manager + model runner, driven one step at a time.
 
-`step()` schedules a batch, runs it, applies the outputs and turns them into RequestOutputs
+`step()` schedules a batch, runs it, applies the outputs and turns them into StepOutputs
 (detokenized text, stop strings). The engine is synchronous; AsyncLLMEngine runs it in a
 thread for the servers.
 """
@@ -16,7 +16,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output_state import OutputState, cut_at_stop_string, stop_holdback
-from pdserve.engine.outputs import EngineStats, FirstToken, Logprob, RequestOutput, Resume
+from pdserve.engine.outputs import EngineStats, FirstToken, Logprob, Resume, StepOutput
 from pdserve.engine.prompt_logprobs import prompt_logprobs_output
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
@@ -77,7 +77,7 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_id)
         self._states: dict[str, OutputState] = {}  # engine request id (one per choice) -> output state
         self._groups: dict[str, list[str]] = {}  # the caller's request id -> its choices' engine ids
-        self._ready: list[RequestOutput] = []  # made outside a step (a given first token): the next step's
+        self._ready: list[StepOutput] = []  # made outside a step (a given first token): the next step's
         self.num_requests_added = 0
         self.num_requests_finished = 0
         self.num_generation_tokens = 0
@@ -216,7 +216,7 @@ class LLMEngine:
         state.num_sent_tokens = len(token_ids)
         state.num_sent_chars = min(num_sent_chars, len(state.text))
 
-    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+    def abort_request(self, request_ids: str | list[str]) -> list[StepOutput]:
         """Abort running or waiting requests, all their choices (unknown ids are ignored); their final outputs."""
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
         choice_ids = [c for rid in ids for c in self._groups.get(rid, [rid])]
@@ -231,7 +231,7 @@ class LLMEngine:
         return bool(self._ready) or self.scheduler.has_unfinished_requests()
 
     # ---- one step ----
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[StepOutput]:
         """One scheduled batch. With nothing to schedule (every request waits on store I/O) the step
         still polls the connector, then sleeps `_IDLE_POLL_S` so waiting does not spin a core."""
         scheduler_output = self.scheduler.schedule()
@@ -249,7 +249,7 @@ class LLMEngine:
             time.sleep(_IDLE_POLL_S)
         return outputs
 
-    def _output_or_failure(self, request: Request) -> RequestOutput | None:
+    def _output_or_failure(self, request: Request) -> StepOutput | None:
         """The request's output; an unexpected error making it fails this request alone."""
         try:
             return self._make_output(request)
@@ -258,7 +258,7 @@ class LLMEngine:
                              request.request_id)
             return self.fail_request(request.request_id, f"{type(exc).__name__}: {exc}")
 
-    def fail_request(self, request_id: str, error: str) -> RequestOutput | None:
+    def fail_request(self, request_id: str, error: str) -> StepOutput | None:
         """End one request (one choice's id) with FINISHED_ERROR, its stream gets the error; None if
         it is already gone."""
         done = self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ERROR)
@@ -269,12 +269,12 @@ class LLMEngine:
         state = self._states.get(request_id)
         if state is not None:
             self._finish(state)
-        return RequestOutput(request_id=request.parent_id, prompt_token_ids=request.prompt_token_ids,
+        return StepOutput(request_id=request.parent_id, prompt_token_ids=request.prompt_token_ids,
                              new_token_ids=[], new_text="", new_logprobs=[], token_ids=list(request.output_token_ids),
                              text=state.text if state else "", finished=True, finish_reason="error",
                              num_cached_tokens=max(request.num_cached_tokens, 0), index=request.index, error=error)
 
-    def _make_output(self, request: Request) -> RequestOutput:
+    def _make_output(self, request: Request) -> StepOutput:
         state = self._states[request.request_id]
         params = request.sampling_params
         new_ids = request.output_token_ids[state.num_sent_tokens:]
@@ -294,7 +294,7 @@ class LLMEngine:
             visible = len(state.text)
         else:  # hold back text that may still become a stop string
             visible = max(state.num_sent_chars, len(state.text) - stop_holdback(request))
-        out = RequestOutput(
+        out = StepOutput(
             request_id=request.parent_id,
             prompt_token_ids=request.prompt_token_ids,
             new_token_ids=new_ids,
@@ -316,7 +316,7 @@ class LLMEngine:
             self._finish(state)
         return out
 
-    def _beam_search_outputs(self, search: BeamSearch) -> list[RequestOutput]:
+    def _beam_search_outputs(self, search: BeamSearch) -> list[StepOutput]:
         """A finished beam search's answer: its hypotheses, best first, as choices 0..width-1, whole."""
         state = self._states[search.request_id]
         request, params = state.request, state.request.sampling_params
@@ -327,7 +327,7 @@ class LLMEngine:
             detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
             text = detokenizer.add_tokens(tokens[:-1] if stopped else tokens) + detokenizer.flush()
             self.num_generation_tokens += len(tokens)
-            outputs.append(RequestOutput(
+            outputs.append(StepOutput(
                 request_id=search.request_id, prompt_token_ids=request.prompt_token_ids, new_token_ids=tokens,
                 new_text=text, new_logprobs=[], token_ids=tokens, text=text, finished=True,
                 finish_reason="stop" if stopped else "length", num_cached_tokens=request.num_cached_tokens,

@@ -1,4 +1,4 @@
-"""What the engine hands back: per-request progress (RequestOutput) and engine counters (EngineStats)."""
+"""What the engine hands back: each choice's progress after a step (StepOutput) and engine counters (EngineStats)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -14,7 +14,7 @@ class Logprob:
 
 
 @dataclass
-class RequestOutput:
+class StepOutput:
     """One choice of a request after a step: the delta of this step, plus everything so far once it finished.
 
     `token_ids` and `text` (the whole output) are filled on the final output only; while the

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.outputs import Logprob
-from pdserve.engine.outputs import RequestOutput as StepOutput
+from pdserve.engine.outputs import StepOutput
 
 
 @dataclass

@@ -163,7 +163,7 @@ class OpenAIServer:
 
     @staticmethod
     def usage(out: Any) -> dict[str, Any]:
-        """Usage of a choice's RequestOutput; its completion count is the whole output only on the final one."""
+        """Usage of a choice's StepOutput; its completion count is the whole output only on the final one."""
         return usage_dict(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
 
     async def _stream(self, request: web.Request, builder: ResponseBuilder, assembler: Assembler,

@@ -20,7 +20,7 @@ from pdserve.serving.responses import Delta, PromptPosition, usage_dict
 from pdserve.serving.tokenize_api import TokenizeRequest
 
 if TYPE_CHECKING:
-    from pdserve.engine.outputs import FirstToken, RequestOutput
+    from pdserve.engine.outputs import FirstToken, StepOutput
 
 
 def messages_to_pb(messages: list[dict[str, str]]) -> list[pb.ChatMessage]:
@@ -207,8 +207,8 @@ def tokenize_from_pb(call: pb.TokenizeRequest) -> TokenizeRequest:
                            return_token_strs=call.return_token_strs)
 
 
-def first_token_to_pb(out: RequestOutput) -> pb.FirstToken | None:
-    """A prefill node's final RequestOutput as the first token the decode node continues from (None
+def first_token_to_pb(out: StepOutput) -> pb.FirstToken | None:
+    """A prefill node's final StepOutput as the first token the decode node continues from (None
     when it sampled nothing)."""
     if not out.token_ids:
         return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.outputs import FirstToken, RequestOutput
+from pdserve.engine.outputs import FirstToken, StepOutput
 from pdserve.engine.sampling_params import SamplingParams
 
 PROMPT = list(range(5, 45))  # 40 tokens: two full blocks and a partial one
@@ -17,7 +17,7 @@ def engine(tiny_llama) -> LLMEngine:
 
 
 def _run(engine: LLMEngine, rid: str, params: SamplingParams, first: FirstToken | None = None,
-         prompt: list[int] = PROMPT) -> list[list[RequestOutput]]:
+         prompt: list[int] = PROMPT) -> list[list[StepOutput]]:
     """The outputs of each step until the request ends."""
     engine.add_request(rid, prompt, params, first_token=first)
     steps = []
@@ -26,7 +26,7 @@ def _run(engine: LLMEngine, rid: str, params: SamplingParams, first: FirstToken 
     return steps
 
 
-def _tokens(steps: list[list[RequestOutput]]) -> list[int]:
+def _tokens(steps: list[list[StepOutput]]) -> list[int]:
     return [t for outs in steps for o in outs for t in o.new_token_ids]
 
 
