@@ -109,6 +109,20 @@ def test_the_proxy_process_stays_light():
     assert set(out.stdout.split()) <= {"pdserve.engine", "pdserve.engine.sampling_params", "pdserve.engine.config"}, out.stdout
 
 
+def test_every_class_name_is_defined_once():
+    """A name that two classes share makes a reader (and grep) guess which one a line means (there were two
+    KVTransfer and two Node): every class the packages define has a name of its own, tests/ and benchmarks/
+    aside."""
+    where: dict[str, list[str]] = {}
+    for package in ALLOWED:
+        for path in (REPO / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ClassDef):
+                    where.setdefault(node.name, []).append(f"{path.relative_to(REPO)}:{node.lineno}")
+    twice = {name: places for name, places in where.items() if len(places) > 1}
+    assert not twice, f"class names defined more than once: {twice}"
+
+
 def test_first_party_imports_name_the_pdserve_namespace(tmp_path):
     """Every import of a first-party package goes through `pdserve.` (a bare `import common` would take
     whatever `common` comes first on sys.path), and a stray common.py / engine.py there changes nothing."""
