@@ -140,13 +140,7 @@ class LLMEngine:
                 raise ValueError("a given first token needs n = 1, no beam search, no prompt_logprobs and no resume")
             if not 0 <= first_token.token_id < self.vocab_size:
                 raise ValueError(f"the first token id must be in [0, {self.vocab_size}); got {first_token.token_id}")
-        out_of_vocab = [t for t in (params.logit_bias or {}) if t >= self.vocab_size]
-        if out_of_vocab:
-            raise ValueError(f"logit_bias token id {out_of_vocab[0]} is outside the vocabulary [0, {self.vocab_size})")
-        for name in ("allowed_token_ids", "logprob_token_ids"):
-            if any(t >= self.vocab_size for t in getattr(params, name) or []):
-                raise ValueError(f"{name} holds token id {max(getattr(params, name))}, outside the vocabulary "
-                                 f"[0, {self.vocab_size})")
+        params.check_token_ids(self.vocab_size)
         if params.bad_words and params.bad_words_token_ids is None:  # once, with this engine's tokenizer
             params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(
                 self.tokenizer, params.bad_words, self.vocab_size))

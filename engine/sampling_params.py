@@ -11,9 +11,67 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_TOP_LOGPROBS = 20  # vLLM's default --max-logprobs (OpenAI's limit too)
+MAX_N = 128  # choices per prompt; pdserve's cap (vLLM's VLLM_MAX_N_SEQUENCES defaults to 16384)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a seed is a 64-bit signed integer (the gRPC field is int64)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's limit on each logit_bias value
+# The largest max_tokens, min_tokens or top_k: a 32-bit count, what the gRPC wire carries (int32/uint32),
+# so a count has one bound whether it arrives offline, over HTTP or from pd-proxy.
+MAX_COUNT = 2**31 - 1
+
+
+class SamplingParamsError(ValueError):
+    """A sampling value outside its bound; `param` names the field, so the HTTP layer's 400 can name it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The values a numeric field takes: [lo, hi] (lo excluded when lo_open; None: unbounded)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    integer: bool = False
+
+    def __str__(self) -> str:
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {self.lo}"
+        return f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}]"
+
+    def check(self, name: str, value: Any) -> None:
+        """SamplingParamsError naming `name` unless `value` has the field's type and lies in the bound."""
+        if self.integer and not _is_int(value):
+            raise SamplingParamsError(name, f"{name} must be an integer, got {value!r}")
+        if not self.integer and not _is_number(value):
+            raise SamplingParamsError(name, f"{name} must be a finite number, got {value!r}")
+        if ((self.lo is not None and (value < self.lo or (self.lo_open and value == self.lo)))
+                or (self.hi is not None and value > self.hi)):
+            raise SamplingParamsError(name, f"{name} must be {self}, got {value}")
+
+
+# The one table of numeric bounds: vLLM's (its SamplingParams._verify_args), floats written as floats as
+# the OpenAI error messages quote them. The HTTP layer reads a field's JSON type and leaves its value to
+# these; docs/vllm-compat.md lists them (tests/test_protocol_choices.py keeps the two equal).
+BOUNDS: dict[str, Bound] = {
+    "n": Bound(1, MAX_N, integer=True),
+    "max_tokens": Bound(1, MAX_COUNT, integer=True),
+    "min_tokens": Bound(0, MAX_COUNT, integer=True),  # and at most max_tokens
+    "temperature": Bound(0.0, 2.0),  # vLLM refuses above 2 since vllm-project/vllm#44965, as OpenAI does
+    "top_p": Bound(0.0, 1.0, lo_open=True),
+    "top_k": Bound(-1, MAX_COUNT, integer=True),  # 0 or -1: disabled
+    "min_p": Bound(0.0, 1.0),
+    "seed": Bound(SEED_MIN, SEED_MAX, integer=True),  # and seed + n - 1 too (choice i uses seed + i)
+    "presence_penalty": Bound(-2.0, 2.0),
+    "frequency_penalty": Bound(-2.0, 2.0),
+    "repetition_penalty": Bound(0.0, lo_open=True),  # any finite number > 0 (vLLM); 1 is off
+    "top_logprobs": Bound(0, MAX_TOP_LOGPROBS, integer=True),
+    "prompt_logprobs": Bound(0, MAX_TOP_LOGPROBS, integer=True),
+    "length_penalty": Bound(-1e6, 1e6),  # vLLM leaves it unbounded; the bound pdserve's HTTP layer had
+}
 
 
 def _is_int(v: Any) -> bool:
@@ -25,11 +83,12 @@ def _is_number(v: Any) -> bool:
 
 
 def parse_logit_bias(bias: Any) -> dict[int, float] | None:
-    """OpenAI's logit_bias ({"token id": bias}, keys may be JSON strings) as {int: float}; ValueError if bad."""
+    """OpenAI's logit_bias ({"token id": bias}, keys may be JSON strings) as {int: float};
+    SamplingParamsError (a ValueError) if bad."""
     if not bias:
         return None
     if not isinstance(bias, dict):
-        raise ValueError("logit_bias must map token ids to numbers")
+        raise SamplingParamsError("logit_bias", "logit_bias must map token ids to numbers")
     out: dict[int, float] = {}
     for token, value in bias.items():
         try:
@@ -37,11 +96,12 @@ def parse_logit_bias(bias: Any) -> dict[int, float] | None:
                 raise ValueError
             tid = int(token)  # JSON object keys arrive as strings
         except (TypeError, ValueError):
-            raise ValueError(f"logit_bias keys must be token ids, got {token!r}") from None
+            raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids, got {token!r}") from None
         if tid < 0:
-            raise ValueError(f"logit_bias keys must be non-negative token ids, got {token!r}")
+            raise SamplingParamsError("logit_bias", f"logit_bias keys must be non-negative token ids, got {token!r}")
         if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {tid}")
+            raise SamplingParamsError("logit_bias", f"logit_bias values must be numbers in [-100, 100], "
+                                                    f"got {value!r} for token {tid}")
         out[tid] = float(value)
     return out
 
@@ -139,68 +199,58 @@ class SamplingParams:
     length_penalty: float = 1.0  # a finished beam's score: accumulated logprob / its length ** length_penalty
 
     def __post_init__(self) -> None:
+        """Every value against vLLM's bounds (BOUNDS): the one place a request's values are checked,
+        offline and over HTTP alike (the HTTP layer turns the SamplingParamsError into a 400)."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
-                             f"got {self.min_tokens!r}")
-        if not 0.0 <= float(self.temperature) <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not 0.0 < float(self.top_p) <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        # choice i of n uses seed + i: every one of them must be a 64-bit signed integer
-        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed
-                                      or self.seed + max(self.n, 1) - 1 > SEED_MAX):
-            raise ValueError(f"seed must be an integer in [-2^63, 2^63 - n], got {self.seed!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not _is_number(v) or not -2.0 <= v <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be a number > 0, got {self.repetition_penalty!r}")
+        self._check_bounds("n", "max_tokens", "min_tokens")
+        if self.min_tokens > self.max_tokens:
+            raise SamplingParamsError("min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                                                    f"({self.max_tokens})")
+        self._check_bounds("temperature", "top_p", "top_k", "min_p")
+        if self.seed is not None:
+            # choice i of n uses seed + i: every one of them must be a 64-bit signed integer
+            Bound(SEED_MIN, SEED_MAX - self.n + 1, integer=True).check("seed", self.seed)
+        self._check_bounds("presence_penalty", "frequency_penalty", "repetition_penalty")
         self.logit_bias = parse_logit_bias(self.logit_bias)
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+            raise SamplingParamsError("stop", "stop must be a non-empty string or a list of non-empty strings")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be a list of non-negative integers")
-        if _is_int(self.logprobs):
-            if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-                raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+            raise SamplingParamsError("stop_token_ids", "stop_token_ids must be a list of non-negative token ids")
+        if _is_int(self.logprobs):  # vLLM's int: the sampled token's plus this many most likely tokens'
+            BOUNDS["top_logprobs"].check("logprobs", self.logprobs)
             self.top_logprobs, self.logprobs = self.top_logprobs or self.logprobs, True
-        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
-        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
-                                                 or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
-            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
-                             f"got {self.prompt_logprobs!r}")
+        BOUNDS["top_logprobs"].check("top_logprobs", self.top_logprobs)
+        if self.prompt_logprobs is not None:
+            BOUNDS["prompt_logprobs"].check("prompt_logprobs", self.prompt_logprobs)
         self.bad_words = list(self.bad_words or [])
         if any(not isinstance(w, str) or not w for w in self.bad_words):
-            raise ValueError("bad_words must be a list of non-empty strings")
+            raise SamplingParamsError("bad_words", "bad_words must be a list of non-empty strings")
         for name in ("allowed_token_ids", "logprob_token_ids"):
             ids = getattr(self, name)
             if ids is not None and (not ids or any(not _is_int(t) or t < 0 for t in ids)):
-                raise ValueError(f"{name} must be a non-empty list of non-negative token ids")
+                raise SamplingParamsError(name, f"{name} must be a non-empty list of non-negative token ids")
         if self.logprob_token_ids and not self.logprobs:
-            raise ValueError("logprob_token_ids requires logprobs")
+            raise SamplingParamsError("logprob_token_ids", "logprob_token_ids requires logprobs")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise ValueError("structured_outputs must be a StructuredOutputsParams")
+            raise SamplingParamsError("structured_outputs", "structured_outputs must be a StructuredOutputsParams")
         self.logprobs = bool(self.logprobs or self.top_logprobs)
-        if not _is_number(self.length_penalty):
-            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        self._check_bounds("length_penalty")
         if self.use_beam_search:
             self._check_beam_search()
+
+    def _check_bounds(self, *names: str) -> None:
+        """Each field against BOUNDS, as given (an error quotes the client's 2, not 2.0); a number field
+        is then stored as a float, so the sampler sees one type."""
+        for name in names:
+            bound, value = BOUNDS[name], getattr(self, name)
+            bound.check(name, value)
+            if not bound.integer:
+                setattr(self, name, float(value))
 
     def _check_beam_search(self) -> None:
         """Beam search ranks beams by their raw logprobs alone: what would reshape the logits or the
@@ -214,7 +264,16 @@ class SamplingParams:
                        "allowed_token_ids": self.allowed_token_ids}
         for name, value in unsupported.items():
             if value:
-                raise ValueError(f"{name} is not supported with use_beam_search")
+                raise SamplingParamsError(name, f"{name} is not supported with use_beam_search")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """SamplingParamsError for a token id these params name outside the model's vocabulary (the engine
+        checks it on adding a request; a server before starting any of a request's prompts)."""
+        for name, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", self.allowed_token_ids),
+                          ("logprob_token_ids", self.logprob_token_ids)):
+            if ids and max(ids) >= vocab_size:
+                raise SamplingParamsError(name, f"{name} token id {max(ids)} is outside the vocabulary "
+                                                f"[0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:

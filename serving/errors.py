@@ -11,7 +11,8 @@ import json
 
 import grpc
 
-from pdserve.serving.protocol import CHAT, APIError, bad_request, service_unavailable
+from pdserve.engine.sampling_params import SamplingParamsError
+from pdserve.serving.protocol import CHAT, APIError, bad_request, engine_bad_request, service_unavailable
 
 # HTTP status -> gRPC status code of a node's answer; a full queue is RESOURCE_EXHAUSTED, others UNAVAILABLE.
 class StartupError(Exception):
@@ -63,6 +64,8 @@ def from_engine_error(e: Exception, kind: str) -> APIError | None:
         return service_unavailable(str(e), "shutting_down")
     if isinstance(e, RequestAbortedError):
         return service_unavailable(str(e), "aborted")
+    if isinstance(e, SamplingParamsError):  # a value out of the engine's bounds: the 400 names its field
+        return engine_bad_request(e, kind)
     if isinstance(e, ValueError):  # the engine refused the prompt
         return bad_request(str(e), "messages" if kind == CHAT else "prompt")
     return None

@@ -12,15 +12,15 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from pdserve.engine.sampling_params import MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams, parse_logit_bias
+from pdserve.engine.sampling_params import BOUNDS, SamplingParams, SamplingParamsError, parse_logit_bias
 from pdserve.serving.limits import check_prompt_chars
 from pdserve.serving.protocol_chat import (CHAT_TEMPLATE_FIELDS, ChatTemplateOptions, parse_chat_template_options,
                                            parse_messages)
 from pdserve.serving.protocol_fields import (  # noqa: F401 (APIError, error_body, ... are re-exported)
-    MAX_COUNT, APIError, bad_request, bool_field, decode_json_body, error_body, float_field, int_field, is_int,
-    model_not_found, service_unavailable, str_field, string_list, token_list)
+    MAX_COUNT, APIError, bad_request, bool_field, decode_json_body, error_body, int_field, int_value, is_int,
+    model_not_found, number_value, service_unavailable, str_field, string_list, token_list)
 from pdserve.serving.protocol_prompt import PROMPT_FIELDS, PromptOptions, parse_prompt_options
 from pdserve.serving.structured_outputs import FIELDS as STRUCTURED_OUTPUT_FIELDS
 from pdserve.serving.structured_outputs import parse_structured_outputs
@@ -52,10 +52,10 @@ NEUTRAL_PARAMETERS: dict[str, tuple[Any, ...]] = {
     "reasoning_effort": (), "verbosity": (), "web_search_options": (), "moderation": (), "prompt_cache_key": (),
     "prompt_cache_options": (), "prompt_cache_retention": (),
 }
-MAX_N = 128
-
-
 MAX_BATCHED_PROMPTS = 1024
+# Engine field -> the request field that carries it, where the names differ (completions' `logprobs` is
+# the engine's top_logprobs): an engine error names what the client sent.
+_REQUEST_FIELD = {COMPLETION: {"top_logprobs": "logprobs"}, CHAT: {}}
 
 
 def _one_prompt(p: Any) -> str | list[int]:
@@ -90,7 +90,7 @@ def _parse_stop(body: dict) -> list[str]:
         return []
     if isinstance(stop, str):
         stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):  # empty ones: the engine's
         raise bad_request("stop must be a non-empty string or a list of non-empty strings", "stop")
     return stop
 
@@ -139,11 +139,6 @@ class GenerationRequest:
     def sampling_params(self, prompt_len: int, max_model_len: int, vocab_size: int | None = None) -> SamplingParams:
         """Resolve max_tokens against the context and build the engine's params (400 on misfit);
         with `vocab_size` (nodes know it, the proxy does not) logit_bias ids are checked too."""
-        for name, ids in (("logit_bias", self.sampling.get("logit_bias")),
-                          ("allowed_token_ids", self.sampling.get("allowed_token_ids")),
-                          ("logprob_token_ids", self.sampling.get("logprob_token_ids"))):
-            if vocab_size is not None and ids and max(ids) >= vocab_size:
-                raise bad_request(f"{name} token id {max(ids)} is outside the vocabulary [0, {vocab_size})", name)
         room = max_model_len - prompt_len
         if room < 1 or (self.max_tokens is not None and self.max_tokens > room):
             asked = "" if self.max_tokens is None else f" + {self.max_tokens} max_tokens"
@@ -152,11 +147,13 @@ class GenerationRequest:
                               "max_tokens" if room >= 1 else ("messages" if self.kind == CHAT else "prompt"),
                               "context_length_exceeded")
         try:
-            return SamplingParams(max_tokens=self.max_tokens or room, logprobs=self.logprobs,
-                                  top_logprobs=self.top_logprobs, **self.sampling)
-        except ValueError as e:
-            name = str(e).split(maxsplit=1)[0]
-            raise bad_request(str(e), name if name in SUPPORTED_PARAMETERS[self.kind] else None) from None
+            params = SamplingParams(max_tokens=self.max_tokens or room, logprobs=self.logprobs,
+                                    top_logprobs=self.top_logprobs, **self.sampling)
+            if vocab_size is not None:
+                params.check_token_ids(vocab_size)
+            return params
+        except SamplingParamsError as e:
+            raise engine_bad_request(e, self.kind) from None
 
 
 def check_prompt_size(req: GenerationRequest, max_model_len: int) -> None:
@@ -184,41 +181,47 @@ def parse_request(kind: str, raw: bytes | str | Any, check_grammar: bool = True,
     _check_fields(kind, body)
     model = str_field(body, "model")
     prompts = None
+    renames = dict(_REQUEST_FIELD[kind])
     if kind == CHAT:
         prompt, messages = None, parse_messages(body)
-        max_tokens = int_field(body, "max_completion_tokens", None, 1)
-        max_tokens = int_field(body, "max_tokens", max_tokens, 1)
-        top_logprobs = int_field(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+        completion_tokens = int_value(body, "max_completion_tokens", None)
+        max_tokens = int_value(body, "max_tokens", None)
+        if max_tokens is None:
+            max_tokens, renames["max_tokens"] = completion_tokens, "max_completion_tokens"
+        elif completion_tokens is not None:  # max_tokens wins; the other is held to the same bound
+            _engine_checked(kind, lambda: BOUNDS["max_tokens"].check("max_completion_tokens", completion_tokens))
+        top_logprobs = int_value(body, "top_logprobs", 0)
         logprobs = bool_field(body, "logprobs")
         if top_logprobs and not logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     else:
         prompts, messages = _parse_prompts(body), None
         prompt = prompts[0]
-        max_tokens = int_field(body, "max_tokens", 16, 1)
-        top_logprobs = int_field(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+        max_tokens = int_value(body, "max_tokens", 16)
+        top_logprobs = int_value(body, "logprobs", None)
         logprobs, top_logprobs = top_logprobs is not None, top_logprobs or 0
     stream, echo = bool_field(body, "stream"), bool_field(body, "echo")
     include_usage, continuous_usage = _parse_stream_options(body, stream)
-    prompt_logprobs = int_field(body, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    prompt_logprobs = int_value(body, "prompt_logprobs", None)
     if prompt_logprobs is not None and stream:
         raise bad_request("prompt_logprobs is not available with stream=true", "prompt_logprobs")
     structured, structured_field = parse_structured_outputs(body, bad_request, check_grammar)
+    # JSON types here; every value's bound is the engine's (SamplingParams), checked below
     sampling = {
-        "n": int_field(body, "n", 1, 1, MAX_N),
-        "temperature": float_field(body, "temperature", 1.0, 0.0, 2.0),
-        "top_p": float_field(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-        "top_k": int_field(body, "top_k", 0, -1),
-        "min_p": float_field(body, "min_p", 0.0, 0.0, 1.0),
-        "seed": int_field(body, "seed", None, SEED_MIN, SEED_MAX),
+        "n": int_value(body, "n", 1),
+        "temperature": number_value(body, "temperature", 1.0),
+        "top_p": number_value(body, "top_p", 1.0),
+        "top_k": int_value(body, "top_k", 0),
+        "min_p": number_value(body, "min_p", 0.0),
+        "seed": int_value(body, "seed", None),
         "stop": _parse_stop(body),
-        "stop_token_ids": token_list(body, "stop_token_ids"),
+        "stop_token_ids": token_list(body, "stop_token_ids") or [],
         "ignore_eos": bool_field(body, "ignore_eos"),
-        "presence_penalty": float_field(body, "presence_penalty", 0.0, -2.0, 2.0),
-        "frequency_penalty": float_field(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        "repetition_penalty": float_field(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        "presence_penalty": number_value(body, "presence_penalty", 0.0),
+        "frequency_penalty": number_value(body, "frequency_penalty", 0.0),
+        "repetition_penalty": number_value(body, "repetition_penalty", 1.0),
         "logit_bias": _parse_logit_bias(body),
-        "min_tokens": int_field(body, "min_tokens", 0, 0),
+        "min_tokens": int_value(body, "min_tokens", 0),
         "include_stop_str_in_output": bool_field(body, "include_stop_str_in_output"),
         "skip_special_tokens": bool_field(body, "skip_special_tokens", True),
         # echo with logprobs reports the prompt's logprobs too: the engine computes them
@@ -226,19 +229,18 @@ def parse_request(kind: str, raw: bytes | str | Any, check_grammar: bool = True,
         else prompt_logprobs,
         "structured_outputs": structured,
         "bad_words": string_list(body, "bad_words"),
-        "allowed_token_ids": token_list(body, "allowed_token_ids", non_empty=True) or None,
-        "logprob_token_ids": token_list(body, "logprob_token_ids", non_empty=True) or None,
+        "allowed_token_ids": token_list(body, "allowed_token_ids"),
+        "logprob_token_ids": token_list(body, "logprob_token_ids"),
         "use_beam_search": bool_field(body, "use_beam_search"),
-        "length_penalty": float_field(body, "length_penalty", 1.0, -1e6, 1e6),
+        "length_penalty": number_value(body, "length_penalty", 1.0),
     }
-    if sampling["logprob_token_ids"] and not logprobs:
-        raise bad_request("logprob_token_ids requires logprobs" + (" to be true" if kind == CHAT else ""),
-                          "logprob_token_ids")
     if sampling["use_beam_search"] and stream:  # the answer is known only once the search ends (as vLLM)
         raise bad_request("use_beam_search is not available with stream=true", "use_beam_search")
-    if sampling["min_tokens"] > (max_tokens or sampling["min_tokens"]):
-        raise bad_request(f"min_tokens ({sampling['min_tokens']}) must not exceed max_tokens ({max_tokens})",
-                          "min_tokens")
+    # The engine's checks now, not only on the node: pd-proxy refuses what a node would, before any node
+    # works on it. Without max_tokens (chat: up to the context) min_tokens meets the context later.
+    _engine_checked(kind, lambda: SamplingParams(
+        max_tokens=max(sampling["min_tokens"], 1) if max_tokens is None else max_tokens, logprobs=logprobs,
+        top_logprobs=top_logprobs, **sampling), renames)
     return GenerationRequest(
         kind=kind, model=model, prompt=prompt, messages=messages, max_tokens=max_tokens,
         stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
@@ -309,14 +311,30 @@ def _parse_stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
 
 
 def _parse_logit_bias(body: dict) -> dict[int, float] | None:
-    """OpenAI's {"token id": bias in [-100, 100]}; the engine checks the ids against its vocabulary."""
+    """OpenAI's {"token id": bias}, as the engine reads it (its ids against the vocabulary come later)."""
     v = body.get("logit_bias")
     if v is None:
         return None
     try:
         return parse_logit_bias(v)
-    except ValueError as e:
-        raise bad_request(str(e), "logit_bias") from None
+    except SamplingParamsError as e:
+        raise bad_request(str(e), e.param) from None
+
+
+def engine_bad_request(e: SamplingParamsError, kind: str, renames: dict[str, str] | None = None) -> APIError:
+    """The OpenAI 400 for a value the engine refused, naming the request field that carried it."""
+    field = (renames or _REQUEST_FIELD[kind]).get(e.param, e.param)
+    message = str(e)
+    if field != e.param and message.startswith(e.param):
+        message = field + message[len(e.param):]
+    return bad_request(message, field)
+
+
+def _engine_checked(kind: str, check: Callable[[], object], renames: dict[str, str] | None = None) -> None:
+    try:
+        check()
+    except SamplingParamsError as e:
+        raise engine_bad_request(e, kind, renames) from None
 
 
 def check_model(model: str | None, served_names: list[str]) -> str:

@@ -9,9 +9,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pdserve.engine.sampling_params import MAX_COUNT
 from pdserve.serving.limits import decode_json
-
-MAX_COUNT = 2**31 - 1  # the largest max_tokens, top_k, ... the gRPC wire (int32/uint32) and the engine take
 
 
 class APIError(Exception):
@@ -54,28 +53,35 @@ def is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def int_field(body: dict, name: str, default: int | None, lo: int | None = None, hi: int | None = None) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not is_int(v):
-        raise bad_request(f"{name} must be an integer, got {json.dumps(v)}", name)
-    hi = MAX_COUNT if hi is None else hi  # every integer field is bounded: none reaches the engine unchecked
-    if (lo is not None and v < lo) or v > hi:
+def int_field(body: dict, name: str, default: int | None, lo: int | None = None, hi: int = MAX_COUNT) -> int | None:
+    """An integer in [lo, hi] (hi: the wire's int32 unless given): for fields the HTTP layer bounds."""
+    v = int_value(body, name, default)
+    if v is not None and ((lo is not None and v < lo) or v > hi):
         bounds = f"<= {hi}" if lo is None else f"in [{lo}, {hi}]"
         raise bad_request(f"{name} must be {bounds}, got {v}", name)
     return v
 
 
-def float_field(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+def int_value(body: dict, name: str, default: int | None) -> int | None:
+    """An integer, unbounded here: a sampling field, whose bound is the engine's (engine/sampling_params.py
+    BOUNDS; the request's SamplingParams are built at parse time, so pd-proxy refuses what a node would)."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if not is_int(v):
+        raise bad_request(f"{name} must be an integer, got {json.dumps(v)}", name)
+    return v
+
+
+def number_value(body: dict, name: str, default: float) -> float:
+    """A number (JSON's are finite: decode_json refuses the rest), as the client wrote it (an error then
+    quotes 2, not 2.0); like int_value, a sampling field whose bound is the engine's."""
     v = body.get(name)
     if v is None:
         return default
     if not is_number(v):
         raise bad_request(f"{name} must be a number, got {json.dumps(v)}", name)
-    if v > hi or v < lo or (lo_open and v == lo):
-        raise bad_request(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", name)
-    return float(v)
+    return v
 
 
 def bool_field(body: dict, name: str, default: bool = False) -> bool:
@@ -101,23 +107,22 @@ def str_field(body: dict, name: str, max_len: int = 4096) -> str | None:
     return v
 
 
-def token_list(body: dict, name: str, non_empty: bool = False) -> list[int]:
-    """A list of token ids (non-negative integers); [] when absent."""
+def token_list(body: dict, name: str) -> list[int] | None:
+    """A list of integers (token ids); None when absent. Which ids are valid is the engine's rule."""
     v = body.get(name)
     if v is None:
-        return []
-    if not isinstance(v, list) or not all(is_int(t) and t >= 0 for t in v) or (non_empty and not v):
-        raise bad_request(f"{name} must be a {'non-empty ' if non_empty else ''}list of non-negative token ids",
-                          name)
+        return None
+    if not isinstance(v, list) or not all(is_int(t) for t in v):
+        raise bad_request(f"{name} must be a list of non-negative token ids", name)
     return list(v)
 
 
 def string_list(body: dict, name: str) -> list[str]:
-    """A list of non-empty strings; [] when absent."""
+    """A list of strings; [] when absent. The engine refuses empty ones."""
     v = body.get(name)
     if v is None:
         return []
-    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
         raise bad_request(f"{name} must be a list of non-empty strings", name)
     return list(v)
 

@@ -10,7 +10,7 @@ from pdserve.engine.logits_processors import process_logits
 from pdserve.engine.penalties import apply_penalties
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import BOUNDS, SamplingParams, SamplingParamsError
 
 VOCAB = 50
 
@@ -114,6 +114,40 @@ def test_bad_logit_bias_is_refused(bad):
 def test_out_of_range_params_name_themselves(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(max_tokens=16, **{field: value})
+
+
+@pytest.mark.parametrize("field,ok,bad", [
+    ("temperature", [0, 0.7, 2.0], [-0.1, 2.01, 100.0]),  # vLLM >= 0.24 caps at 2, as OpenAI (was 100 here)
+    ("repetition_penalty", [0.01, 1.0, 2.0, 3.5, 100.0], [0.0, -1.0, float("inf")]),  # any finite > 0
+    ("top_p", [0.01, 1.0], [0.0, 1.01]), ("top_k", [-1, 0, 50], [-2]), ("min_p", [0.0, 1.0], [1.5, -0.1]),
+    ("presence_penalty", [-2.0, 2.0], [2.5]), ("n", [1, 128], [0, 129]),
+])
+def test_bounds_are_vllms_and_errors_carry_the_field(field, ok, bad):
+    for value in ok:
+        SamplingParams(**{field: value})
+    for value in bad:
+        with pytest.raises(SamplingParamsError) as e:
+            SamplingParams(**{field: value})
+        assert e.value.param == field and str(e.value).startswith(f"{field} must be "), e.value
+        if value != float("inf"):
+            assert str(e.value) == f"{field} must be {BOUNDS[field]}, got {value}"
+
+
+def test_cross_field_rules_name_their_field():
+    for kwargs, param in [({"max_tokens": 4, "min_tokens": 5}, "min_tokens"), ({"logprob_token_ids": [3]},
+                          "logprob_token_ids"), ({"n": 3, "seed": 2**63 - 2}, "seed"), ({"logprobs": 21}, "logprobs"),
+                          ({"n": 2, "use_beam_search": True, "stop": ["x"]}, "stop")]:
+        with pytest.raises(SamplingParamsError) as e:
+            SamplingParams(**kwargs)
+        assert e.value.param == param, e.value
+    with pytest.raises(SamplingParamsError, match="allowed_token_ids token id 9 is outside the vocabulary") as e:
+        SamplingParams(allowed_token_ids=[3, 9]).check_token_ids(8)
+    assert e.value.param == "allowed_token_ids"
+
+
+def test_number_fields_become_floats():
+    params = SamplingParams(temperature=1, top_p=1, repetition_penalty=2)
+    assert all(type(v) is float for v in (params.temperature, params.top_p, params.repetition_penalty))
 
 
 def test_logit_bias_keys_may_be_json_strings():

@@ -5,7 +5,8 @@ import asyncio
 
 import pytest
 
-from pdserve.engine.sampling_params import StructuredOutputsParams
+from pdserve.deploy.processes import REPO
+from pdserve.engine.sampling_params import BOUNDS, StructuredOutputsParams
 from pdserve.serving import protocol as oai
 from pdserve.serving import responses as out
 from pdserve.serving.choices import Assembler, ChoiceOutput, first_delta, merge, sub_request_id
@@ -74,6 +75,50 @@ def test_bad_structured_outputs_are_400_naming_the_field(body, param, message):
 ])
 def test_bad_values_and_unsupported_fields_are_400_naming_them(body, param):
     refused({"prompt": "x", **body}, param)
+
+
+def test_value_bounds_are_the_engines_and_a_400_names_the_field_sent():
+    """The HTTP layer checks JSON types; a value out of its bound is the engine's SamplingParamsError,
+    raised while parsing (so pd-proxy refuses it too) and answered as a 400 naming the request's field."""
+    for body in ({"repetition_penalty": 3}, {"repetition_penalty": 100.5}, {"temperature": 2}):
+        parse({"prompt": "x", **body})  # vLLM's bounds: repetition_penalty was at most 2 here
+    for body, param, message in [
+        ({"temperature": 2.5}, "temperature", "temperature must be in [0.0, 2.0], got 2.5"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be > 0.0, got 0"),
+        ({"top_k": -2}, "top_k", "top_k must be in [-1, 2147483647], got -2"),
+        ({"n": 129}, "n", "n must be in [1, 128], got 129"),
+        ({"logprobs": 21}, "logprobs", "logprobs must be in [0, 20], got 21"),  # the engine's top_logprobs
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens", "min_tokens (20) must not exceed max_tokens (10)"),
+        ({"logprob_token_ids": [1]}, "logprob_token_ids", "logprob_token_ids requires logprobs"),
+        ({"stop": [""]}, "stop", "stop must be a non-empty string or a list of non-empty strings"),
+        ({"allowed_token_ids": []}, "allowed_token_ids", "allowed_token_ids must be a non-empty list"),
+        ({"seed": 2**63 - 1, "n": 2}, "seed", "seed must be in [-9223372036854775808, 9223372036854775806]"),
+        ({"use_beam_search": True, "n": 2, "logprobs": 1}, "logprobs", "logprobs is not supported with use_beam"),
+    ]:
+        assert refused({"prompt": "x", **body}, param).message.startswith(message)
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert refused({**chat, "max_completion_tokens": 0}, "max_completion_tokens", oai.CHAT).message == \
+        "max_completion_tokens must be in [1, 2147483647], got 0"
+    refused({**chat, "max_completion_tokens": 0, "max_tokens": 5}, "max_completion_tokens", oai.CHAT)
+    refused({**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs", oai.CHAT)
+    for body, param in [({"temperature": "1"}, "temperature"), ({"n": 1.5}, "n"), ({"stop_token_ids": ["a"]},
+                                                                                    "stop_token_ids")]:
+        assert "must be a" in refused({"prompt": "x", **body}, param).message  # types: the HTTP layer's
+
+
+def test_a_node_names_the_field_of_a_token_id_outside_its_vocabulary():
+    req = parse({"prompt": "x", "logprobs": 1, "logprob_token_ids": [5, 70]})
+    with pytest.raises(oai.APIError) as e:
+        req.sampling_params(1, 100, vocab_size=64)
+    assert e.value.param == "logprob_token_ids" and "token id 70 is outside the vocabulary [0, 64)" in e.value.message
+    assert req.sampling_params(1, 100).logprob_token_ids == [5, 70]  # the proxy knows no vocabulary
+
+
+def test_the_docs_table_of_value_bounds_is_the_engines():
+    section = (REPO / "docs" / "vllm-compat.md").read_text().split("## Value bounds", 1)[1].split("\n## ", 1)[0]
+    lines = section.splitlines()
+    rows = [line for line in lines if line.startswith("| `")]
+    assert rows == [f"| `{name}` | {bound} |" for name, bound in BOUNDS.items()]
 
 
 def test_messages_are_read_as_vllm_reads_them():
