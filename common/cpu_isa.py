@@ -17,7 +17,9 @@ import functools
 import os
 import platform
 
-ENV = "PDSERVE_CPU_ISA"
+from pdserve.common import env
+
+ENV = env.CPU_ISA.name
 ONEDNN_ENV = "ONEDNN_MAX_CPU_ISA"
 LEVELS = ("x86-64", "avx2", "avx512", "avx512_bf16")  # narrowest first
 _MARCH = {"x86-64": ("-march=x86-64",), "avx2": ("-march=x86-64-v3",), "avx512": ("-march=x86-64-v4",),
@@ -70,7 +72,7 @@ def native_level(flags: frozenset[str] | None = None) -> str:
 def cap() -> str | None:
     """The level the process caps kernels at ($PDSERVE_CPU_ISA, else from $ONEDNN_MAX_CPU_ISA), or None.
     ValueError for a PDSERVE_CPU_ISA that is not a level: a typo must not measure the wrong kind."""
-    value = os.environ.get(ENV, "").strip().lower()
+    value = env.value(env.CPU_ISA).strip().lower()
     if value in ("", "native"):
         return None if value else _ONEDNN_LEVEL.get(os.environ.get(ONEDNN_ENV, "").strip().upper())
     if value not in LEVELS:
@@ -118,5 +120,5 @@ def describe() -> str:
     """One log fragment: the model name, the flags that decide kernels, and the cap if any."""
     shown = " ".join(f for f in SHOWN if has(f)) or "no AVX2"
     capped = cap()
-    where = f"{ENV}" if os.environ.get(ENV, "").strip() else ONEDNN_ENV
+    where = ENV if env.value(env.CPU_ISA).strip() else ONEDNN_ENV
     return f"{model_name()!r} [{shown}{f'; capped at {capped} by {where}' if capped else ''}]"

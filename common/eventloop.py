@@ -9,18 +9,19 @@ out when chasing a bug); anything else, or unset, means uvloop.
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Any, Coroutine, TypeVar
+
+from pdserve.common import env
 
 T = TypeVar("T")
 
-ENV = "PDSERVE_EVENT_LOOP"
+ENV = env.EVENT_LOOP.name
 CHOICES = ("uvloop", "asyncio")
 
 
 def loop_kind() -> str:
     """The loop `run` uses: 'uvloop' unless PDSERVE_EVENT_LOOP says 'asyncio'."""
-    kind = os.environ.get(ENV, "uvloop").strip().lower() or "uvloop"
+    kind = env.value(env.EVENT_LOOP).strip().lower() or env.EVENT_LOOP.default
     if kind not in CHOICES:
         raise ValueError(f"{ENV} must be one of {', '.join(CHOICES)}, got {kind!r}")
     return kind

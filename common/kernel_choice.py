@@ -7,11 +7,12 @@ lives below every package because the KV store's native readers obey it as much 
 """
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from typing import Iterator
 
-ENV = "PDSERVE_KERNELS"
+from pdserve.common import env
+
+ENV = env.KERNELS.name
 BACKENDS = ("auto", "triton", "torch")
 _forced: list[str] = []
 
@@ -35,7 +36,7 @@ def _check(name: str, source: str) -> str:
 
 def requested_backend() -> str:
     """The forced choice (use_backend, else PDSERVE_KERNELS), or 'auto'."""
-    return _forced[-1] if _forced else _check(os.environ.get(ENV, "auto"), ENV)
+    return _forced[-1] if _forced else _check(env.value(env.KERNELS), ENV)
 
 
 def compiled_enabled() -> bool:

@@ -7,15 +7,16 @@ Libraries prebuilt at install (common/native_build.py) lie with the installation
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-ENV = "PDSERVE_CACHE_DIR"
+from pdserve.common import env
+
+ENV = env.CACHE_DIR.name
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(ENV) or Path.home() / ".cache" / "pdserve")
+    return env.path(env.CACHE_DIR)
 
 
 def models_dir() -> Path:

@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.common import env
 from pdserve.deploy.processes import HOST, Child
 
 MAX_RESTARTS = 3
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.path or REPO / "deploy" / ("compose.yaml" if args.kind == "compose" else "kubernetes"))
     steps = compose_steps(path, workdir, dict(os.environ)) if args.kind == "compose" else \
         kubernetes_steps(path, workdir)
-    rehearsal = Rehearsal(steps, workdir / "logs", {"PDSERVE_CACHE_DIR": str(workdir / "cache")})
+    rehearsal = Rehearsal(steps, workdir / "logs", {env.CACHE_DIR.name: str(workdir / "cache")})
     rehearsal.start()
     for step in steps:
         print(f"{step.name}: up after {rehearsal.up_after_s[step.name]:.1f} s, ports {step.ports}; "

@@ -8,18 +8,19 @@ PDSERVE_CONFIGURE_LOGGING=0 to leave logging alone entirely. Servers call their 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
+from pdserve.common import env
+
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-ENV_SWITCH = "PDSERVE_CONFIGURE_LOGGING"
+ENV_SWITCH = env.CONFIGURE_LOGGING.name
 LOGGER = "pdserve"  # every module logs under its own name, all below this one
 
 
 def configure_default_logging(level: int = logging.INFO) -> bool:
     """Give pdserve's logger a stdout handler (as vLLM does) unless logging is configured
     or switched off; True if it did. Calling it again changes nothing."""
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env.flag(env.CONFIGURE_LOGGING):
         return False
     if logging.getLogger().handlers:
         return False

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.common import cpu_isa
+from pdserve.common import cpu_isa, env
 from pdserve.common.kernel_choice import compiled_enabled
 from pdserve.common.native_build import BuildError, recipe
 from pdserve.common.paths import kernels_dir
@@ -32,7 +32,7 @@ from pdserve.kernels import linear_paths
 
 logger = logging.getLogger(__name__)
 
-ENV = "PDSERVE_LINEAR"
+ENV = env.LINEAR.name
 LARGE_FROM = 64  # rows from which a call counts as prefill-sized
 SMALL_ROWS, LARGE_ROWS = 16, 256  # the rows each kind is measured at
 SHAPE = (2048, 1024)  # N x K of the measured weight: a 7B-class model's projections are larger, a 135M's smaller
@@ -142,7 +142,7 @@ def _llc_bytes() -> int:
 
 
 def _override(paths: tuple[str, ...]) -> LinearChoice | None:
-    value = os.environ.get(ENV, "").strip()
+    value = env.value(env.LINEAR).strip()
     if not value or value == "auto":
         return None
     names = [v.strip() for v in value.split(",")]
@@ -204,7 +204,7 @@ _chosen: dict[tuple, LinearChoice] = {}
 
 def linear_choice() -> LinearChoice:
     """This process's choice for bf16 layers (made once per set of conditions, logged once)."""
-    state = (compiled_enabled(), os.environ.get(ENV, ""), cpu_isa.cap())
+    state = (compiled_enabled(), env.value(env.LINEAR), cpu_isa.cap())
     if state in _chosen:
         return _chosen[state]
     with _lock:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import hmac
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import grpc
 from aiohttp import web
 
+from pdserve.common import env
 from pdserve.serving import protocol as oai
 
 logger = logging.getLogger(__name__)
@@ -158,9 +158,9 @@ def add_node_security_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--grpc-tls-key", default=None, metavar="PEM", help="private key of --grpc-tls-cert")
     g.add_argument("--grpc-tls-ca", default=None, metavar="PEM",
                    help="require client certificates signed by this CA (mutual TLS)")
-    g.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None,
+    g.add_argument("--api-key", default=env.optional(env.API_KEY),
                    help="require this key on every gRPC call (pd-proxy --node-api-key) and as "
-                        "`Authorization: Bearer KEY` on /v1/* (default: $PDSERVE_API_KEY)")
+                        f"`Authorization: Bearer KEY` on /v1/* (default: ${env.API_KEY.name})")
 
 
 def node_security(args: argparse.Namespace) -> GrpcSecurity:
@@ -203,8 +203,8 @@ def add_proxy_security_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--grpc-tls-key", default=None, metavar="PEM", help="private key of --grpc-tls-cert")
     g.add_argument("--grpc-tls-server-name", default=None, metavar="NAME",
                    help="name the nodes' certificates carry, when it is not the address in --prefill/--decode")
-    g.add_argument("--node-api-key", default=os.environ.get("PDSERVE_NODE_API_KEY") or None,
-                   help="key sent to the nodes (their --api-key) on every call (default: $PDSERVE_NODE_API_KEY)")
+    g.add_argument("--node-api-key", default=env.optional(env.NODE_API_KEY),
+                   help=f"key sent to the nodes (their --api-key) on every call (default: ${env.NODE_API_KEY.name})")
 
 
 def proxy_security(args: argparse.Namespace) -> GrpcSecurity:

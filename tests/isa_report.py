@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pdserve.common import cpu_isa
+from pdserve.common import cpu_isa, env
 
 # Only the hook below reaches tests/conftest.py's namespace (the rest are methods of a registered object): a
 # second definition of a name there replaces the first, and tests/requirements_plugin.py exports pytest_addhooks.
@@ -38,7 +38,7 @@ def lacks(level: str, flag: str) -> str:
     capped = cpu_isa.cap()
     where = ""
     if capped is not None and flag in cpu_isa.cpu_flags():
-        var = cpu_isa.ENV if os.environ.get(cpu_isa.ENV, "").strip() else cpu_isa.ONEDNN_ENV
+        var = cpu_isa.ENV if env.value(env.CPU_ISA).strip() else cpu_isa.ONEDNN_ENV
         where = f" capped at {capped} by {var}"
     return f"{level} needs {flag}; this CPU ({cpu_isa.model_name()}){where} lacks it"
 
