@@ -15,3 +15,11 @@ def parse_bytes(value: int | str) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot parse a byte size from {value!r} (use e.g. 2GiB, 512MiB, 1000000)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(value: int) -> str:
+    """1073741824 -> '1GiB': the largest binary unit that divides it (parse_bytes reads it back)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value and value % size == 0:
+            return f"{value // size}{unit}"
+    return str(value)

@@ -7,9 +7,10 @@ import sys
 from pdserve.common import eventloop
 from pdserve.proxy.app import Proxy, ProxyConfig
 from pdserve.proxy.decode_stream import Deadlines
-from pdserve.proxy.router import DEFAULT_POLICY, POLICIES
+from pdserve.proxy.router import POLICIES
 from pdserve.serving.auth import add_proxy_security_args, proxy_security
-from pdserve.serving.cli import ArgumentParser, add_log_file, add_response_args, setup_logging
+from pdserve.serving.cli import (LOG_LEVELS, ArgumentParser, add_log_file, add_response_args, config_default,
+                                setup_logging)
 from pdserve.serving.errors import StartupError
 from pdserve.serving.http import listen_socket, serve_app
 from pdserve.serving.limits import HttpTimeouts, add_http_timeout_args
@@ -33,14 +34,19 @@ def build_parser() -> ArgumentParser:
                    help="gRPC addresses of the prefill nodes (none: decode nodes prefill locally)")
     p.add_argument("--decode", type=_addresses, required=True, metavar="HOST:PORT[,...]",
                    help="gRPC addresses of the decode nodes")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    p.add_argument("--policy", choices=POLICIES, default=DEFAULT_POLICY,
-                   help=f"routing policy (default {DEFAULT_POLICY})")
-    p.add_argument("--local-prefill-threshold", type=int, default=0, metavar="N",
-                   help="prompts shorter than N tokens skip the prefill node (default 0: never)")
+    # Defaults the proxy's dataclasses own (ProxyConfig, Deadlines) are read from them; the help quotes each.
+    host, port, level = "127.0.0.1", 8000, "INFO"
+    p.add_argument("--host", default=host, help=f"address to listen on (default {host})")
+    p.add_argument("--port", type=int, default=port, help=f"HTTP port (default {port})")
+    policy = config_default(ProxyConfig, "policy")
+    p.add_argument("--policy", choices=POLICIES, default=policy, help=f"routing policy (default {policy})")
+    threshold = config_default(ProxyConfig, "local_prefill_threshold")
+    p.add_argument("--local-prefill-threshold", type=int, default=threshold, metavar="N",
+                   help=f"prompts shorter than N tokens skip the prefill node (default {threshold}: never)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
-    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between node health checks")
+    interval = config_default(ProxyConfig, "health_interval_s")
+    p.add_argument("--health-interval", type=float, default=interval,
+                   help=f"seconds between node health checks (default {interval:g})")
     d = Deadlines()
     p.add_argument("--connect-timeout", type=float, default=d.connect_s, metavar="S",
                    help=f"seconds to connect to a node before trying the next (default {d.connect_s:g})")
@@ -51,17 +57,19 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--stall-timeout", type=float, default=d.stall_s, metavar="S",
                    help=f"seconds a decode stream may stay silent, heartbeats included, before its node counts "
                         f"as frozen (default {d.stall_s:g}; nodes send a heartbeat every second)")
-    p.add_argument("--prefill-timeout", type=float, default=ProxyConfig.prefill_timeout_s, metavar="S",
-                   help=f"seconds one Prefill call may take (default {ProxyConfig.prefill_timeout_s:g})")
-    p.add_argument("--decode-transport", choices=("auto", "grpc"), default="auto",
-                   help="how decode streams reach the nodes: auto (default) sends Generate to a decode node's "
-                        "HTTP port when it answers there and no --grpc-tls-* is given (less CPU per request than "
-                        "gRPC), else gRPC; grpc: always gRPC")
+    prefill_s = config_default(ProxyConfig, "prefill_timeout_s")
+    p.add_argument("--prefill-timeout", type=float, default=prefill_s, metavar="S",
+                   help=f"seconds one Prefill call may take (default {prefill_s:g})")
+    transport = config_default(ProxyConfig, "decode_transport")
+    p.add_argument("--decode-transport", choices=("auto", "grpc"), default=transport,
+                   help=f"how decode streams reach the nodes (default {transport}): auto sends Generate to a "
+                        "decode node's HTTP port when it answers there and no --grpc-tls-* is given (less CPU per "
+                        "request than gRPC), else gRPC; grpc: always gRPC")
     add_http_timeout_args(p)
     add_proxy_security_args(p)
     add_response_args(p)
     p.add_argument("--log-file", default=None, help="also write the log here")
-    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument("--log-level", default=level, choices=LOG_LEVELS, help=f"log level (default {level})")
     return p
 
 

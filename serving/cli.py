@@ -13,11 +13,14 @@ import logging
 import sys
 from typing import Any, NoReturn
 
-from pdserve.engine.config import (ATTENTION_BACKENDS, DEFAULT_GPU_MEMORY_UTILIZATION, DEVICE_RE, DTYPES, CacheConfig,
-                           DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig)
+from pdserve.common.units import format_bytes
+from pdserve.engine.config import (ATTENTION_BACKENDS, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_MEMORY,
+                                   DEVICE_RE, DTYPES, CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
+                                   ParallelConfig, SchedulerConfig)
 from pdserve.serving.limits import add_http_timeout_args
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -67,25 +70,40 @@ def _device(text: str) -> str:
 _device.__name__ = "device"
 
 
+def config_default(cls: type, name: str) -> Any:
+    """The default of dataclass `cls`'s field `name` (its factory's product where it has one): a flag's
+    help quotes it from here, so the text cannot drift from what the dataclass applies."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    raise ValueError(f"{cls.__name__}.{name} has no default")
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """--model and the engine's options (defaults None: the config dataclasses own the defaults)."""
+    """--model and the engine's options (defaults None: the config dataclasses own the defaults, and the
+    help texts quote them from there)."""
+    d = config_default
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="Hugging Face model directory (default: the built-in tiny model, created on first use)")
-    g.add_argument("--dtype", choices=DTYPES, default=None, help="weights and KV dtype (default: the checkpoint's)")
+    g.add_argument("--dtype", choices=DTYPES, default=None,
+                   help=f"weights and KV dtype (default {d(ModelConfig, 'dtype')}: the checkpoint's)")
     g.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="context length (default: the checkpoint's max_position_embeddings)")
     g.add_argument("--block-size", type=_positive_int, default=None,
-                   help=f"tokens per KV block, a power of two (default {CacheConfig.block_size})")
+                   help=f"tokens per KV block, a power of two (default {d(CacheConfig, 'block_size')})")
     g.add_argument("--device", type=_device, default=None,
                    help="auto (CUDA when available), cpu, cuda or cuda:N: where the weights, KV cache and "
-                        "sampling live (default auto)")
+                        f"sampling live (default {d(DeviceConfig, 'device')})")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None,
                    help="attention kernels: torch (the reference), cpu (compiled at first use) or triton "
-                        "(default auto: cpu on CPU, triton on CUDA)")
+                        f"(default {d(DeviceConfig, 'attention_backend')}: cpu on CPU, triton on CUDA)")
     g.add_argument("--kv-cache-memory", default=None,
-                   help="bytes for the paged KV cache of all layers, e.g. 2GiB (default on CPU: 1GiB; on CUDA "
-                        "the KV cache is sized by --gpu-memory-utilization)")
+                   help="bytes for the paged KV cache of all layers, e.g. 2GiB (default "
+                        f"{format_bytes(DEFAULT_KV_CACHE_MEMORY)} on CPU; on CUDA the KV cache is sized by "
+                        "--gpu-memory-utilization)")
     g.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
                    help="CUDA: fraction of the device's memory this engine may use; the KV cache gets what the "
                         "weights and a profiled max-batch forward leave (default "
@@ -93,33 +111,37 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
                    help="disable the local prefix cache")
     g.add_argument("--max-num-seqs", type=_positive_int, default=None,
-                   help=f"max requests in one batch (default {SchedulerConfig.max_num_seqs})")
+                   help=f"max requests in one batch (default {d(SchedulerConfig, 'max_num_seqs')})")
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
-                   help=f"token budget of one step (default {SchedulerConfig.max_num_batched_tokens})")
+                   help=f"token budget of one step (default {d(SchedulerConfig, 'max_num_batched_tokens')})")
     g.add_argument("--long-prefill-token-threshold", type=_non_negative_int, default=None,
-                   help="max prompt tokens of one request per step; 0: no limit")
-    g.add_argument("--seed", type=int, default=None, help="default sampling seed of the engine")
+                   help="max prompt tokens of one request per step "
+                        f"(default {d(SchedulerConfig, 'long_prefill_token_threshold')}: no limit)")
+    g.add_argument("--seed", type=int, default=None,
+                   help=f"default sampling seed of the engine (default {d(ModelConfig, 'seed')})")
     g.add_argument("-tp", "--tensor-parallel-size", type=_positive_int, default=None,
-                   help="ranks that split each layer's heads and MLP (one process each; default 1)")
+                   help="ranks that split each layer's heads and MLP (one process each; "
+                        f"default {d(ParallelConfig, 'tensor_parallel_size')})")
     g.add_argument("-pp", "--pipeline-parallel-size", type=_positive_int, default=None,
-                   help="ranks that split the layers into stages (one process each; default 1)")
+                   help="ranks that split the layers into stages (one process each; "
+                        f"default {d(ParallelConfig, 'pipeline_parallel_size')})")
     return parser
 
 
 def add_server_args(parser: argparse.ArgumentParser, default_port: int = 8000) -> argparse.ArgumentParser:
-    """HTTP server options of a node (pd-serve, pd-prefill, pd-decode)."""
+    """HTTP server options of a node (pd-serve, pd-prefill, pd-decode); each help quotes its flag's default."""
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    host, waiting, shutdown_s, level = "127.0.0.1", 256, 5.0, "INFO"
+    g.add_argument("--host", default=host, help=f"address to listen on (default {host})")
     g.add_argument("--port", type=int, default=default_port,
                    help=f"HTTP port (default {default_port}; 0 picks a free one, shown in the ready line)")
     g.add_argument("--served-model-name", default=None,
                    help="model name clients send in `model` (default: the model directory's name)")
-    g.add_argument("--max-waiting-requests", type=_non_negative_int, default=256,
-                   help="accepted requests not yet producing tokens before new ones get 503 (default 256)")
-    g.add_argument("--shutdown-timeout", type=float, default=5.0,
-                   help="seconds in-flight requests may finish after SIGINT/SIGTERM (default 5)")
-    g.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-                   help="log level (default INFO)")
+    g.add_argument("--max-waiting-requests", type=_non_negative_int, default=waiting,
+                   help=f"accepted requests not yet producing tokens before new ones get 503 (default {waiting})")
+    g.add_argument("--shutdown-timeout", type=float, default=shutdown_s,
+                   help=f"seconds in-flight requests may finish after SIGINT/SIGTERM (default {shutdown_s:g})")
+    g.add_argument("--log-level", default=level, choices=LOG_LEVELS, help=f"log level (default {level})")
     add_http_timeout_args(parser)
     add_response_args(parser)
     return parser
