@@ -138,7 +138,7 @@ class GenerationRequest:
 
     def sampling_params(self, prompt_len: int, max_model_len: int, vocab_size: int | None = None) -> SamplingParams:
         """Resolve max_tokens against the context and build the engine's params (400 on misfit);
-        with `vocab_size` (nodes know it, the proxy does not) logit_bias ids are checked too."""
+        with `vocab_size` (nodes know it, the proxy does not) the token ids they name are checked too."""
         room = max_model_len - prompt_len
         if room < 1 or (self.max_tokens is not None and self.max_tokens > room):
             asked = "" if self.max_tokens is None else f" + {self.max_tokens} max_tokens"
