@@ -14,13 +14,13 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from pdserve.engine.config import KVRole
+from pdserve.engine.config import KVRole, KVTransferConfig
 from pdserve.kvstore import registry
 from pdserve.kvstore.registry import ServedBy
 from pdserve.protos import KEEPALIVE_SERVER_OPTIONS, MESSAGE_LIMITS
 from pdserve.protos import pdserve_pb2_grpc as pb_grpc
 from pdserve.serving.auth import GrpcSecurity, add_node_security_args, http_api_key_middleware, node_interceptors, node_security
-from pdserve.serving.cli import ArgumentParser, add_engine_args, add_log_file, add_server_args
+from pdserve.serving.cli import ArgumentParser, add_engine_args, add_log_file, add_server_args, config_default
 from pdserve.serving.errors import StartupError
 from pdserve.serving.kv_transfer_flag import apply_kv_transfer_config, check_connector_store, parse_kv_transfer_config
 from pdserve.serving.node_grpc import NodeServicer
@@ -59,12 +59,14 @@ def build_parser(role: NodeRole) -> ArgumentParser:
     g.add_argument("--kv-store", default=None, help=f"shared KV store: {registry.url_forms()} ({lmcache} through "
                    "LMCache); default file:// under ~/.cache/pdserve/kvstore")
     g.add_argument("--lmcache-config", default=None, help="LMCache YAML config (instead of --kv-store)")
-    g.add_argument("--chunk-size", type=int, default=None, help="tokens per stored chunk (default 256)")
+    g.add_argument("--chunk-size", type=int, default=None,
+                   help=f"tokens per stored chunk (default {config_default(KVTransferConfig, 'chunk_size')})")
     g.add_argument("--kv-role", choices=[*(r.value for r in KVRole), "producer", "consumer", "both"],
                    default=None, help=f"KV connector role, vLLM's kv_role (default {role.kv_role}; "
                    "producer, consumer and both are accepted too)")
     g.add_argument("--kv-load-timeout", dest="load_timeout_s", type=float, default=None,
-                   help="seconds to wait for the store before recomputing (default 10)")
+                   help="seconds to wait for the store before recomputing "
+                        f"(default {config_default(KVTransferConfig, 'load_timeout_s'):g})")
     g.add_argument("--kv-transfer-config", type=parse_kv_transfer_config, default=None,
                    help="vLLM's KV transfer JSON instead of the flags above, e.g. '{\"kv_connector\": "
                    "\"StoreConnector\", \"kv_role\": \"kv_producer\", \"kv_connector_extra_config\": "
