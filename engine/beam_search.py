@@ -20,6 +20,7 @@ The answer is the finished hypotheses, best first, as the request's `width` choi
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,18 @@ import torch
 if TYPE_CHECKING:
     from pdserve.engine.request import Request
     from pdserve.engine.scheduler import Scheduler
+
+
+def length_normalized(logprob: float, length: int, length_penalty: float) -> float:
+    """logprob / length ** length_penalty (HF's beam score), saturating where the power leaves the float
+    range (length_penalty may be anywhere in +-1e6) instead of raising inside an engine step."""
+    try:
+        denominator = float(length) ** length_penalty
+    except OverflowError:
+        denominator = math.inf
+    if denominator == 0.0:
+        return -math.inf if logprob < 0 else 0.0
+    return logprob / denominator
 
 
 @dataclass(frozen=True)
@@ -82,7 +95,7 @@ class BeamSearch:
             if token == self.eos_token_id or length >= self.max_tokens:
                 if rank < self.width:  # only the best `width` may finish (HF's top_num_beam_mask)
                     beam = self.live[parents[j]][0]
-                    self._finish(Hypothesis(float(score / length ** self.length_penalty),
+                    self._finish(Hypothesis(length_normalized(float(score), length, self.length_penalty),
                                             [*beam.output_token_ids, token], float(score)))
             elif len(running) < self.width:
                 running.append((parents[j], token, score))
@@ -90,7 +103,8 @@ class BeamSearch:
         self._move(scheduler, running)
         best = running[0][2] if running else None
         full = len(self.finished) == self.width
-        if best is None or (full and float(best / length ** self.length_penalty) <= self.finished[-1].score):
+        if best is None or (full and length_normalized(float(best), length, self.length_penalty)
+                                 <= self.finished[-1].score):
             self.done = True
 
     def _finish(self, hypothesis: Hypothesis) -> None:

@@ -70,3 +70,12 @@ def test_beams_share_the_prompt_and_an_abort_frees_every_beam(llm):
 def test_what_beam_search_cannot_honour_is_refused(extra):
     with pytest.raises(ValueError, match=f"{next(iter(extra))} is not supported with use_beam_search"):
         SamplingParams(n=2, use_beam_search=True, **extra)
+
+
+@pytest.mark.parametrize("length_penalty", [1e6, -1e6, 2000.0])
+def test_a_length_penalty_at_its_bounds_answers_instead_of_failing_the_step(llm, length_penalty):
+    """length ** length_penalty leaves the float range long before +-1e6 (3 ** 2000 already does): the score
+    saturates (to 0 or -inf) instead of raising inside the engine step every request of the batch shares."""
+    out = llm.generate([PROMPTS[0]], SamplingParams(n=2, use_beam_search=True, length_penalty=length_penalty,
+                                                    max_tokens=4, ignore_eos=True))[0]
+    assert [len(c.token_ids) for c in out.outputs] == [4, 4]
