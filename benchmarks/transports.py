@@ -11,7 +11,9 @@ the median over the rounds, and as a ratio against the library path:
           (`--decode-transport grpc`). Closed loop at each concurrency c: c clients send streaming
           completions back to back (random-token prompts, fresh per round and per proxy, EOS ignored);
           per level: inter-token latency p50/p99 over every gap, TTFT p50, output tokens/s (tokens of
-          the level / its wall time). Timed by pd-bench's client (pdserve.bench.client.send).
+          the level / its wall time). Timed by pd-bench's client (pdserve.bench.client.send). Also, each
+          round: one-token requests sent one at a time, taking turns between the proxies (the per-request
+          cost the HTTP transport was written to cut), p50.
   kv      the decode connector's whole load of a 2k- and an 8k-token prompt's KV (StoreConnector's real
           path: every layer from redis into shuffled paged blocks, each object checked) through each
           receive path of kvstore/redis_store.py: `compiled` (kvstore/csrc/kv_recv.c, through
@@ -22,7 +24,7 @@ the median over the rounds, and as a ratio against the library path:
 
     .venv/bin/python benchmarks/transports.py [--parts stream kv] [--rounds 5] [--concurrency 1 8 32]
         [--prompt-len 64] [--output-len 128] [--requests-per-client 2] [--kv-tokens 2048 8000]
-        [--kv-rounds 9] [--json PATH]
+        [--latency-probes 40] [--kv-rounds 9] [--json PATH]
     .venv/bin/python benchmarks/transports.py --quick     # a smoke run: small, one round
 """
 from __future__ import annotations
@@ -122,6 +124,25 @@ async def _run_level(url: str, concurrency: int, per_client: int, prompt_len: in
                  sum(r.output_tokens for r in records) / wall)
 
 
+async def _one_token_latencies(urls: dict[str, str], n: int, seed: int) -> dict[str, list[float]]:
+    """ms of n one-token requests per proxy (Prefill, then a Generate that only carries the prefill node's
+    token: the per-request cost the HTTP transport was written to cut), taking turns request by request."""
+    import aiohttp
+
+    out: dict[str, list[float]] = {name: [] for name in urls}
+    async with aiohttp.ClientSession() as http:
+        for i, prompt in enumerate(_random_prompts(n * len(urls), 16, seed)):
+            name, url = list(urls.items())[i % len(urls)]
+            body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+            start = time.perf_counter()
+            async with http.post(url + "/v1/completions", json=body) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(f"{resp.status}: {(await resp.text())[:300]}")
+                await resp.read()
+            out[name].append((time.perf_counter() - start) * 1e3)
+    return out
+
+
 def _status(url: str) -> dict | None:
     try:
         with urllib.request.urlopen(url + "/status", timeout=2) as r:
@@ -144,7 +165,8 @@ def _wait_transport(url: str, want: str, timeout_s: float = 120.0) -> str:
     raise RuntimeError(f"the proxy at {url} does not decode over {want} (generate_over: {over})")
 
 
-def bench_stream(args: argparse.Namespace, log_dir: Path) -> dict[str, dict[int, list[Level]]]:
+def bench_stream(args: argparse.Namespace, log_dir: Path) -> tuple[dict[str, dict[int, list[Level]]],
+                                                                   dict[str, list[float]]]:
     from pdserve.deploy.processes import (HOST, Child, ClusterSpec, LocalCluster, free_port, python_module)
     from pdserve.engine.real_model import real_model_path
 
@@ -161,6 +183,7 @@ def bench_stream(args: argparse.Namespace, log_dir: Path) -> dict[str, dict[int,
         "--decode-transport", STREAM_VARIANTS["grpc"]), cluster.spec.log_dir, ports=[port])
     urls = {"http": cluster.url, "grpc": f"http://{HOST}:{port}"}
     results: dict[str, dict[int, list[Level]]] = {v: {c: [] for c in args.concurrency} for v in urls}
+    one_token: dict[str, list[float]] = {v: [] for v in urls}  # p50 ms per round
     try:
         second.start()
         for name, url in urls.items():
@@ -178,13 +201,21 @@ def bench_stream(args: argparse.Namespace, log_dir: Path) -> dict[str, dict[int,
                     results[name][c].append(level)
                     print(f"round {r + 1} c={c:<3} {name:>5}: ITL p50 {level.itl_p50:6.2f} p99 {level.itl_p99:7.2f} ms, "
                           f"TTFT p50 {level.ttft_p50:7.1f} ms, {level.tok_s:7.1f} tok/s", flush=True)
+            if args.latency_probes:
+                order = list(urls) if r % 2 == 0 else list(urls)[::-1]
+                got = asyncio.run(_one_token_latencies({n: urls[n] for n in order}, args.latency_probes, 7000 + r))
+                for name, values in got.items():
+                    one_token[name].append(statistics.median(values))
+                print(f"round {r + 1} one-token requests, p50: " +
+                      ", ".join(f"{n} {one_token[n][-1]:.2f} ms" for n in urls), flush=True)
     finally:
         second.stop()
         cluster.stop()
-    return results
+    return results, one_token
 
 
-def stream_table(results: dict[str, dict[int, list[Level]]], args: argparse.Namespace) -> list[str]:
+def stream_table(results: dict[str, dict[int, list[Level]]], one_token: dict[str, list[float]],
+                 args: argparse.Namespace) -> list[str]:
     rounds = len(next(iter(next(iter(results.values())).values())))
     lines = [f"decode stream, SmolLM2-135M-Instruct P/D ({args.prompt_len}-token prompts, {args.output_len} output "
              f"tokens, {args.requests_per_client} per client); best / median of {rounds} interleaved rounds",
@@ -200,6 +231,10 @@ def stream_table(results: dict[str, dict[int, list[Level]]], args: argparse.Name
             gain = g[1] / h[1] if better is min else h[1] / g[1]
             lines.append(f"| {c} | {label} | {h[0]:.2f} / {h[1]:.2f} | {g[0]:.2f} / {g[1]:.2f} | "
                          f"{gain:.3f}x {'better' if gain >= 1 else 'worse'} |")
+    if one_token["http"]:
+        h, g = summarize(one_token["http"], min), summarize(one_token["grpc"], min)
+        lines.append(f"| 1 | one-token request, p50 of {args.latency_probes} per round (ms) | {h[0]:.2f} / {h[1]:.2f} | "
+                     f"{g[0]:.2f} / {g[1]:.2f} | {g[1] / h[1]:.3f}x ({g[1] - h[1]:+.2f} ms over gRPC) |")
     return lines
 
 
@@ -326,6 +361,8 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--latency-probes", type=int, default=40,
+                   help="one-token requests per proxy and round, sent one at a time (0: none)")
     p.add_argument("--kv-tokens", type=int, nargs="+", default=[2048, 8000])
     p.add_argument("--kv-rounds", type=int, default=9)
     p.add_argument("--json", default=None, metavar="PATH", help="also write every round's figures here")
@@ -333,16 +370,17 @@ def main() -> int:
     args = p.parse_args()
     if args.quick:
         args.rounds, args.concurrency, args.prompt_len, args.output_len = 1, [1, 4], 16, 8
-        args.requests_per_client, args.kv_tokens, args.kv_rounds = 1, [512], 1
+        args.requests_per_client, args.kv_tokens, args.kv_rounds, args.latency_probes = 1, [512], 1, 4
     print(machine(), flush=True)
     out: list[str] = []
     raw: dict[str, Any] = {"machine": machine(), "args": vars(args)}
     tmp = Path(tempfile.mkdtemp(prefix="pd-transports-"))
     try:
         if "stream" in args.parts:
-            stream = bench_stream(args, tmp)
+            stream, one_token = bench_stream(args, tmp)
             raw["stream"] = {v: {c: [vars(x) for x in levels] for c, levels in by_c.items()} for v, by_c in stream.items()}
-            out += stream_table(stream, args) + [""]
+            raw["one_token_p50_ms"] = one_token
+            out += stream_table(stream, one_token, args) + [""]
             print("\n".join(out), flush=True)
         if "kv" in args.parts:
             raw["kv"] = bench_kv(args)
