@@ -147,7 +147,11 @@ def test_completion_top_logprobs_match_hf_streaming_and_not(tiny_llama, client, 
     prompt = random_prompt(30, seed=31)
     kw = dict(model=model_name, prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
               extra_body={"return_token_ids": True, "ignore_eos": True})
-    choice = client.completions.create(**kw).choices[0]
+    # Each call under its own cache_salt: both compute the whole prompt (no prefix-cache hit for the second), so
+    # their figures come from the same arithmetic on any CPU kind, not from a 30-row and a 14-row prefill.
+    body = kw.pop("extra_body")
+    choice = client.completions.create(**kw, extra_body={**body, "cache_salt": "plain"}).choices[0]
+    kw["extra_body"] = {**body, "cache_salt": "streamed"}
     lp = choice.logprobs
     assert all(len(top) <= 3 for top in lp.top_logprobs)  # token texts are keys: equal texts merge
     got = [list(top.items()) for top in lp.top_logprobs]  # JSON object order: best first
@@ -162,7 +166,9 @@ def test_completion_top_logprobs_match_hf_streaming_and_not(tiny_llama, client, 
 def test_chat_top_logprobs_match_hf_streaming_and_not(tiny_llama, client, model_name):
     kw = dict(model=model_name, messages=[{"role": "user", "content": "Count: one two"}], max_tokens=6,
               temperature=0, logprobs=True, top_logprobs=3, extra_body={"return_token_ids": True, "ignore_eos": True})
-    resp = client.chat.completions.create(**kw)
+    body = kw.pop("extra_body")  # each call under its own cache_salt: no shared prefix, the same arithmetic
+    resp = client.chat.completions.create(**kw, extra_body={**body, "cache_salt": "plain"})
+    kw["extra_body"] = {**body, "cache_salt": "streamed"}
     content = resp.choices[0].logprobs.content
     assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].bytes == list(c.top_logprobs[0].token.encode())
                for c in content)
