@@ -18,7 +18,7 @@ the median over the rounds, and as a ratio against the library path:
           path: every layer from redis into shuffled paged blocks, each object checked) through each
           receive path of kvstore/redis_store.py: `compiled` (kvstore/csrc/kv_recv.c, through
           kvstore.resp.get_table), `python` (kvstore.resp.get_into, pdserve's own RESP reader: the path
-          without a C compiler, and on TLS; only while it exists) and `redis-py` (redis-py pipelined GETs,
+          without a C compiler, and on TLS) and `redis-py` (redis-py pipelined GETs,
           parsed by hiredis when it is installed, then copied and checked: kvstore.base.KVStore's path,
           which RedisClusterStore takes).
 
@@ -248,12 +248,6 @@ def _redis_server(port: int) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def kv_variants() -> list[str]:
-    from pdserve.kvstore import resp
-
-    return ["compiled", *(["python"] if hasattr(resp, "get_into") else []), "redis-py"]
-
-
 def use_path(store: Any, path: str, reader: Any) -> None:
     """Point a RedisStore's loads at one receive path (instance attributes over its methods)."""
     from pdserve.kvstore.base import KVStore
@@ -294,7 +288,7 @@ def bench_kv(args: argparse.Namespace) -> dict[int, dict[str, list[float]]]:
         most = -(-max(args.kv_tokens) // block)
         connector.register_kv_caches(runner.platform.allocate_kv_caches(
             runner.num_layers, 2 * most + 1, block, runner.num_kv_heads, runner.head_dim, runner.dtype))
-        variants = kv_variants()
+        variants = ["compiled", "python", "redis-py"]
         ids = itertools.count()  # one request id per load: the connector keeps per-request state
         for t, tokens in enumerate(args.kv_tokens):
             prompt = [random.Random(tokens).randrange(100, 40000) for _ in range(tokens)]
