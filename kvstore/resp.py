@@ -1,12 +1,16 @@
 """Pipelined GETs whose values land straight in caller buffers, on one of redis-py's pooled connections.
 
-redis-py turns every bulk reply into a fresh `bytes` object, which the KV load then copies into
-its staging buffer: an allocation (page faults for half-MiB values) and a copy per object, the
-larger part of a load's cost here. `get_into` speaks just enough RESP to read the replies of a
-pipeline of GETs itself: each value's bytes go from the socket into the caller's spans with
-`recv_into`, and only the framing lines pass through a small buffer. The connection (TCP, TLS or
-unix socket, authenticated) is redis-py's; a connection whose reply stream was left half read
-is disconnected, never handed back to the pool.
+redis-py turns every bulk reply into a fresh `bytes` object (hiredis parses the framing, not that),
+which the KV load then copies into its staging buffer: an allocation (page faults for large values)
+and a copy per object. `get_into` speaks just enough RESP to read the replies of a pipeline of GETs
+itself: each value's bytes go from the socket into the caller's spans with `recv_into`, and only
+the framing lines pass through a small buffer. It is the load's path without the compiled receiver
+(no C compiler, PDSERVE_KERNELS=torch) and on TLS; `get_table` hands a pipeline to the receiver
+(kvstore/csrc/kv_recv.c). benchmarks/transports.py measures both against redis-py with hiredis on
+SmolLM2's KV: a 2k- or 8k-token load takes redis-py ~1.16x as long as get_into, and 1.5-2.2x as long
+as the receiver (docs/benchmarks.md). The connection (TCP, TLS or unix socket, authenticated) is
+redis-py's; a connection whose reply stream was left half read is disconnected, never handed back
+to the pool.
 """
 from __future__ import annotations
 
