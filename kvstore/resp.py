@@ -7,8 +7,8 @@ itself: each value's bytes go from the socket into the caller's spans with `recv
 the framing lines pass through a small buffer. It is the load's path without the compiled receiver
 (no C compiler, PDSERVE_KERNELS=torch) and on TLS; `get_table` hands a pipeline to the receiver
 (kvstore/csrc/kv_recv.c). benchmarks/transports.py measures both against redis-py with hiredis on
-SmolLM2's KV: a 2k- or 8k-token load takes redis-py ~1.16x as long as get_into, and 1.5-2.2x as long
-as the receiver (docs/benchmarks.md). The connection (TCP, TLS or unix socket, authenticated) is
+SmolLM2's KV: a 2k- or 8k-token load takes redis-py 1.16x (a busy machine) to 1.45x (a quiet one) as
+long as get_into, and 1.5-2.5x as long as the receiver (docs/benchmarks.md). The connection (TCP, TLS or unix socket, authenticated) is
 redis-py's; a connection whose reply stream was left half read is disconnected, never handed back
 to the pool.
 """
