@@ -81,7 +81,10 @@ def test_frozen_redis_stalls_only_the_requests_that_need_it(healthy, reference):
     outcomes, late = asyncio.run(scenario())
     tally = Tally.of("redis frozen", outcomes, reference)
     check_all_exact(tally)
-    assert tally.worst_gap_s < LOAD_TIMEOUT_S, tally  # a stream waiting on the frozen store: a whole deadline
+    # A stream that needed the frozen store waits one load deadline, then the step that recomputes: under 1.5
+    # deadlines (the deadline alone is a race with that step on a busy machine), while waiting out the store
+    # twice (a lookup and then a load deadline) or for its thaw would take 2 and more.
+    assert tally.worst_gap_s < 1.5 * LOAD_TIMEOUT_S, tally
     quiet, _ = asyncio.run(run_load(chaos.url, newcomers, "frozen-quiet", 2))
     assert [o.token_ids for o in late] == [o.token_ids for o in quiet]
     assert all(o.status == 200 and o.finish_reason == "length" for o in late)
