@@ -91,8 +91,7 @@ class PDNodeServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Lookup(self, request, context):
-        """(The same call is also served over the node's HTTP port: HealthResponse.http_port.)
-        How much of this prompt this node could reuse (local prefix cache, shared store): for routing.
+        """How much of this prompt this node could reuse (local prefix cache, shared store): for routing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

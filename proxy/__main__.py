@@ -60,11 +60,6 @@ def build_parser() -> ArgumentParser:
     prefill_s = config_default(ProxyConfig, "prefill_timeout_s")
     p.add_argument("--prefill-timeout", type=float, default=prefill_s, metavar="S",
                    help=f"seconds one Prefill call may take (default {prefill_s:g})")
-    transport = config_default(ProxyConfig, "decode_transport")
-    p.add_argument("--decode-transport", choices=("auto", "grpc"), default=transport,
-                   help=f"how decode streams reach the nodes (default {transport}): auto sends Generate to a "
-                        "decode node's HTTP port when it answers there and no --grpc-tls-* is given (less CPU per "
-                        "request than gRPC), else gRPC; grpc: always gRPC")
     add_http_timeout_args(p)
     add_proxy_security_args(p)
     add_response_args(p)
@@ -98,7 +93,6 @@ def main(argv: list[str] | None = None) -> int:
                          local_prefill_threshold=args.local_prefill_threshold, api_key=args.api_key,
                          health_interval_s=args.health_interval, grpc_security=security,
                          deadlines=deadlines, prefill_timeout_s=args.prefill_timeout,
-                         decode_transport=args.decode_transport,
                          return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     try:
         eventloop.loop_kind()

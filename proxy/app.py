@@ -1,5 +1,4 @@
-"""The routing proxy's HTTP side: OpenAI API in, Prefill + Generate over gRPC out (Generate over the
-decode nodes' HTTP ports where they offer it: proxy/http_generate.py).
+"""The routing proxy's HTTP side: OpenAI API in, Prefill + Generate over gRPC out.
 
 Validation and response formatting come from serving.protocol, the module pd-serve uses, so
 clients see the same API and the same errors from the proxy as from a single node. Per
@@ -24,7 +23,6 @@ from pdserve.protos import pdserve_pb2 as pb
 from pdserve.proxy import dashboard
 from pdserve.proxy.decode_stream import Deadlines, DecodeStream
 from pdserve.proxy.health import HealthMonitor, Node
-from pdserve.proxy.http_generate import HttpGenerate
 from pdserve.proxy.router import DEFAULT_POLICY, Router
 from pdserve.serving import errors, tokenize_api
 from pdserve.serving import protocol as oai
@@ -52,7 +50,6 @@ class ProxyConfig:
     grpc_security: GrpcSecurity = field(default_factory=GrpcSecurity)  # TLS / key towards the nodes
     deadlines: Deadlines = field(default_factory=Deadlines)  # every decode call's
     prefill_timeout_s: float = 120.0  # one Prefill call; a node that leaves rotation meanwhile is given up at once
-    decode_transport: str = "auto"  # auto: Generate over decode nodes' HTTP ports where they answer; grpc: never
     return_tokens_as_token_ids: bool = False  # vLLM's --return-tokens-as-token-ids: the field's default
 
 
@@ -73,22 +70,14 @@ def prompt_size_bound(req: oai.GenerationRequest) -> int:
 class Proxy:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        # Generate over HTTP skips grpc.aio's cost (serving/delta_frames.py). That port has no TLS, so a proxy
-        # that talks TLS to its nodes keeps every call on gRPC.
-        self.http = None
-        if config.decode_transport == "auto" and not config.grpc_security.tls:
-            self.http = HttpGenerate(config.grpc_security.api_key, config.deadlines.connect_s)
         self.prefill = Router([Node(a, "prefill", config.grpc_security) for a in config.prefill], config.policy)
-        self.decode = Router([Node(a, "decode", config.grpc_security, self.http) for a in config.decode],
-                             config.policy)
+        self.decode = Router([Node(a, "decode", config.grpc_security) for a in config.decode], config.policy)
         self.metrics = ProxyMetrics(lambda: self.prefill.nodes + self.decode.nodes)
         self.monitor = HealthMonitor(self.prefill.nodes + self.decode.nodes, config.health_interval_s)
         self.created = int(time.time())
 
     # ------------------------------------------------------------ lifecycle
     async def start(self, app: web.Application) -> None:
-        if self.http is not None:
-            self.http.start()
         for node in self.monitor.nodes:
             node.connect()
         await self.monitor.check_all()
@@ -98,8 +87,6 @@ class Proxy:
         await self.monitor.stop()
         for node in self.prefill.nodes + self.decode.nodes:
             await node.close()
-        if self.http is not None:
-            await self.http.close()
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[api_middleware(api_key=self.config.api_key)], client_max_size=MAX_BODY_BYTES)

@@ -20,11 +20,9 @@ import grpc
 
 from pdserve.protos import pdserve_pb2 as pb
 from pdserve.proxy.health import Node
-from pdserve.proxy.http_generate import FrameCall
 from pdserve.proxy.router import Router
 from pdserve.serving import errors
 from pdserve.serving import protocol as oai
-from pdserve.serving.delta_frames import CallFailed
 from pdserve.serving.heartbeat import HEARTBEAT_S
 
 logger = logging.getLogger(__name__)
@@ -163,14 +161,13 @@ class DecodeStream:
         d = self.deadlines
         self._complete = False
         open_choices = self.num_choices
-        if node.http_url is None:  # (over HTTP, connecting is part of the first read's deadline)
-            try:
-                await node.ready(d.connect_s)
-            except asyncio.TimeoutError as e:
-                raise NodeFailed(str(e)) from None
+        try:
+            await node.ready(d.connect_s)
+        except asyncio.TimeoutError as e:
+            raise NodeFailed(str(e)) from None
         node.load.in_flight += 1
         node.routed += 1
-        stream = node.generate(self.request_id, call)
+        stream = node.generate(call)
         loop = asyncio.get_running_loop()
         started = loop.time()
         last_token = None  # time of the last token (None: before the first)
@@ -189,7 +186,7 @@ class DecodeStream:
                         limit = d.first_token_s if last_token is None else d.token_s
                         raise NodeFailed(f"no {what} within {limit:g}s") from None
                     raise NodeFailed(f"silent for {d.stall_s:g}s (frozen?)") from None
-                except (grpc.aio.AioRpcError, CallFailed) as e:
+                except grpc.aio.AioRpcError as e:
                     raise self._rpc_failure(e) from None
                 if delta is grpc.aio.EOF:
                     return
@@ -203,13 +200,11 @@ class DecodeStream:
         finally:
             if not self._complete:
                 stream.cancel()  # no-op once finished; aborts the node's request when we leave it
-            elif isinstance(stream, FrameCall):
-                stream.finish()  # the connection serves the next call
             else:  # only the status is still to come: keep the call alive until it does
                 stream.add_done_callback(_finished)  # (a collected call cancels itself)
             node.load.in_flight -= 1
 
-    def _rpc_failure(self, e: grpc.aio.AioRpcError | CallFailed) -> Exception:
+    def _rpc_failure(self, e: grpc.aio.AioRpcError) -> Exception:
         """A client error (4xx: no node will take it) is raised as is; anything else is the node's failure."""
         err = errors.from_rpc_error(e)
         if err is not None and err.status < 500:

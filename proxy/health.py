@@ -18,7 +18,6 @@ import grpc
 from pdserve.protos import KEEPALIVE_CLIENT_OPTIONS, MESSAGE_LIMITS
 from pdserve.protos import pdserve_pb2 as pb
 from pdserve.protos import pdserve_pb2_grpc as pb_grpc
-from pdserve.proxy.http_generate import FrameCall, HttpGenerate, http_base
 from pdserve.proxy.node_figures import SAMPLE_S, NodeFigures, parse
 from pdserve.serving.auth import GrpcSecurity, node_channel
 
@@ -33,11 +32,17 @@ _CHANNEL_OPTIONS = [
     *KEEPALIVE_CLIENT_OPTIONS,  # a silent (partitioned) node fails its calls within ~10 s
 ]
 
-_HTTP_RETRY_S = 30.0
-
 
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
+
+
+def _http_base(grpc_address: str, port: int) -> str:
+    """http://host:port for the host of a node's gRPC address (IPv6 literals bracketed)."""
+    host = grpc_address.rpartition(":")[0]
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
 
 
 @dataclass
@@ -64,17 +69,12 @@ class NodeLoad:
 
 
 class Node:
-    """One prefill or decode instance reached over gRPC (and, for Generate, over HTTP when `http` is set
-    and the node offers it: proxy/http_generate.py)."""
+    """One prefill or decode instance reached over gRPC."""
 
-    def __init__(self, address: str, role: str, security: GrpcSecurity = GrpcSecurity(),
-                 http: HttpGenerate | None = None) -> None:
+    def __init__(self, address: str, role: str, security: GrpcSecurity = GrpcSecurity()) -> None:
         self.address = address
         self.role = role
         self.security = security
-        self.http = http
-        self.http_url: str | None = None  # where Generate goes over HTTP; None: over gRPC
-        self._http_refused: tuple[str, float] | None = None  # (base, when): a port that did not answer
         self.channel: grpc.aio.Channel | None = None
         self.stub: pb_grpc.PDNodeStub | None = None
         self.healthy = False
@@ -83,12 +83,12 @@ class Node:
         self.last_error: str | None = None
         self.model_names: list[str] = []
         self.max_model_len = 0
-        self.http_port = 0  # where the node serves HTTP (/metrics, and Generate), from its Health answer
+        self.http_port = 0  # where the node serves HTTP (/metrics), from its Health answer
         self.figures = NodeFigures()
 
     @property
     def metrics_url(self) -> str | None:
-        return http_base(self.address, self.http_port) + "/metrics" if self.http_port else None
+        return _http_base(self.address, self.http_port) + "/metrics" if self.http_port else None
 
     def connect(self) -> None:
         """Open the channel; inside the running event loop, which grpc.aio binds it to."""
@@ -110,31 +110,9 @@ class Node:
                 raise asyncio.TimeoutError(f"not connected within {timeout_s:g}s") from None
             state = self.channel.get_state(try_to_connect=True)
 
-    def generate(self, request_id: str, call: pb.GenerateRequest) -> FrameCall | grpc.aio.UnaryStreamCall:
-        """Start a Generate call: a stream of deltas, over HTTP where the node offers it."""
-        if self.http_url is not None:
-            return self.http.call(self.http_url, request_id, call)
+    def generate(self, call: pb.GenerateRequest) -> grpc.aio.UnaryStreamCall:
+        """Start a Generate call: a stream of deltas."""
         return self.stub.Generate(call)
-
-    async def _check_http(self, port: int, timeout_s: float) -> None:
-        """Generate over the node's HTTP port once it answers there. A node in rotation whose port did not
-        answer is asked again after _HTTP_RETRY_S; one coming into rotation at the next probe (a node
-        starting up answers gRPC a moment before HTTP)."""
-        base = http_base(self.address, port) if port else None
-        if base == self.http_url:
-            return
-        now = asyncio.get_running_loop().time()
-        if base is not None and self._http_refused is not None and self._http_refused[0] == base \
-                and now - self._http_refused[1] < _HTTP_RETRY_S:
-            return
-        if base is not None and not await self.http.reachable(base, timeout_s):
-            if self.healthy:  # a node coming into rotation may open its HTTP port just after gRPC: ask next probe
-                self._http_refused = (base, now)
-            if self.http_url is None:
-                return
-            base = None
-        logger.info("%s node %s: Generate over %s", self.role, self.address, base or "gRPC")
-        self.http_url = base
 
     def mark_down(self, reason: str) -> None:
         """Out of rotation for `reason` (`last_error`, what /status and the dashboard show).
@@ -149,7 +127,6 @@ class Node:
             return
         self.healthy = False
         self.last_error = reason
-        self.http_url = None  # the probe that brings it back checks its HTTP port again
 
     async def probe(self, timeout_s: float) -> None:
         """Health + Stats in one go; raises grpc.aio.AioRpcError / asyncio.TimeoutError on failure."""
@@ -157,8 +134,6 @@ class Node:
         stats = await self.stub.Stats(pb.StatsRequest(), timeout=timeout_s)
         if not health.ok:
             raise RuntimeError("node reports not ok (shutting down)")
-        if self.http is not None:
-            await self._check_http(health.http_port, timeout_s)
         self.model_names, self.max_model_len = list(health.served_model_names), health.max_model_len
         self.http_port = health.http_port
         self.load.num_running, self.load.num_waiting = stats.num_running, stats.num_waiting
@@ -176,7 +151,7 @@ class Node:
                 "waiting": self.load.num_waiting, "free_blocks": self.load.num_free_blocks,
                 "total_blocks": self.load.num_total_blocks, "kv_usage": round(self.load.kv_usage, 4),
                 "prefix_cache_hit_rate": _round(self.load.prefix_cache_hit_rate), "last_error": self.last_error,
-                "generate_over": self.http_url or "grpc", "metrics_url": self.metrics_url,
+                "metrics_url": self.metrics_url,
                 "metrics": self.figures.status()}
 
     async def sample_metrics(self, http: aiohttp.ClientSession, tick: float, timeout_s: float) -> None:

@@ -37,8 +37,7 @@ def grpc_code(err: APIError) -> grpc.StatusCode:
 
 
 def from_rpc_error(e: grpc.aio.AioRpcError) -> APIError | None:
-    """The APIError a node reported (its JSON body rides in the status details), else None. Also reads
-    a failed HTTP Generate call (serving.delta_frames.CallFailed: the same code() and details())."""
+    """The APIError a node reported (its JSON body rides in the status details), else None."""
     status = _HTTP_STATUS.get(e.code())
     try:
         err = json.loads(e.details() or "")["error"]

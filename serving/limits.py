@@ -90,8 +90,6 @@ class HttpTimeouts:
 
     header_s: float = 10.0  # from a connection's accept (its first request) or a request's first byte
     body_s: float = 60.0  # from the end of the headers to the end of the body (8 MiB at ~1 Mbit/s)
-    # an idle keep-alive connection is closed after this; above the proxy's own idle limit for its node
-    # connections (proxy/frame_client.py), so a node never closes one the proxy is about to reuse
     keep_alive_s: float = 75.0
 
     def __post_init__(self) -> None:

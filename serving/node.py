@@ -24,7 +24,6 @@ from pdserve.serving.cli import ArgumentParser, add_engine_args, add_log_file, a
 from pdserve.serving.errors import StartupError
 from pdserve.serving.kv_transfer_flag import apply_kv_transfer_config, check_connector_store, parse_kv_transfer_config
 from pdserve.serving.node_grpc import NodeServicer
-from pdserve.serving.node_http import add_generate_route
 from pdserve.serving.server import run_node, serve
 from pdserve.serving.startup import check_model_dir
 
@@ -161,7 +160,6 @@ def node_main(role: NodeRole, argv: list[str] | None = None) -> int:
 
     async def run(server: Any, sock: socket.socket) -> None:
         servicer = NodeServicer(server, role.name, http_port=sock.getsockname()[1])
-        add_generate_route(server.app, servicer)
         await serve_with_grpc(server, servicer, sock, args.host, args.grpc_port, parser.prog, args.shutdown_timeout,
                               security)
 

@@ -22,10 +22,19 @@ from pdserve.serving import errors
 from pdserve.serving import protocol as oai
 from pdserve.serving import tokenize_api, wire
 from pdserve.serving.choices import prompt_positions
-from pdserve.serving.delta_frames import CallFailed
 from pdserve.serving.heartbeat import with_heartbeat
 
 logger = logging.getLogger(__name__)
+
+
+class CallFailed(Exception):
+    """A call's failure as the status it ends with: raised where the servicer meets it (a rejected
+    request, an engine error), turned into the aborted call by Prefill and Generate."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
 
 
 class NodeServicer(pb_grpc.PDNodeServicer):
@@ -36,7 +45,7 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         self.async_engine = server.async_engine
         self.engine = server.engine  # LLMEngine: read-only peeks (Lookup, Health)
         self.role = role
-        self.http_port = http_port  # where Generate is also served (serving/node_http.py); 0: nowhere
+        self.http_port = http_port  # where the node serves HTTP (its OpenAI API, /metrics); 0: not known
 
     def _failed(self, err: oai.APIError) -> CallFailed:
         """The call's failure with pd-serve's error body, counted by outcome like pd-serve counts it."""
@@ -45,7 +54,7 @@ class NodeServicer(pb_grpc.PDNodeServicer):
 
     async def _abort(self, context: grpc.aio.ServicerContext, err: oai.APIError) -> None:
         failed = self._failed(err)
-        await context.abort(failed.code(), failed.details())
+        await context.abort(failed.code, failed.details)
 
     async def _token_ids(self, req: oai.GenerationRequest) -> list[int]:
         return await self.server.prompt_token_ids_of(req)  # the HTTP API's own tokenization
@@ -92,7 +101,7 @@ class NodeServicer(pb_grpc.PDNodeServicer):
             async for last in self._outputs(request.request_id, req, ids, params):
                 pass
         except CallFailed as e:
-            await context.abort(e.code(), e.details())
+            await context.abort(e.code, e.details)
         ms = (time.perf_counter() - t0) * 1e3
         logger.info("Reqid: %s, prefill done: %d prompt tokens, %d cached, KV committed, %.1f ms",
                     request.request_id, len(ids), last.num_cached_tokens, ms)
@@ -101,16 +110,16 @@ class NodeServicer(pb_grpc.PDNodeServicer):
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateDelta]:
-        async with contextlib.aclosing(self.generate_deltas(request)) as deltas:
+        async with contextlib.aclosing(self._deltas(request)) as deltas:
             try:
-                async for delta, _ in deltas:
+                async for delta in deltas:
                     yield delta
             except CallFailed as e:
-                await context.abort(e.code(), e.details())
+                await context.abort(e.code, e.details)
 
-    async def generate_deltas(self, request: pb.GenerateRequest) -> AsyncIterator[tuple[pb.GenerateDelta, bool]]:
-        """Generate, transport-neutral (gRPC above, HTTP frames in serving/node_http.py): (delta, last)
-        pairs, where `last` marks the delta that finishes the last open choice; CallFailed on failure."""
+    async def _deltas(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateDelta]:
+        """Generate's deltas, heartbeats included, up to the one that finishes the last open choice;
+        CallFailed on failure."""
         req = wire.request_from_pb(request.prompt, request.params, request.cache_salt)
         try:
             ids = await self._token_ids(req)
@@ -131,7 +140,7 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         async with contextlib.aclosing(with_heartbeat(outputs)) as beats:
             async for out in beats:
                 if out is None:  # still waiting (queue, KV load, prefill): an empty delta says "alive"
-                    yield pb.GenerateDelta(), False
+                    yield pb.GenerateDelta()
                     continue
                 # A choice's first delta carries what the proxy needs for echo and prompt_logprobs.
                 first = out.index not in started
@@ -141,7 +150,7 @@ class NodeServicer(pb_grpc.PDNodeServicer):
                 open_choices -= out.finished
                 yield wire.delta_to_pb(self.server.output_delta(req, out),
                                        self.server.usage(out) if out.finished or first else None, positions,
-                                       text, ids if first and req.return_token_ids else None), not open_choices
+                                       text, ids if first and req.return_token_ids else None)
                 if not open_choices:  # the status goes out now, not after one more turn of the engine's stream
                     return
 

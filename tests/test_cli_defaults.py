@@ -26,8 +26,8 @@ ENGINE = (ModelConfig, CacheConfig, SchedulerConfig, KVTransferConfig, DeviceCon
 OWNERS: dict[str, tuple[type, str]] = {
     "policy": (ProxyConfig, "policy"), "local_prefill_threshold": (ProxyConfig, "local_prefill_threshold"),
     "health_interval": (ProxyConfig, "health_interval_s"), "prefill_timeout": (ProxyConfig, "prefill_timeout_s"),
-    "decode_transport": (ProxyConfig, "decode_transport"), "connect_timeout": (Deadlines, "connect_s"),
-    "first_token_timeout": (Deadlines, "first_token_s"), "token_timeout": (Deadlines, "token_s"),
+    "connect_timeout": (Deadlines, "connect_s"), "first_token_timeout": (Deadlines, "first_token_s"),
+    "token_timeout": (Deadlines, "token_s"),
     "stall_timeout": (Deadlines, "stall_s"), "timeout_request_header": (HttpTimeouts, "header_s"),
     "timeout_request_body": (HttpTimeouts, "body_s"), "timeout_keep_alive": (HttpTimeouts, "keep_alive_s"),
 }
@@ -83,8 +83,8 @@ def test_every_quoted_default_is_the_one_applied(prog):
     # the flags with a value to quote, all of them checked (a help that stops quoting its default fails here)
     expected = {"host", "port", "log_level", "timeout_request_header", "timeout_request_body", "timeout_keep_alive"}
     if prog == "pd-proxy":
-        expected |= {"policy", "local_prefill_threshold", "health_interval", "prefill_timeout", "decode_transport",
-                     "connect_timeout", "first_token_timeout", "token_timeout", "stall_timeout"}
+        expected |= {"policy", "local_prefill_threshold", "health_interval", "prefill_timeout", "connect_timeout",
+                     "first_token_timeout", "token_timeout", "stall_timeout"}
     else:
         expected |= {"max_waiting_requests", "shutdown_timeout", "dtype", "block_size", "device", "attention_backend",
                      "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens",
