@@ -77,7 +77,8 @@ class LLMEngine:
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_id)
         self._states: dict[str, OutputState] = {}  # engine request id (one per choice) -> output state
         self._groups: dict[str, list[str]] = {}  # the caller's request id -> its choices' engine ids
-        self._ready: list[StepOutput] = []  # made outside a step (a given first token): the next step's
+        # Outputs made outside a step (a given first token): the next step returns them first.
+        self._ready: list[StepOutput] = []
         self.num_requests_added = 0
         self.num_requests_finished = 0
         self.num_generation_tokens = 0
@@ -264,9 +265,9 @@ class LLMEngine:
         if state is not None:
             self._finish(state)
         return StepOutput(request_id=request.parent_id, prompt_token_ids=request.prompt_token_ids,
-                             new_token_ids=[], new_text="", new_logprobs=[], token_ids=list(request.output_token_ids),
-                             text=state.text if state else "", finished=True, finish_reason="error",
-                             num_cached_tokens=max(request.num_cached_tokens, 0), index=request.index, error=error)
+                          new_token_ids=[], new_text="", new_logprobs=[], token_ids=list(request.output_token_ids),
+                          text=state.text if state else "", finished=True, finish_reason="error",
+                          num_cached_tokens=max(request.num_cached_tokens, 0), index=request.index, error=error)
 
     def _make_output(self, request: Request) -> StepOutput:
         state = self._states[request.request_id]
