@@ -1,6 +1,6 @@
 """What the lossy stored KV codecs cost in output, on the real model: each codec against raw, through a P/D pair.
 
-For each codec (`?codec=` of the store, kvstore/kv_codecs.py) a producer engine prefills every prompt into a
+For each codec (`?codec=` of the store, kvstore/payload_codecs.py) a producer engine prefills every prompt into a
 fresh file store and a consumer engine (prefix caching off, so every prompt token but the last comes from the
 store) decodes `--max-tokens` greedy tokens with the chosen tokens' logprobs. Against the raw codec's run:
 

@@ -53,7 +53,7 @@ from pdserve.connectors.chunked import ChunkedConnectorMetadata, LoadSpec  # noq
 from pdserve.connectors.store_connector import StoreConnector  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pdserve.kvstore import codec, resp  # noqa: E402
+from pdserve.kvstore import object_format, resp  # noqa: E402
 from pdserve.kvstore.filesystem import FileSystemStore  # noqa: E402
 from pdserve.kvstore.redis_store import RedisStore  # noqa: E402
 from pdserve.kvstore.spans import SpanTable  # noqa: E402
@@ -126,8 +126,8 @@ def _raw_readers(store, items: list[tuple[int, str]], threads: int) -> dict[str,
 
         reader = store.span_reader
         if reader is not None:  # the load's own receiver (kvstore/csrc/kv_recv.c) with no checksum or gate
-            payloads = [memoryview(bytearray(size - codec.HEADER_SIZE)) for size in sizes]
-            heads = np.zeros(codec.HEADER_SIZE * len(names), np.uint8)
+            payloads = [memoryview(bytearray(size - object_format.HEADER_SIZE)) for size in sizes]
+            heads = np.zeros(object_format.HEADER_SIZE * len(names), np.uint8)
             packer = client.connection_pool.get_connection()
             commands = [b"".join(packer.pack_command("GET", name)) for name in names]
             client.connection_pool.release(packer)
@@ -143,8 +143,8 @@ def _raw_readers(store, items: list[tuple[int, str]], threads: int) -> dict[str,
                     conn = client.connection_pool.get_connection()
                     try:
                         got = reader.resp_get(conn._sock.fileno(), commands[lo:hi], table.desc,  # noqa: SLF001
-                                              table.first, table.bases(), heads[codec.HEADER_SIZE * lo:], 0, 10_000,
-                                              hash=False)
+                                              table.first, table.bases(),
+                                              heads[object_format.HEADER_SIZE * lo:], 0, 10_000, hash=False)
                         assert got.status == 0 and got.extra == 0 and (got.sizes == sizes[lo:hi]).all()
                     finally:
                         client.connection_pool.release(conn)

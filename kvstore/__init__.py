@@ -7,7 +7,7 @@ schemes, their store classes and their URL query options (docs/configuration.md,
     redis+cluster://host:port[,host:port...]/?ttl=3600&prefix=pdkv:
                                                   RedisClusterStore (rediss+cluster:// for TLS)
 Common options (URL query or keyword; keywords win): timeout (seconds), io_threads, codec (what writes
-encode KV with: raw, the default; lossless; int8; fp8 — kvstore/kv_codecs.py; reads take any),
+encode KV with: raw, the default; lossless; int8; fp8 — kvstore/payload_codecs.py; reads take any),
 heads_per_object (an integer >= 0: writes store each layer of a writer's KV head group as objects of at
 most that many heads, so a reader keeping fewer heads reads only objects of its own heads; 0, the
 default, one object per head group; set it to the KV heads per rank of the narrowest reader:

@@ -16,7 +16,7 @@ import threading
 from abc import ABC, abstractmethod
 from typing import Any, Iterator, Sequence
 
-from pdserve.kvstore import codec
+from pdserve.kvstore import object_format
 from pdserve.kvstore.errors import CorruptObject, NotFound
 from pdserve.kvstore.records import Buffer, ChunkInfo, StoreStats, Usage, VerifyReport
 
@@ -73,7 +73,7 @@ class StoreAdmin(ABC):
             report.objects += 1
             report.bytes += len(memoryview(buf).cast("B"))
             try:
-                codec.decode(buf, fp, name=name, key=key, layer=layer)
+                object_format.decode(buf, fp, name=name, key=key, layer=layer)
             except CorruptObject as exc:
                 report.corrupt.append(str(exc))
                 bad[(fp, key)] = None
@@ -97,7 +97,7 @@ class StoreAdmin(ABC):
             reason, names = self._guard(self._damage, self.fingerprint, key)
             for layer in (names if reason is None else []):
                 try:
-                    codec.decode(self._guard(self._get, [(layer, key)])[0], self.fingerprint,
+                    object_format.decode(self._guard(self._get, [(layer, key)])[0], self.fingerprint,
                                  name=self.object_name(key, layer), key=key, layer=layer)
                 except (CorruptObject, NotFound) as exc:
                     reason = str(exc)

@@ -2,7 +2,7 @@
 
 Data model. A prompt is cut into chunks of C tokens (common.hashing.chunk_keys gives their
 keys; the last chunk may be partial). Each chunk is stored as one object per layer, holding
-a tensor [2, n_tokens, num_kv_heads, head_dim] (K and V) in the codec format (kvstore.codec),
+a tensor [2, n_tokens, num_kv_heads, head_dim] (K and V) in the codec format (kvstore.object_format),
 plus a commit marker written after all of its layers. A chunk is *present* only once its
 marker exists, so readers never see a chunk whose layers are incomplete. Every object is
 bound to the (chunk key, layer) it was written under: one found under another name is
@@ -71,7 +71,7 @@ kvstore/fs_space.py). Nodes log both at start-up.
 Parallel layouts and codecs: put_layer(layer, chunks, heads=(lo, hi)) writes a TP rank's KV heads only,
 commit(keys, layout=..., part=i) commits one part of a multi-rank writer (kvstore/layout.py), and
 layouts(keys) says what each committed chunk's writer saved (its head groups, its codec); the read
-calls take heads= too, and get_layer_decoded reads objects of any codec (kvstore/kv_codecs.py; a store
+calls take heads= too, and get_layer_decoded reads objects of any codec (kvstore/payload_codecs.py; a store
 writes with the `codec` it was opened with). A store opened with heads_per_object=K writes each layer of a
 head group as objects of at most K heads, and its commits record that grain (kvstore/layout.py).
 
@@ -90,8 +90,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from pdserve.kvstore import codec, kv_codecs
-from pdserve.kvstore import codec as object_format  # where a parameter named codec hides the module
+from pdserve.kvstore import object_format, payload_codecs
 from pdserve.kvstore.admin import StoreAdmin
 from pdserve.kvstore.errors import StoreError, StoreTimeout
 from pdserve.kvstore.layout import Heads, WriterLayout, object_layer, split_heads
@@ -107,7 +106,7 @@ class KVStore(LayerReads, CodedReads, StoreAdmin):
 
     def __init__(self, fingerprint: str | None = None, num_layers: int | None = None,
                  dtype: torch.dtype | str | None = None, kv_shape: Sequence[int] | None = None,
-                 timeout: float = 5.0, io_threads: int = 4, codec: str = kv_codecs.RAW,
+                 timeout: float = 5.0, io_threads: int = 4, codec: str = payload_codecs.RAW,
                  heads_per_object: int = 0) -> None:
         if fingerprint is not None:
             object_format.fingerprint_bytes(fingerprint)
@@ -118,7 +117,7 @@ class KVStore(LayerReads, CodedReads, StoreAdmin):
         self.dtype = object_format.as_dtype(dtype) if dtype is not None else None
         self.kv_shape = tuple(kv_shape) if kv_shape is not None else None
         self.timeout = float(timeout)
-        self.codec = kv_codecs.check_name(codec)  # what this store's writes encode with (reads: any)
+        self.codec = payload_codecs.check_name(codec)  # what this store's writes encode with (reads: any)
         if isinstance(heads_per_object, bool) or not isinstance(heads_per_object, int) or heads_per_object < 0:
             raise ValueError(f"heads_per_object must be an integer >= 0, got {heads_per_object!r}")
         self.heads_per_object = heads_per_object  # what this store's writes split head groups by (0: not at all)
@@ -160,7 +159,7 @@ class KVStore(LayerReads, CodedReads, StoreAdmin):
                           for a, b in split]
         written = 0
         for piece, cut in pieces:
-            objects = [(key, *codec.encode(tensor if cut is None else _heads_of(tensor, *cut), self.fingerprint,
+            objects = [(key, *object_format.encode(tensor if cut is None else _heads_of(tensor, *cut), self.fingerprint,
                                            key=key, layer=piece, codec=self.codec)) for key, tensor in chunks.items()]
             self._guard(self._put, piece, objects)
             written += sum(len(h) + sum(v.nbytes for v in p) for _, h, p in objects)

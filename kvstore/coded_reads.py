@@ -1,11 +1,11 @@
-"""The batched read of a layer whose objects are coded (kvstore/kv_codecs.py): one read, one check pass, one decode.
+"""The batched read of a layer whose objects are coded (kvstore/payload_codecs.py): one read, one check pass, one decode.
 
 A raw load's objects land straight in their spans (kvstore/reads.py, get_layer_spans). A coded object's
 payload is not the bytes its spans hold, so it is read whole first: the layer's objects in one batched
 call of the backend (`_get`: a pipelined GET on redis, the file reads back to back), each checked where it
-landed (header, key binding, xxh3: codec.check_object), lossless payloads decompressed (zstd, per object
+landed (header, key binding, xxh3: object_format.check_object), lossless payloads decompressed (zstd, per object
 by nature), and then every object of the layer decoded into its spans in one C call with the GIL released
-(kv_codecs.decode_spans, kvstore/csrc/kv_dequant.c), inside the load's write gate. The spans are a
+(payload_codecs.decode_spans, kvstore/csrc/kv_dequant.c), inside the load's write gate. The spans are a
 kvstore.spans.SpanTable, the same table a raw load would fill: paged KV blocks and scratch
 (connectors/direct_rows.py), or a staging buffer. Objects of several codecs (raw ones too) mix freely.
 """
@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from pdserve.kvstore import codec, kv_codecs
+from pdserve.kvstore import object_format, payload_codecs
 from pdserve.kvstore.errors import CorruptObject
 from pdserve.kvstore.gate import WriteGate
 from pdserve.kvstore.layout import Heads
@@ -55,7 +55,7 @@ class CodedReads:
         else:
             names, sources, stored = self._read_checked(items, keys, name, kv_shape, chunk_lens, counts)
         with gate.writing():  # bounded CPU work on bytes already here: never waits for the medium
-            kv_codecs.decode_spans(names, sources, counts, dim, dtype, spans.desc, spans.first, spans.bases(),
+            payload_codecs.decode_spans(names, sources, counts, dim, dtype, spans.desc, spans.first, spans.bases(),
                                    spans.views)
         self._count(objects_read=len(items), bytes_read=stored, read_seconds=time.perf_counter() - start)
         return stored, set(names)
@@ -70,10 +70,10 @@ class CodedReads:
         dtype, dim = self.dtype, kv_shape[1]
         if codecs is None or len(codecs) != len(keys):
             return None
-        sizes = [kv_codecs.payload_bytes(c, count, dim, dtype.itemsize) for c, count in zip(codecs, counts)]
+        sizes = [payload_codecs.payload_bytes(c, count, dim, dtype.itemsize) for c, count in zip(codecs, counts)]
         if any(size is None for size in sizes):
             return None
-        expect = [codec.expected_coded_header(self.fingerprint, dtype, (2, n, *kv_shape), key=key, layer=name,
+        expect = [object_format.expected_coded_header(self.fingerprint, dtype, (2, n, *kv_shape), key=key, layer=name,
                                               codec=c, length=size)
                   for key, c, n, size in zip(keys, codecs, chunk_lens, sizes)]
         got = self._guard(self._get_whole, items, sizes, b"".join(expect))
@@ -81,10 +81,10 @@ class CodedReads:
             return None
         payloads, headers, digests = got
         for i, want in enumerate(expect):
-            header = headers[codec.HEADER_SIZE * i:codec.HEADER_SIZE * (i + 1)]
-            if header[:codec.SUMMED] != want or not codec.digest_matches(header, digests[i]):
+            header = headers[object_format.HEADER_SIZE * i:object_format.HEADER_SIZE * (i + 1)]
+            if header[:object_format.SUMMED] != want or not object_format.digest_matches(header, digests[i]):
                 return None  # damaged, or rewritten with another codec since its marker was read: read it again
-        sources, stored = payloads, sum(codec.HEADER_SIZE + size for size in sizes)
+        sources, stored = payloads, sum(object_format.HEADER_SIZE + size for size in sizes)
         return list(codecs), sources, stored
 
     def _get_whole(self, items: list[tuple[int | str, str]], sizes: list[int], expect: bytes
@@ -105,10 +105,10 @@ class CodedReads:
         for key, buf, n, count in zip(keys, buffers, chunk_lens, counts):
             view = memoryview(buf).cast("B")
             what = self.object_name(key, name)
-            found = self._guard(codec.check_object, view, self.fingerprint, dtype, kv_shape, what, key=key,
+            found = self._guard(object_format.check_object, view, self.fingerprint, dtype, kv_shape, what, key=key,
                                 layer=name, n_tokens=n)
             try:
-                sources.append(kv_codecs.layer_source(view[codec.HEADER_SIZE:], found, count, dim, dtype.itemsize))
+                sources.append(payload_codecs.layer_source(view[object_format.HEADER_SIZE:], found, count, dim, dtype.itemsize))
             except Exception as exc:  # a checksummed payload its codec cannot read: written by a broken writer
                 raise CorruptObject(f"{what}: {found} payload does not decode: {exc}") from exc
             names.append(found)

@@ -33,7 +33,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
-from pdserve.kvstore import codec
+from pdserve.kvstore import object_format
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import NotFound, StoreError, StoreTimeout, StoreUnavailable
 from pdserve.kvstore import fs_ledger, fs_space
@@ -370,7 +370,7 @@ def _head(path: str) -> bytes:
     """An object's header bytes (b"" when it vanished meanwhile)."""
     try:
         with open(path, "rb") as f:
-            return f.read(codec.HEADER_SIZE)
+            return f.read(object_format.HEADER_SIZE)
     except FileNotFoundError:
         return b""
 

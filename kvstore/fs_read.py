@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pdserve.kvstore import codec
+from pdserve.kvstore import object_format
 from pdserve.kvstore.errors import CorruptObject
 from pdserve.kvstore.layout import first_layer
 from pdserve.kvstore.gate import NO_GATE, LoadAbandoned, WriteGate
@@ -49,21 +49,21 @@ class FileReads:
 
     def _get_spans(self, items: list[tuple[int, str]], spans: list[list[memoryview]], shapes: list[tuple[int, ...]],
                    dtype: torch.dtype, gate: WriteGate = NO_GATE) -> None:
-        header = memoryview(bytearray(codec.HEADER_SIZE))
+        header = memoryview(bytearray(object_format.HEADER_SIZE))
         for (layer, key), payload, shape in zip(items, spans, shapes):
             chunk = self._chunk_dir(key)
             path = f"{chunk}/{layer}.kv"
             nbytes = sum(span.nbytes for span in payload)
             fd = os.open(path, os.O_RDONLY)
             try:
-                codec.check_size(path, os.fstat(fd).st_size, payload, shape, dtype, nbytes)
+                object_format.check_size(path, os.fstat(fd).st_size, payload, shape, dtype, nbytes)
                 if gate is NO_GATE:
                     read_exact(fd, [header, *payload], path)
                 else:
-                    self._read_gated(fd, [header, *payload], codec.HEADER_SIZE + nbytes, path, gate)
+                    self._read_gated(fd, [header, *payload], object_format.HEADER_SIZE + nbytes, path, gate)
             finally:
                 os.close(fd)
-            codec.check_payload(header, payload, self.fingerprint, dtype, shape, path, key=key, layer=layer,
+            object_format.check_payload(header, payload, self.fingerprint, dtype, shape, path, key=key, layer=layer,
                                 nbytes=nbytes)
             if first_layer(layer):
                 self._refresh(key)
@@ -80,7 +80,7 @@ class FileReads:
             return self._get_spans(items, table.views(), shapes, dtype, gate)
         fingerprint = self.fingerprint
         paths, expect = self._layer_objects(items, shapes, dtype)
-        headers = np.empty(codec.HEADER_SIZE * len(items), np.uint8)
+        headers = np.empty(object_format.HEADER_SIZE * len(items), np.uint8)
         loaded = reader.load(paths, table.desc, table.first, table.bases(), headers, expect,
                              gate.native(reader.gate_close))
         if loaded.abandoned:
@@ -90,7 +90,7 @@ class FileReads:
                                                     shapes):
                 if size < 0:
                     raise OSError(-fd, os.strerror(-fd), path)  # FileNotFoundError for ENOENT
-                codec.check_size(path, size, [], shape, dtype, total)
+                object_format.check_size(path, size, [], shape, dtype, total)
         if loaded.status:
             raise OSError(-loaded.status, os.strerror(-loaded.status), paths[0])
         left = np.flatnonzero(loaded.fds >= 0).tolist()  # open: not plainly right yet
@@ -99,10 +99,10 @@ class FileReads:
                 views, all_headers = table.views(), memoryview(headers)
                 for i in left:
                     (layer, key), path, total = items[i], paths[i], table.totals[i]
-                    header = all_headers[codec.HEADER_SIZE * i:codec.HEADER_SIZE * (i + 1)]
+                    header = all_headers[object_format.HEADER_SIZE * i:object_format.HEADER_SIZE * (i + 1)]
                     self._finish_object(int(loaded.fds[i]), int(loaded.got[i]), [header, *views[i]],
-                                        codec.HEADER_SIZE + total, path, gate)
-                    codec.check_payload(header, views[i], fingerprint, dtype, shapes[i], path, key=key, layer=layer,
+                                        object_format.HEADER_SIZE + total, path, gate)
+                    object_format.check_payload(header, views[i], fingerprint, dtype, shapes[i], path, key=key, layer=layer,
                                         nbytes=total)
         finally:
             for i in left:
@@ -122,7 +122,7 @@ class FileReads:
             return None
         scratch, table, offsets = scratch_table(sizes)
         paths = [f"{self._chunk_dir(key)}/{layer}.kv" for layer, key in items]
-        headers = np.empty(codec.HEADER_SIZE * len(items), np.uint8)
+        headers = np.empty(object_format.HEADER_SIZE * len(items), np.uint8)
         loaded = reader.load(paths, table.desc, table.first, table.bases(), headers, expect, 0)
         left = np.flatnonzero(loaded.fds >= 0).tolist()
         for i in left:
@@ -136,9 +136,9 @@ class FileReads:
 
     def _layer_objects(self, items: list[tuple[int, str]], shapes: list[tuple[int, ...]], dtype: torch.dtype
                        ) -> tuple[list[str], bytes]:
-        """Each object's path, and its expected header bytes [0, codec.SUMMED) back to back (codec.expected_header).
+        """Each object's path, and its expected header bytes [0, object_format.SUMMED) back to back (object_format.expected_header).
         A load asks for the same chunks layer after layer: each chunk's directory and its header up to the
-        binding (the last 8 of those bytes, codec's layout) are kept from its first layer for the others,
+        binding (the last 8 of those bytes, object_format's layout) are kept from its first layer for the others,
         which only hash their binding (a few microseconds less per object, on every layer)."""
         seen, fingerprint = self._objects_seen, self.fingerprint
         if len(seen) > 4096:  # the chunks of recent loads only
@@ -147,10 +147,10 @@ class FileReads:
         for (layer, key), shape in zip(items, shapes):
             known = seen.get((key, shape, dtype, fingerprint))
             if known is None:
-                head = codec.expected_header(fingerprint, dtype, shape, key=key, layer=layer)
+                head = object_format.expected_header(fingerprint, dtype, shape, key=key, layer=layer)
                 known = seen[key, shape, dtype, fingerprint] = (self._chunk_dir(key), head[:-8])
             else:
-                head = known[1] + codec.binding(key, layer).to_bytes(8, "little")
+                head = known[1] + object_format.binding(key, layer).to_bytes(8, "little")
             paths.append(f"{known[0]}/{layer}.kv")
             heads.append(head)
         return paths, b"".join(heads)

@@ -137,7 +137,7 @@ class WriterLayout:
     num_kv_heads: int = 0  # 0: the single-process layout, whatever the model's head count
     layer_starts: tuple[int, ...] = (0,)
     head_starts: tuple[int, ...] = (0,)
-    codec: str = "raw"  # what the writer's store encodes payloads with (kvstore/kv_codecs.py)
+    codec: str = "raw"  # what the writer's store encodes payloads with (kvstore/payload_codecs.py)
     object_heads: int = 0  # the store's heads_per_object; 0 whenever it splits no head group
 
     def __post_init__(self) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 import xxhash
 
 from pdserve.common.native_build import build_or_none, load_library
-from pdserve.kvstore.codec import HEADER_SIZE, SUMMED
+from pdserve.kvstore.object_format import HEADER_SIZE, SUMMED
 
 SOURCE = Path(__file__).with_name("csrc") / "kv_read.c"
 RECV_SOURCE = SOURCE.with_name("kv_recv.c")

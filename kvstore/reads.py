@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from pdserve.kvstore import codec
+from pdserve.kvstore import object_format
 from pdserve.kvstore.gate import NO_GATE, WriteGate
 from pdserve.kvstore.layout import Heads
 from pdserve.kvstore.native_reader import native_reader
@@ -79,7 +79,7 @@ class LayerReads:
             raise ValueError(f"staging shape {list(staging.shape)}, store holds [2, T, {kv_shape[0]}, "
                              f"{kv_shape[1]}]")
         start = time.perf_counter()
-        whole = codec.tensor_bytes(staging)
+        whole = object_format.tensor_bytes(staging)
         row = whole.nbytes // (2 * staging.shape[1]) if staging.shape[1] else 0
         half = whole.nbytes // 2
         spans, shapes, offset = [], [], 0
@@ -90,7 +90,7 @@ class LayerReads:
             shapes.append((2, n, heads, dim))
             offset += n
         self._guard(self._get_spans, [(name, key) for key in keys], spans, shapes, staging.dtype)
-        self._count(objects_read=len(keys), bytes_read=codec.HEADER_SIZE * len(keys) + whole.nbytes,
+        self._count(objects_read=len(keys), bytes_read=object_format.HEADER_SIZE * len(keys) + whole.nbytes,
                     read_seconds=time.perf_counter() - start)
         return whole.nbytes
 
@@ -122,7 +122,7 @@ class LayerReads:
         else:
             self._guard(self._get_spans, items, [list(row) for row in spans], shapes, self.dtype, gate)
         nbytes = 2 * sum(chunk_lens) * kv_shape[0] * kv_shape[1] * self.dtype.itemsize  # checked per object
-        self._count(objects_read=len(keys), bytes_read=codec.HEADER_SIZE * len(keys) + nbytes,
+        self._count(objects_read=len(keys), bytes_read=object_format.HEADER_SIZE * len(keys) + nbytes,
                     read_seconds=time.perf_counter() - start)
         return nbytes
 
@@ -156,11 +156,11 @@ class LayerReads:
         start = time.perf_counter()
         buffers = self._guard(self._get, items)
         views = [memoryview(buf).cast("B") for buf in buffers]
-        tensors = [self._guard(codec.decode, view, self.fingerprint, self.dtype, kv_shape,
+        tensors = [self._guard(object_format.decode, view, self.fingerprint, self.dtype, kv_shape,
                                self.object_name(key, name), key=key, layer=name) for key, view in zip(keys, views)]
         stored = sum(view.nbytes for view in views)
         self._count(objects_read=len(items), bytes_read=stored, read_seconds=time.perf_counter() - start)
-        return tensors, stored, {codec.codec_of(view) for view in views}
+        return tensors, stored, {object_format.codec_of(view) for view in views}
 
     def _read_layer(self, layer: int, keys: list[str], out: list[torch.Tensor] | None) -> list[torch.Tensor]:
         return self._read([layer], keys, None if out is None else [out])[0]
@@ -173,13 +173,13 @@ class LayerReads:
         start = time.perf_counter()
         if out is None:
             buffers = self._guard(self._get, items)
-            flat = [self._guard(codec.decode, buf, self.fingerprint, self.dtype, kv_shape,
+            flat = [self._guard(object_format.decode, buf, self.fingerprint, self.dtype, kv_shape,
                                 self.object_name(key, layer), key=key, layer=layer)
                     for (layer, key), buf in zip(items, buffers)]
         else:
             flat = [t for row in out for t in row]
             self._guard(self._get_into, items, flat)
-        self._count(objects_read=len(items), bytes_read=sum(codec.HEADER_SIZE + t.nbytes for t in flat),
+        self._count(objects_read=len(items), bytes_read=sum(object_format.HEADER_SIZE + t.nbytes for t in flat),
                     read_seconds=time.perf_counter() - start)
         return [flat[i * len(keys):(i + 1) * len(keys)] for i in range(len(layers))]
 
@@ -198,11 +198,11 @@ class LayerReads:
             for tensor in row:
                 if self.dtype is not None and tensor.dtype != self.dtype:
                     raise ValueError(f"output tensor of dtype {tensor.dtype}, store holds {self.dtype}")
-                codec.payload_views(tensor)  # ValueError unless a CPU tensor with contiguous K and V halves
+                object_format.payload_views(tensor)  # ValueError unless a CPU tensor with contiguous K and V halves
 
     def _get_into(self, items: list[tuple[int, str]], out: list[torch.Tensor]) -> None:
         """Fill preallocated tensors (each K and V half contiguous)."""
-        self._get_spans(items, [codec.payload_views(t) for t in out], [tuple(t.shape) for t in out],
+        self._get_spans(items, [object_format.payload_views(t) for t in out], [tuple(t.shape) for t in out],
                         out[0].dtype if out else torch.uint8)
 
     def _get_spans(self, items: list[tuple[int, str]], spans: list[list[memoryview]], shapes: list[tuple[int, ...]],
@@ -213,10 +213,10 @@ class LayerReads:
         for (layer, key), buf, payload, shape in zip(items, self._get(items), spans, shapes):
             name = self.object_name(key, layer)
             view = memoryview(buf).cast("B")
-            codec.check_size(name, view.nbytes, payload, shape, dtype)
+            object_format.check_size(name, view.nbytes, payload, shape, dtype)
             with gate.writing():  # the object is in our memory already: a bounded copy
-                copy_into(view[codec.HEADER_SIZE:], payload)
-            codec.check_payload(view[:codec.HEADER_SIZE], payload, self.fingerprint, dtype, shape, name, key=key,
+                copy_into(view[object_format.HEADER_SIZE:], payload)
+            object_format.check_payload(view[:object_format.HEADER_SIZE], payload, self.fingerprint, dtype, shape, name, key=key,
                                 layer=layer)
 
     def _get_table(self, items: list[tuple[int, str]], table: SpanTable, shapes: list[tuple[int, ...]],

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.kvstore.codec import header_codec
+from pdserve.kvstore.object_format import header_codec
 
 
 def _count_codec(counts: dict[str, int], codec: str, nbytes: int) -> None:
@@ -42,7 +42,7 @@ class Usage:
     inflight_bytes: int = 0
     orphaned_chunks: int = 0  # uncommitted chunks nobody writes any more (a failed save, a dead writer)
     orphaned_bytes: int = 0
-    codec_bytes: dict[str, int] = field(default_factory=dict)  # bytes of layer objects by codec (kvstore/kv_codecs.py)
+    codec_bytes: dict[str, int] = field(default_factory=dict)  # bytes of layer objects by codec (kvstore/payload_codecs.py)
     raw_bytes: int = 0  # what those objects' tensors would take raw
 
     @property
@@ -63,7 +63,7 @@ class ChunkInfo:
     raw_bytes: int = 0  # what its objects' tensors would take raw
 
     def count_object(self, nbytes: int, header: bytes) -> None:
-        """Add one layer object of `nbytes` whose first bytes are `header` (kvstore.codec.header_codec)."""
+        """Add one layer object of `nbytes` whose first bytes are `header` (kvstore.object_format.header_codec)."""
         codec, raw = header_codec(header)
         self.objects += 1
         self.bytes += nbytes

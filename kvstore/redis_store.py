@@ -23,7 +23,7 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from pdserve.kvstore import codec, resp
+from pdserve.kvstore import object_format, resp
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import CorruptObject, NotFound, StoreError, StoreTimeout, StoreUnavailable
 from pdserve.kvstore.layout import WriterLayout, parse_object_layer
@@ -162,7 +162,7 @@ class RedisStore(KVStore):
         if reader is None:
             return self._get_spans(items, table.views(), shapes, dtype, gate)
         names = [self._key(key, layer) for layer, key in items]
-        headers = np.empty(codec.HEADER_SIZE * len(items), np.uint8)
+        headers = np.empty(object_format.HEADER_SIZE * len(items), np.uint8)
         got = self._receive(names, table, headers, gate, reader)
         if got is None:  # TLS
             return self._get_spans(items, table.views(), shapes, dtype, gate, headers, table)
@@ -170,15 +170,15 @@ class RedisStore(KVStore):
         all_headers = memoryview(headers)
         views = None
         for i, ((layer, key), name, size, shape) in enumerate(zip(items, names, sizes, shapes)):
-            header = all_headers[codec.HEADER_SIZE * i:codec.HEADER_SIZE * (i + 1)]
-            if size == codec.HEADER_SIZE + table.totals[i] and codec.header_and_digest_match(
+            header = all_headers[object_format.HEADER_SIZE * i:object_format.HEADER_SIZE * (i + 1)]
+            if size == object_format.HEADER_SIZE + table.totals[i] and object_format.header_and_digest_match(
                     header, digests[i], self.fingerprint, dtype, shape, key=key, layer=layer):
                 continue
             if size is None:
                 raise NotFound(f"{sum(s is None for s in sizes)} object(s) missing, e.g. {name}")
             views = views or table.views()
-            codec.check_size(name, size, views[i], shape, dtype)
-            codec.check_payload(header, views[i], self.fingerprint, dtype, shape, name, key=key, layer=layer)
+            object_format.check_size(name, size, views[i], shape, dtype)
+            object_format.check_payload(header, views[i], self.fingerprint, dtype, shape, name, key=key, layer=layer)
 
     def _receive(self, names: list[str], table: SpanTable, headers: np.ndarray, gate: WriteGate,
                  reader: Any) -> tuple[list[int | None], list[int]] | None:
@@ -199,9 +199,9 @@ class RedisStore(KVStore):
         if reader is None or not items:
             return None
         scratch, table, offsets = scratch_table(sizes)
-        headers = np.empty(codec.HEADER_SIZE * len(items), np.uint8)
+        headers = np.empty(object_format.HEADER_SIZE * len(items), np.uint8)
         got = self._receive([self._key(key, layer) for layer, key in items], table, headers, NO_GATE, reader)
-        if got is None or any(size != codec.HEADER_SIZE + want for size, want in zip(got[0], sizes)):
+        if got is None or any(size != object_format.HEADER_SIZE + want for size, want in zip(got[0], sizes)):
             return None
         return [scratch[a:b] for a, b in zip(offsets[:-1], offsets[1:])], memoryview(headers), got[1]
 
@@ -213,9 +213,9 @@ class RedisStore(KVStore):
         spans' SpanTable) and `header_bytes`, the headers land there and the compiled reader hashes."""
         names = [self._key(key, layer) for layer, key in items]
         if header_bytes is None:
-            header_bytes = np.empty(codec.HEADER_SIZE * len(items), np.uint8)
+            header_bytes = np.empty(object_format.HEADER_SIZE * len(items), np.uint8)
         all_headers = memoryview(header_bytes)
-        headers = [all_headers[codec.HEADER_SIZE * i:codec.HEADER_SIZE * (i + 1)] for i in range(len(items))]
+        headers = [all_headers[object_format.HEADER_SIZE * i:object_format.HEADER_SIZE * (i + 1)] for i in range(len(items))]
         views = [[header, *payload] for header, payload in zip(headers, spans)]
         try:
             sizes = resp.get_into(self._redis, names, views, gate)
@@ -227,15 +227,15 @@ class RedisStore(KVStore):
         if missing:
             raise NotFound(f"{len(missing)} object(s) missing, e.g. {missing[0]}")
         digests = None
-        if table is not None and all(size == codec.HEADER_SIZE + total for size, total in zip(sizes, table.totals)):
+        if table is not None and all(size == object_format.HEADER_SIZE + total for size, total in zip(sizes, table.totals)):
             digests = self.span_reader.hash(table.desc, table.first, table.bases(), header_bytes).tolist()
         for i, ((layer, key), name, size, header, payload, shape) in enumerate(zip(items, names, sizes, headers, spans,
                                                                                    shapes)):
-            if digests is not None and codec.header_and_digest_match(header, digests[i], self.fingerprint, dtype,
+            if digests is not None and object_format.header_and_digest_match(header, digests[i], self.fingerprint, dtype,
                                                                      shape, key=key, layer=layer):
                 continue
-            codec.check_size(name, size, payload, shape, dtype)
-            codec.check_payload(header, payload, self.fingerprint, dtype, shape, name, key=key, layer=layer)
+            object_format.check_size(name, size, payload, shape, dtype)
+            object_format.check_payload(header, payload, self.fingerprint, dtype, shape, name, key=key, layer=layer)
 
     def _commit(self, keys: list[str], layout: WriterLayout, part: int) -> None:
         heads = self._heads(layout)
@@ -300,7 +300,7 @@ class RedisStore(KVStore):
             pipe = self._redis.pipeline(transaction=False)
             for raw, _ in batch:
                 pipe.strlen(raw)
-                pipe.getrange(raw, 0, codec.HEADER_SIZE - 1)
+                pipe.getrange(raw, 0, object_format.HEADER_SIZE - 1)
             replies = pipe.execute()
             for (_, (fp, key, suffix)), size, head in zip(batch, replies[::2], replies[1::2]):
                 info = chunks.setdefault((fp, key), ChunkInfo(fp, key, False, 0, 0))

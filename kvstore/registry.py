@@ -49,14 +49,14 @@ def _count(value: str) -> int:
 
 
 def _codec(value: str) -> str:
-    # kv_codecs owns the names but imports torch: imported on use so this table stays light.
-    from pdserve.kvstore.kv_codecs import check_name
+    # payload_codecs owns the names but imports torch: imported on use so this table stays light.
+    from pdserve.kvstore.payload_codecs import check_name
 
     return check_name(value)
 
 
 # Options every store class takes (URL query or keyword; keywords win): seconds per operation, I/O threads,
-# what writes encode KV with (kvstore/kv_codecs.py) and the heads per stored object (docs/parallelism.md).
+# what writes encode KV with (kvstore/payload_codecs.py) and the heads per stored object (docs/parallelism.md).
 COMMON_OPTIONS: Mapping[str, Parser] = {"timeout": float, "io_threads": int, "codec": _codec,
                                         "heads_per_object": _count}
 

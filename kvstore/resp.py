@@ -187,9 +187,9 @@ def get_table(client: redis.Redis, names: list[str], table: SpanTable, headers: 
               reader: SpanReader) -> tuple[list[int | None], list[int]] | None:
     """get_into for a layer's objects through the compiled receiver (kvstore/csrc/kv_recv.c), which
     sends the GETs as the replies come (a bounded window ahead, not all at once): object i's value lands
-    in its header (at headers[codec.HEADER_SIZE * i]) and its table spans, which are written only inside
+    in its header (at headers[object_format.HEADER_SIZE * i]) and its table spans, which are written only inside
     `gate`, and is hashed as it lands. Returns (sizes, digests): digests[i] is the xxh3 of header bytes
-    [0, codec.SUMMED) and the spans of an object read whole (sizes[i] == codec.HEADER_SIZE + its spans'
+    [0, object_format.SUMMED) and the spans of an object read whole (sizes[i] == object_format.HEADER_SIZE + its spans'
     bytes).
     None on a TLS connection (its bytes are not the socket's): the caller reads with get_into."""
     with _pooled(client) as conn:

@@ -58,7 +58,7 @@ class SpanReader(Protocol):
         with `expect`: native_reader.Loaded (what is not plainly right comes back open)."""
 
     def hash(self, desc: np.ndarray, first: np.ndarray, bases: np.ndarray, headers: np.ndarray) -> np.ndarray:
-        """digests[i]: the xxh3 of header i's bytes [0, codec.SUMMED) and object i's spans, already filled."""
+        """digests[i]: the xxh3 of header i's bytes [0, object_format.SUMMED) and object i's spans, already filled."""
 
     def resp_get(self, fd: int, commands: list[bytes], desc: np.ndarray, first: np.ndarray, bases: np.ndarray,
                  headers: np.ndarray, gate: int, timeout_ms: int) -> Any:

@@ -1,4 +1,4 @@
-"""Stored KV codecs (kvstore/kv_codecs.py): chosen per store with ?codec=, named in every object's header.
+"""Stored KV codecs (kvstore/payload_codecs.py): chosen per store with ?codec=, named in every object's header.
 
 Over a real directory, a real redis-server and a real Redis Cluster: what a store of each codec writes, a
 store opened with no codec reads (a mixed store too); raw and lossless give back every bit pattern (all of
@@ -17,7 +17,7 @@ import torch
 from pdserve.common.hashing import chunk_keys
 from pdserve.connectors.kv_hits import parse_line
 from pdserve.connectors.staging import ReadTarget
-from pdserve.kvstore import CorruptObject, kv_codecs, open_store
+from pdserve.kvstore import CorruptObject, open_store, payload_codecs
 from pdserve.kvstore.gate import NO_GATE
 from pdserve.kvstore.cli import main as pd_kvstore
 from tests.connector_helpers import (GREEDY, PREFILL, capture, check_full_handoff, engine_pair, hf_greedy, prompt,
@@ -176,14 +176,14 @@ def test_an_8bit_hand_off_loads_and_names_its_codec(tiny_llama, tmp_path, caplog
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("codec", ["int8", "fp8"])
 def test_the_compiled_decode_equals_the_torch_one_bit_for_bit(codec, dtype, monkeypatch):
-    from pdserve.kvstore import kv_codecs
+    from pdserve.kvstore import payload_codecs
 
-    assert kv_codecs._dequant_library() is not None  # noqa: SLF001 (gcc is part of this machine's setup)
+    assert payload_codecs._dequant_library() is not None  # noqa: SLF001 (gcc is part of this machine's setup)
     tensor = (torch.randn(2, 40, 3, 64, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)
-    payload = memoryview(kv_codecs.encode(tensor, codec))
-    compiled = kv_codecs.decode(payload, codec, dtype, tuple(tensor.shape))
-    monkeypatch.setattr(kv_codecs, "_dequant_library", lambda: None)  # the path without a library
-    assert torch.equal(compiled, kv_codecs.decode(payload, codec, dtype, tuple(tensor.shape)))
+    payload = memoryview(payload_codecs.encode(tensor, codec))
+    compiled = payload_codecs.decode(payload, codec, dtype, tuple(tensor.shape))
+    monkeypatch.setattr(payload_codecs, "_dequant_library", lambda: None)  # the path without a library
+    assert torch.equal(compiled, payload_codecs.decode(payload, codec, dtype, tuple(tensor.shape)))
 
 
 def _every_pattern(dtype: torch.dtype) -> torch.Tensor:
@@ -206,7 +206,7 @@ def test_raw_and_lossless_give_back_every_bit_pattern(dtype, codec, kind, compil
     """Written through a store and read back by the per-object path and by the batched coded read (the C
     decode, or without a library the Python one): the same bits, NaN payloads and the sign of 0 included."""
     if not compiled:
-        monkeypatch.setattr(kv_codecs, "_dequant_library", lambda: None)
+        monkeypatch.setattr(payload_codecs, "_dequant_library", lambda: None)
     full = _every_pattern(dtype)
     lens = [1000, 1000, 48]  # a partial last chunk too
     keys = chunk_keys(FP, list(range(sum(lens))), lens[0])
@@ -222,8 +222,8 @@ def test_raw_and_lossless_give_back_every_bit_pattern(dtype, codec, kind, compil
                               lens, NO_GATE)
         assert _bits(target).equal(_bits(full))
     if codec == "lossless":
-        payload = memoryview(kv_codecs.encode(full, codec))
-        assert _bits(kv_codecs.decode(payload, codec, dtype, tuple(full.shape))).equal(_bits(full))
+        payload = memoryview(payload_codecs.encode(full, codec))
+        assert _bits(payload_codecs.decode(payload, codec, dtype, tuple(full.shape))).equal(_bits(full))
 
 
 def _with_absmax(values: list[float], absmax: float, dim: int = 64) -> torch.Tensor:
@@ -273,13 +273,13 @@ def test_8bit_codecs_stay_within_the_documented_bound_and_reach_it(codec, dtype,
     text = " ".join(DOC.read_text().split())
     assert all(" ".join(phrase.split()) in text for phrase in DOCUMENTED_BOUND)
     if not compiled:
-        monkeypatch.setattr(kv_codecs, "_dequant_library", lambda: None)
+        monkeypatch.setattr(payload_codecs, "_dequant_library", lambda: None)
     else:
-        assert kv_codecs._dequant_library() is not None  # noqa: SLF001 (gcc is part of this machine's setup)
+        assert payload_codecs._dequant_library() is not None  # noqa: SLF001 (gcc is part of this machine's setup)
 
     def round_trip(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         want = values.to(dtype)
-        got = kv_codecs.decode(memoryview(kv_codecs.encode(want, codec)), codec, dtype, tuple(want.shape))
+        got = payload_codecs.decode(memoryview(payload_codecs.encode(want, codec)), codec, dtype, tuple(want.shape))
         error = (got.double() - want.double()).abs()
         return want, error, _error_bound(want, got, codec)
 

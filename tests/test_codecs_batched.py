@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pdserve.connectors.staging import ReadTarget
-from pdserve.kvstore import CorruptObject, kv_codecs
+from pdserve.kvstore import CorruptObject, payload_codecs
 from pdserve.kvstore.gate import NO_GATE
 from tests.connector_helpers import (FALLBACK_RE, GREEDY, PREFILL, capture, engine_pair, hf_greedy, lines, prompt,
                                      token_ids)
@@ -40,9 +40,9 @@ def _url(kind: str, tmp_path, request, codec: str) -> str:
 def test_the_batched_decode_equals_the_per_object_one_bit_for_bit(codec, dtype, kind, compiled, tmp_path, request,
                                                                    monkeypatch):
     if not compiled:  # the path without a library (PDSERVE_KERNELS=torch) must write the same bytes
-        monkeypatch.setattr(kv_codecs, "_dequant_library", lambda: None)
+        monkeypatch.setattr(payload_codecs, "_dequant_library", lambda: None)
     else:
-        assert kv_codecs._dequant_library() is not None  # noqa: SLF001 (gcc is part of this machine's setup)
+        assert payload_codecs._dequant_library() is not None  # noqa: SLF001 (gcc is part of this machine's setup)
     keys, layers = make_chunks(45, 2, dtype=dtype, seed=3)  # chunks of 16, 16 and 13 tokens
     chunk_lens = [16, 16, 13]
     with open_test_store(_url(kind, tmp_path, request, codec), 2, dtype=dtype) as store:

@@ -21,7 +21,7 @@ from pdserve.connectors import coded_load
 from pdserve.connectors.chunk_math import LoadPlan, slots_for
 from pdserve.connectors.chunked import ChunkedConnectorMetadata, LoadSpec, SaveSpec
 from pdserve.connectors.store_connector import StoreConnector
-from pdserve.kvstore import kv_codecs, open_store
+from pdserve.kvstore import open_store, payload_codecs
 from pdserve.kvstore.cli import main
 from pdserve.kvstore.layout import KVShard, WriterLayout
 from tests import kvstore_helpers as helpers
@@ -180,7 +180,8 @@ def test_a_chunk_missing_one_split_object_is_never_committed(kind, tmp_path, req
 
 def _round_trip(tensor: torch.Tensor, codec: str) -> torch.Tensor:
     """What a chunk of `tensor` reads back as when stored whole with `codec`."""
-    return kv_codecs.decode(memoryview(bytearray(kv_codecs.encode(tensor, codec))), codec, tensor.dtype, tuple(tensor.shape))
+    encoded = memoryview(bytearray(payload_codecs.encode(tensor, codec)))
+    return payload_codecs.decode(encoded, codec, tensor.dtype, tuple(tensor.shape))
 
 
 def _drop(url: str, key: str, name: str, fingerprint: str = FP) -> None:

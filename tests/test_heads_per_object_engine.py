@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.connectors import coded_load
-from pdserve.kvstore.codec import HEADER_SIZE
+from pdserve.kvstore.object_format import HEADER_SIZE
 from pdserve.serving import SamplingParams
 from tests.parallel_helpers import parallel_llm
 from tests.test_generate import hf_greedy

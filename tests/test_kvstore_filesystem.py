@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.kvstore import CorruptObject, NotFound, StoreUnavailable, codec, open_store
+from pdserve.kvstore import CorruptObject, NotFound, StoreUnavailable, object_format, open_store
 from pdserve.kvstore.filesystem import FileSystemStore
 from tests.kvstore_helpers import FP, OTHER_FP, make_chunks, open_test_store, spawn_writer, start, write_all
 
@@ -248,7 +248,7 @@ def test_max_bytes_counts_another_writers_uncommitted_chunk_only_once_it_is_stal
 
 def test_layer_objects_name_and_expect_what_the_codec_says(tmp_path):
     """The compiled reader's paths and expected headers, kept per chunk across a load's layers, are
-    object_name's and codec.expected_header's for every layer, chunk size and fingerprint."""
+    object_name's and object_format.expected_header's for every layer, chunk size and fingerprint."""
     store = FileSystemStore(tmp_path, fingerprint="ab" * 16, num_layers=3)
     keys = ["k" * 8 + str(i) for i in range(3)]
     for fingerprint in ("ab" * 16, "cd" * 16):
@@ -258,7 +258,7 @@ def test_layer_objects_name_and_expect_what_the_codec_says(tmp_path):
                 items, shapes = [(layer, key) for key in keys], [(2, n, 2, 4)] * len(keys)
                 paths, expect = store._layer_objects(items, shapes, dtype)
                 assert paths == [store.object_name(key, layer) for key in keys]
-                assert expect == b"".join(codec.expected_header(fingerprint, dtype, shape, key=key, layer=layer)
+                assert expect == b"".join(object_format.expected_header(fingerprint, dtype, shape, key=key, layer=layer)
                                           for (_, key), shape in zip(items, shapes))
     store.close()
 

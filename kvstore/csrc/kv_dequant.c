@@ -1,10 +1,10 @@
-/* The 8-bit stored KV codecs' decode (kvstore/kv_codecs.py): every code times its group's scale, written
+/* The 8-bit stored KV codecs' decode (kvstore/payload_codecs.py): every code times its group's scale, written
  * in the KV's dtype, in one pass.
  *
- * Called through ctypes (the GIL is released) by kv_codecs.decode on a store's I/O threads, so it is plain
+ * Called through ctypes (the GIL is released) by payload_codecs.decode on a store's I/O threads, so it is plain
  * single-threaded C (no OpenMP region: an I/O thread must not start a team of its own). Group g holds
  * codes[g * dim .. (g + 1) * dim) and scales[g]; a code is an int8 value, or with `table` (256 floats) the
- * index of its value (e4m3). out_code is kvstore/codec.py's dtype code of `out`: 1 float32, 2 float16,
+ * index of its value (e4m3). out_code is kvstore/object_format.py's dtype code of `out`: 1 float32, 2 float16,
  * 3 bfloat16 (both rounded to nearest even, as torch converts). Returns 0, or -1 for another out_code.
  *
  * pd_decode_spans decodes a whole layer's objects in one call (the batched coded load,
@@ -80,7 +80,7 @@ int pd_dequant(int64_t groups, int64_t dim, const uint8_t *codes, const float *s
     } while (0)
 
 /* An e4m3 code's value in arithmetic the compiler vectorizes (a table lookup is a gather, ~3x slower here):
- * the same values as the table of kv_codecs.py, NaN codes (never written by the encoder) 0 as there. */
+ * the same values as the table of payload_codecs.py, NaN codes (never written by the encoder) 0 as there. */
 static inline float e4m3(uint8_t code) {
     const uint32_t em = code & 0x7Fu;
     const float sub = (float)(em & 7u) * (1.0f / 512.0f);  /* subnormal: m * 2^-9 */

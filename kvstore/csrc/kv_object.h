@@ -1,5 +1,5 @@
 /* What kv_read.c and kv_recv.c both know of a stored KV object. Python owns every number of the
- * format (kvstore/codec.py: the header's size, and how many of its bytes are under the checksum that
+ * format (kvstore/object_format.py: the header's size, and how many of its bytes are under the checksum that
  * fills the rest) and the result that says a load's gate closed (kvstore/native_reader.py ABANDONED);
  * each library's init (pd_kv_init, pd_recv_init) hands them over once, with xxh3: the xxhash
  * module's own functions, so the digest is the one the codec checks. And the load's write gate

@@ -12,7 +12,7 @@
  * is desc[3k..3k+2] = (region, offset, nbytes), at bases[region] + offset; object i's header
  * lands at headers + header_size * i. xxh3 is the xxhash module's own (its exported XXH3 functions,
  * handed over once by pd_kv_init with the object format's sizes), so the digest is the one
- * kvstore/codec.py checks.
+ * kvstore/object_format.py checks.
  */
 #define _GNU_SOURCE
 #include <errno.h>

@@ -1,7 +1,7 @@
 """Stored KV codecs: how a [2, n, H, D] KV tensor's payload is encoded in a store object (issue 29).
 
 A store picks its codec with the URL parameter `codec=` (kvstore/__init__.py); every object's header
-records the one it was written with (kvstore/codec.py, byte 7), so a reader needs no configuration and
+records the one it was written with (kvstore/object_format.py, byte 7), so a reader needs no configuration and
 a store holding objects of several codecs reads them all.
 
 - `raw` (default): the tensor's bytes; the only codec loads read straight into paged memory.

@@ -1,7 +1,7 @@
 """The on-store object format: one (chunk, layer) KV tensor as raw bytes behind a 64-byte header.
 
 Layout (little endian), format version 2:
-    0  magic b"PDKV" | 4 version u16 | 6 dtype code u8 | 7 codec u8 (kvstore/kv_codecs.py; 0 raw)
+    0  magic b"PDKV" | 4 version u16 | 6 dtype code u8 | 7 codec u8 (kvstore/payload_codecs.py; 0 raw)
     8  shape [2, n_tokens, num_kv_heads, head_dim] as 4 x u32
     24 model fingerprint (16 bytes) | 40 payload length u64
     48 binding u64: xxh3_64 of the chunk key and layer the object was written under
@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 import xxhash
 
-from pdserve.kvstore import kv_codecs
+from pdserve.kvstore import payload_codecs
 from pdserve.kvstore.errors import CorruptObject
 
 MAGIC = b"PDKV"
@@ -79,7 +79,7 @@ def binding(key: str, layer: int | str) -> int:
     return xxhash.xxh3_64_intdigest(b"%s\0%s" % (key.encode(), str(layer).encode()))
 
 
-def encode(tensor: torch.Tensor, fingerprint: str, *, key: str, layer: int | str, codec: str = kv_codecs.RAW
+def encode(tensor: torch.Tensor, fingerprint: str, *, key: str, layer: int | str, codec: str = payload_codecs.RAW
            ) -> tuple[bytes, list[memoryview]]:
     """(header, payload spans) of a [2, n_tokens, kv_heads, head_dim] tensor stored as layer `layer`
     of chunk `key` under `codec`. A raw payload is not copied when the tensor's halves are contiguous,
@@ -90,21 +90,21 @@ def encode(tensor: torch.Tensor, fingerprint: str, *, key: str, layer: int | str
     if code is None:
         raise ValueError(f"unsupported KV dtype {tensor.dtype}")
     tensor = tensor.detach().cpu()
-    if codec != kv_codecs.RAW:
-        payload = [memoryview(kv_codecs.encode(tensor.contiguous(), codec))]
+    if codec != payload_codecs.RAW:
+        payload = [memoryview(payload_codecs.encode(tensor.contiguous(), codec))]
     else:
         try:
             payload = payload_views(tensor)
         except ValueError:
             payload = payload_views(tensor.contiguous())
     length = sum(v.nbytes for v in payload)
-    head = _HEAD.pack(MAGIC, VERSION, code, kv_codecs.CODES[codec], *tensor.shape, fingerprint_bytes(fingerprint),
+    head = _HEAD.pack(MAGIC, VERSION, code, payload_codecs.CODES[codec], *tensor.shape, fingerprint_bytes(fingerprint),
                       length, binding(key, layer))
     return head + _SUM.pack(_checksum(head, payload)), payload
 
 
 def encode_bytes(tensor: torch.Tensor, fingerprint: str, *, key: str, layer: int | str,
-                 codec: str = kv_codecs.RAW) -> bytes:
+                 codec: str = payload_codecs.RAW) -> bytes:
     """The whole object as one contiguous value (what a key-value store needs)."""
     header, payload = encode(tensor, fingerprint, key=key, layer=layer, codec=codec)
     return b"".join((header, *payload))
@@ -148,9 +148,9 @@ def decode(buf: bytes | bytearray | memoryview, fingerprint: str, dtype: torch.d
         raise CorruptObject(f"{name}: {view.nbytes} bytes is shorter than the {HEADER_SIZE}-byte header")
     found, shape = _check(view[:HEADER_SIZE], [view[HEADER_SIZE:]], fingerprint, dtype, kv_shape, name, key, layer)
     codec = codec_of(view)
-    if codec != kv_codecs.RAW:
+    if codec != payload_codecs.RAW:
         try:
-            return kv_codecs.decode(view[HEADER_SIZE:], codec, found, shape)
+            return payload_codecs.decode(view[HEADER_SIZE:], codec, found, shape)
         except Exception as exc:  # a checksummed payload its codec cannot read: written by a broken writer
             raise CorruptObject(f"{name}: {codec} payload does not decode: {exc}") from exc
     if view.nbytes == HEADER_SIZE:
@@ -165,14 +165,14 @@ def check_object(view: memoryview, fingerprint: str, dtype: torch.dtype, kv_shap
     load's check: one compare of the header bytes it must have and one xxh3 pass; CorruptObject (with the
     precise reason, worked out only then) otherwise."""
     shape = (2, n_tokens, *kv_shape)
-    if view.nbytes >= HEADER_SIZE and view[7] in kv_codecs.NAMES:
+    if view.nbytes >= HEADER_SIZE and view[7] in payload_codecs.NAMES:
         length = view.nbytes - HEADER_SIZE
-        raw = view[7] == kv_codecs.CODES[kv_codecs.RAW]
+        raw = view[7] == payload_codecs.CODES[payload_codecs.RAW]
         want = _HEAD.pack(MAGIC, VERSION, DTYPE_CODES[dtype], view[7], *shape, fingerprint_bytes(fingerprint), length,
                           binding(key, layer))
         if view[:_HEAD.size] == want and (not raw or length == shape[1] * shape[2] * shape[3] * 2 * dtype.itemsize) \
                 and _checksum(view[:_HEAD.size], [view[HEADER_SIZE:]]) == _SUM.unpack_from(view, _HEAD.size)[0]:
-            return kv_codecs.NAMES[view[7]]
+            return payload_codecs.NAMES[view[7]]
     if view.nbytes < HEADER_SIZE:
         raise CorruptObject(f"{name}: {view.nbytes} bytes is shorter than the {HEADER_SIZE}-byte header")
     _, found = _check(view[:HEADER_SIZE], [view[HEADER_SIZE:]], fingerprint, dtype, kv_shape, name, key, layer)
@@ -181,16 +181,16 @@ def check_object(view: memoryview, fingerprint: str, dtype: torch.dtype, kv_shap
 
 def codec_of(header: bytes | bytearray | memoryview) -> str:
     """The codec an object's header names (checked by _check: a known one)."""
-    return kv_codecs.NAMES[memoryview(header).cast("B")[7]]
+    return payload_codecs.NAMES[memoryview(header).cast("B")[7]]
 
 
 def header_codec(header: bytes | bytearray | memoryview) -> tuple[str, int]:
     """(codec name, bytes its tensor would take raw) of an object's first HEADER_SIZE bytes, unchecked (what
     `pd-kvstore stats` counts; verify checks); ("unknown", 0) for bytes that are no header."""
     view = memoryview(header).cast("B")
-    if view.nbytes < HEADER_SIZE or view[:4] != MAGIC or view[7] not in kv_codecs.NAMES:
+    if view.nbytes < HEADER_SIZE or view[:4] != MAGIC or view[7] not in payload_codecs.NAMES:
         return "unknown", 0
-    return kv_codecs.NAMES[view[7]], raw_bytes(view)
+    return payload_codecs.NAMES[view[7]], raw_bytes(view)
 
 
 def raw_bytes(header: bytes | bytearray | memoryview) -> int:
@@ -213,14 +213,14 @@ def check_size(name: str, size: int, payload: list[memoryview], shape: tuple[int
 def expected_header(fingerprint: str, dtype: torch.dtype, shape: tuple[int, ...], *, key: str, layer: int) -> bytes:
     """The checksummed header bytes [0, 56) of the one valid object for layer `layer` of chunk `key`
     holding a `dtype` tensor of `shape` [2, n, H, D]."""
-    return expected_coded_header(fingerprint, dtype, shape, key=key, layer=layer, codec=kv_codecs.RAW,
+    return expected_coded_header(fingerprint, dtype, shape, key=key, layer=layer, codec=payload_codecs.RAW,
                                  length=shape[0] * shape[1] * shape[2] * shape[3] * dtype.itemsize)
 
 
 def expected_coded_header(fingerprint: str, dtype: torch.dtype, shape: tuple[int, ...], *, key: str,
                           layer: int | str, codec: str, length: int) -> bytes:
     """expected_header of an object of codec `codec` whose payload is `length` bytes."""
-    return _HEAD.pack(MAGIC, VERSION, DTYPE_CODES[dtype], kv_codecs.CODES[codec], *shape,
+    return _HEAD.pack(MAGIC, VERSION, DTYPE_CODES[dtype], payload_codecs.CODES[codec], *shape,
                       fingerprint_bytes(fingerprint), length, binding(key, layer))
 
 
@@ -288,10 +288,10 @@ def _check(header: memoryview, payload: list[memoryview], fingerprint: str, dtyp
     shape = (two, n_tokens, heads, head_dim)
     if two != 2 or (kv_shape is not None and (heads, head_dim) != tuple(kv_shape)):
         raise CorruptObject(f"{name}: shape {list(shape)}, expected [2, n, *{list(kv_shape or [])}]")
-    if codec not in kv_codecs.NAMES:
+    if codec not in payload_codecs.NAMES:
         raise CorruptObject(f"{name}: unknown codec {codec}")
     size = sum(v.nbytes for v in payload)
-    raw = codec == kv_codecs.CODES[kv_codecs.RAW]
+    raw = codec == payload_codecs.CODES[payload_codecs.RAW]
     if (raw and length != two * n_tokens * heads * head_dim * found.itemsize) or size != length:
         raise CorruptObject(f"{name}: {HEADER_SIZE + size} bytes, header says {HEADER_SIZE} + {length} "
                             f"for shape {list(shape)} {found}")
