@@ -24,7 +24,7 @@ redis-server:
 	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -qq && \
 	  $(SUDO) apt-get install -y -qq --no-install-recommends redis-server; }
 
-# podman (+ runc, debootstrap for a local base image): tests/test_deploy_image.py builds deploy/Dockerfile.
+# podman (+ runc, debootstrap for a local base image): tests/deploy/test_image.py builds deploy/Dockerfile.
 container-tools:
 	@command -v podman >/dev/null && command -v runc >/dev/null && command -v debootstrap >/dev/null || \
 	  { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq podman runc debootstrap; }

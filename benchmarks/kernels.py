@@ -151,7 +151,7 @@ def main() -> int:
 
         if not torch.cuda.is_available():
             print("No CUDA GPU present: GPU performance of the Triton kernels is unmeasured "
-                  "(correctness is covered by tests/test_kernels.py in the interpreter).")
+                  "(correctness is covered by tests/kernels/test_triton.py in the interpreter).")
             return 0
         shape = Shape(**{f: getattr(args, f) for f in vars(Shape())})
         device, reps = "cuda", args.reps

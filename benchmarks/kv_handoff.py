@@ -42,7 +42,7 @@ from benchmarks.engine_throughput import bench_model_path, prompts  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.timing import PartTimer  # noqa: E402
 from pdserve.serving import LLM, SamplingParams  # noqa: E402
-from tests.utils import free_port, wait_for_port  # noqa: E402
+from tests.helpers.utils import free_port, wait_for_port  # noqa: E402
 
 TTFT_BARS = {"file": 20, "redis": 15, "lmcache": 15}  # x lower than recompute at 2k tokens
 LOAD_SHARE_BAR = 0.7  # load-only GB/s over the raw read of the same objects

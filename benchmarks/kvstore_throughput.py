@@ -35,8 +35,8 @@ import torch  # noqa: E402
 
 from pdserve.common.hashing import chunk_keys  # noqa: E402
 from pdserve.kvstore import KVStore, open_store  # noqa: E402
-from tests.redis_cluster import RedisClusterServer  # noqa: E402
-from tests.utils import free_port, wait_for_port  # noqa: E402
+from tests.helpers.redis_cluster import RedisClusterServer  # noqa: E402
+from tests.helpers.utils import free_port, wait_for_port  # noqa: E402
 
 FP = "5eed" * 8
 TOKENS, HEADS, HEAD_DIM, LAYERS, DTYPE = 256, 8, 128, 32, torch.bfloat16

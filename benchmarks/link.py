@@ -6,7 +6,7 @@ delay cannot be emulated and the setting says so instead of pretending). The lin
 a plain TCP transfer of a given number of bytes over it (`LinkSender` / `plain_transfer`): what any
 reader of those bytes could reach, so a load's bytes/s is judged against it.
 
-Used by benchmarks/kv_link.py and tests/test_kv_link.py. Needs root and iproute2.
+Used by benchmarks/kv_link.py and tests/cluster/test_kv_link.py. Needs root and iproute2.
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ import aiohttp  # noqa: E402
 from benchmarks.engine_throughput import bench_model_path, prompts  # noqa: E402
 from benchmarks.serve_latency import pct  # noqa: E402
 from pdserve.deploy.processes import HOST, Child, ClusterSpec, LocalCluster, free_port, python_module  # noqa: E402
-from tests.serve_helpers import ServerProcess  # noqa: E402
+from tests.helpers.serve import ServerProcess  # noqa: E402
 
 
 def workload(n: int, length: int, shared_fraction: float, seed: int) -> list[list[int]]:

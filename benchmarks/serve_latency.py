@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import aiohttp  # noqa: E402
 
 from benchmarks.engine_throughput import bench_model_path, prompts  # noqa: E402
-from tests.serve_helpers import ServerProcess  # noqa: E402
+from tests.helpers.serve import ServerProcess  # noqa: E402
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int) -> dict:

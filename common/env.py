@@ -2,7 +2,7 @@
 
 Modules read them only through the accessors below (never `os.environ` directly), so a variable's
 name, default and spelling rules cannot drift apart between its readers, and docs/configuration.md's
-table is this table: `python -m pdserve.common.env` prints it, tests/test_env.py checks the docs hold it.
+table is this table: `python -m pdserve.common.env` prints it, tests/common/test_env.py checks the docs hold it.
 What a value means (the choices of PDSERVE_KERNELS, the levels of PDSERVE_CPU_ISA) stays with the module
 that acts on it, which validates it with its own message; this module only says what was set.
 

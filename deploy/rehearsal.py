@@ -8,7 +8,7 @@ a Step: its command line with the flags it is written with, translated for one h
 starts the steps in dependency order (compose depends_on; init containers before their pod's
 containers, which Kubernetes does not otherwise order: an exited container is restarted, as the
 kubelet would) and calls a step up when the file's own health check passes (compose `healthcheck`, Kubernetes readiness probe); once all are up, every
-other probe of the file (startup, liveness) must pass too. tests/test_deploy_files.py runs both
+other probe of the file (startup, liveness) must pass too. tests/deploy/test_files.py runs both
 files this way.
 """
 from __future__ import annotations

@@ -55,7 +55,7 @@ class Bound:
 
 # The one table of numeric bounds: vLLM's (its SamplingParams._verify_args), floats written as floats as
 # the OpenAI error messages quote them. The HTTP layer reads a field's JSON type and leaves its value to
-# these; docs/vllm-compat.md lists them (tests/test_protocol_choices.py keeps the two equal).
+# these; docs/vllm-compat.md lists them (tests/serving/test_protocol.py keeps the two equal).
 BOUNDS: dict[str, Bound] = {
     "n": Bound(1, MAX_N, integer=True),
     "max_tokens": Bound(1, MAX_COUNT, integer=True),

@@ -1,6 +1,6 @@
 """Compile every Triton kernel variant ahead of time for a CUDA GPU, on any machine (no GPU needed).
 
-The interpreter tests (tests/test_kernels.py) check what the kernels compute, but the
+The interpreter tests (tests/kernels/test_triton.py) check what the kernels compute, but the
 interpreter runs them as numpy and accepts code Triton's compiler would reject. This runs the
 host wrappers with their launches captured instead of executed, and compiles each captured
 launch down to a cubin for the target architecture (default sm_90: H100/H200) with exactly

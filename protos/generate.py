@@ -1,7 +1,7 @@
 """Regenerate the committed gRPC code: `python -m pdserve.protos.generate` (needs grpcio-tools 1.78.0).
 
 The generated files are committed so that installing pdserve needs no code generation;
-tests/test_protos.py regenerates into a temp dir and checks the committed files are current.
+tests/protos/test_generated_code.py regenerates into a temp dir and checks the committed files are current.
 """
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ COMPLETION, CHAT = "completion", "chat"
 REQUEST_ID_RE = re.compile(r"[\x21-\x7e]{1,128}")
 # The one list of request fields this server honours: OpenAI's and vLLM's names and meanings.
 # Any other field is a 400 naming it (never silently ignored), except the OpenAI fields below
-# at the value that means "off". tests/test_openai_api.py walks the `openai` client's
+# at the value that means "off". tests/serving/test_openai_api.py walks the `openai` client's
 # create() parameters against these tables.
 _SAMPLING_FIELDS = (
     "model", "n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",

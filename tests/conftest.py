@@ -12,11 +12,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # run in the interpreter whatever the test order. CPU tensors still take the torch path.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.redis_cluster import RedisClusterServer  # noqa: E402
-from tests.utils import RedisServer  # noqa: E402
+from tests.helpers.redis_cluster import RedisClusterServer  # noqa: E402
+from tests.helpers.utils import RedisServer  # noqa: E402
 
 # Hook modules, each registered as its own plugin (no hook name of one can shadow another's).
-pytest_plugins = ["tests.isa_report", "tests.requirements_plugin"]
+pytest_plugins = ["tests.plugins.isa_report", "tests.plugins.requirements"]
 
 
 @pytest.fixture(scope="session")

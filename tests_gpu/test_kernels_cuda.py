@@ -1,6 +1,6 @@
 """Every Triton kernel compiled for the real GPU, against the torch reference on the same CUDA tensors.
 
-The same shapes as the interpreter suite (tests/test_kernels.py) plus what only a GPU makes
+The same shapes as the interpreter suite (tests/kernels/test_triton.py) plus what only a GPU makes
 affordable: long contexts through the split-KV decode path and multi-thousand-token prefixes.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from pdserve.engine.attention import build_attention_metadata, select_attention_backend
 from pdserve.kernels import torch_ref, triton_attention, triton_transfer
 from pdserve.kernels.triton_attention import num_kv_splits
-from tests.test_kernels import ATTN_CASES, ATTN_TOL, DTYPES, paged_batch
+from tests.kernels.test_triton import ATTN_CASES, ATTN_TOL, DTYPES, paged_batch
 
 CUDA = torch.device("cuda")
 

@@ -17,7 +17,7 @@
  * dt: 0 float32, 1 bfloat16 (kernels/cpu_block_ops.py checks dtypes, shapes and strides).
  * Rows run in parallel (OpenMP, torch's team) only when there are enough elements to pay for it.
  * bf16 rows on builds with AVX512_BF16 take 16-lane versions (the *_bf16x16 rows) of the same
- * arithmetic with the instruction's conversions (bf16.h): the same bits (tests/test_block_ops.py
+ * arithmetic with the instruction's conversions (bf16.h): the same bits (tests/kernels/test_cpu_block_ops.py
  * compares them with a build without it), 1.3-1.9x faster at prefill sizes on a Zen 4.
  */
 #include <math.h>

@@ -15,7 +15,7 @@
  * cpu_decode_attention_avx512.h (any head_dim and group; vdpbf16ps scores with avx512_bf16);
  * otherwise AVX2+FMA builds use the vector code of cpu_decode_attention_avx2.h for head_dim % 8 == 0
  * and groups 1, 2, 4, 8; everything else takes the plain C loops (same arithmetic, fp32 accumulation). All three are
- * tested on any machine that can run them (tests/test_cpu_attention.py builds lower ISA levels).
+ * tested on any machine that can run them (tests/kernels/test_cpu_decode_attention.py builds lower ISA levels).
  *
  * Built at first use by common/native_build.py (plain C, no torch headers: it compiles in about a
  * second) and called through ctypes with raw pointers; kernels/cpu_attention.py checks shapes,

@@ -16,7 +16,7 @@
  * to the fp32 accumulator, rounding to nearest even (fp32 accumulation, in another order than a
  * plain loop or oneDNN). It ignores MXCSR: denormal inputs are
  * read as zero and denormal results are flushed to zero. oneDNN's bf16 kernels on these CPUs use
- * the same instruction, so they flush alike (tests/test_cpu_linear.py checks both). The bias
+ * the same instruction, so they flush alike (tests/kernels/test_cpu_linear.py checks both). The bias
  * (fp32, padded to whole panels, may be NULL) is added in fp32 and y rounded to nearest even bf16
  * in integer arithmetic, as torch rounds (denormals kept, NaN stays NaN).
  *
