@@ -4,7 +4,9 @@ Each step every scheduled request's `num_computed_tokens` catches up towards its
 `num_tokens`: running requests first (mostly 1-token decodes), then waiting ones (whose
 prompts are chunked to fit the budget). When the block pool runs dry, the newest running
 request is preempted: its blocks are freed and it is recomputed later, from the front of
-the waiting queue. KV-connector hooks are named `# connector hook:` below.
+the waiting queue. KV-connector hooks are named `# connector hook:` below. Sequences that start
+from another's KV (the choices of n > 1, the beams of a beam search) are forked and dropped by the
+`SequenceForks` it holds (engine/scheduler_forks.py).
 
 Store I/O never runs inside a step (docs/architecture.md, "Failure behaviour"): a waiting
 request whose store lookup is still in flight is skipped; a request whose external KV loads
@@ -34,7 +36,7 @@ logger = logging.getLogger(__name__)
 _SKIP = -1  # _admit: not schedulable this step (lookup in flight, or parked while its KV loads)
 
 
-class Scheduler(SequenceForks):
+class Scheduler:
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager,
                  connector: KVConnectorBase | None = None, max_model_len: int | None = None) -> None:
         self.config = config.scheduler
@@ -48,8 +50,7 @@ class Scheduler(SequenceForks):
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last schedule(), for the runner
-        self._fork_parents: dict[str, Request] = {}  # n > 1: choice id -> choice 0, until it forks
-        self._blocks_to_copy: list[tuple[int, int]] = []  # forks' partial prompt blocks, for the next step
+        self.sequence_forks = SequenceForks(self, kv_cache_manager, self.config.max_num_seqs)
         self._delayed_free: dict[str, Request] = {}  # finished, blocks held until the connector's save ended
         self._held_outputs: dict[str, float] = {}  # finished, output held until its commit: id -> deadline
         self._loaded: dict[str, bool] = {}  # parked request id -> its background load succeeded
@@ -73,7 +74,7 @@ class Scheduler(SequenceForks):
         for fork in request.forks:
             fork.status = RequestStatus.WAITING
             self.requests[fork.request_id] = fork
-            self._fork_parents[fork.request_id] = request
+        self.sequence_forks.add_choices(request)
 
     def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> list[Request]:
         """Finish (stop string) or abort requests from outside; unknown ids are ignored."""
@@ -89,8 +90,7 @@ class Scheduler(SequenceForks):
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue
-            if request_id in self._fork_parents:  # never scheduled: nothing to free
-                self._fork_parents.pop(request_id).forks.remove(request)
+            if self.sequence_forks.withdraw(request):  # never scheduled: nothing to free
                 request.status = status
                 del self.requests[request_id]
                 done.append(request)
@@ -100,7 +100,7 @@ class Scheduler(SequenceForks):
             else:
                 self.waiting.remove(request)
             request.status = status
-            self._free_request(request)
+            self.free_request(request)
             done.append(request)
         return done
 
@@ -172,10 +172,9 @@ class Scheduler(SequenceForks):
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
-            blocks_to_copy=self._blocks_to_copy,
+            blocks_to_copy=self.sequence_forks.take_blocks_to_copy(),
         )
         self.finished_req_ids = set()
-        self._blocks_to_copy = []
         if self.connector is not None:  # connector hook: the step's loads and saves
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
@@ -284,12 +283,12 @@ class Scheduler(SequenceForks):
             if request.beam is not None:
                 self._offer_beam(request, runner_output.top_logprobs.get(rid, []))
                 continue
-            forks = self._fork(request, runner_output) if request.forks else []
+            forks = self.sequence_forks.fork_choices(request, runner_output) if request.forks else []
             request.append_output_token(token, runner_output.logprobs.get(rid), runner_output.top_logprobs.get(rid))
             held = False
             if self.check_stop(request, token):
                 self.running.remove(request)
-                if self._free_request(request):  # its final output waits for the commit of its KV
+                if self.free_request(request):  # its final output waits for the commit of its KV
                     self._held_outputs[rid] = time.monotonic() + self.save_timeout_s
                     held = True
             if not held:
@@ -297,6 +296,24 @@ class Scheduler(SequenceForks):
             updated.extend(forks)
         updated.extend(self._free_finished_saves(runner_output.finished_sending))
         return updated
+
+    # beam search: engine/beam_search.py ranks the beams, the forks move their sequences
+    def _offer_beam(self, request: Request, candidates: list[tuple[int, float]]) -> None:
+        search = request.beam
+        if search.offer(request, candidates):
+            search.advance(self)
+            if search.done:
+                search.drop_all(self)
+                del self._beam_searches[search.request_id]
+                self.finished_beam_searches.append(search)
+
+    def fork_sequence(self, parent: Request, request_id: str, token: int) -> Request:
+        """A new beam (BeamSearch calls it): `parent`'s tokens and `token`, from the parent's KV."""
+        return self.sequence_forks.fork_sequence(parent, request_id, token)
+
+    def drop_sequence(self, request: Request) -> None:
+        """A beam that lost, or a search that ended (BeamSearch calls it): its blocks freed, its slot given up."""
+        self.sequence_forks.drop_sequence(request)
 
     def _rewind_failed_load(self, request: Request) -> None:
         """External KV did not arrive: recompute from the local hit (the blocks stay allocated)."""
@@ -322,15 +339,12 @@ class Scheduler(SequenceForks):
             request.status = RequestStatus.FINISHED_LENGTH
         return request.is_finished
 
-    def _free_request(self, request: Request) -> bool:
+    def free_request(self, request: Request) -> bool:
         """Finished or aborted: tell the connector, then free the blocks unless it still saves from them.
 
         Returns True when the blocks are held for a save in flight."""
         self.finished_req_ids.add(request.request_id)
-        for fork in request.forks:  # choice 0 ended before its prompt was done: the others prefill alone
-            del self._fork_parents[fork.request_id]
-            self.waiting.append(fork)
-        request.forks = []
+        self.sequence_forks.queue_alone(request)  # choice 0 ended before its prompt was done: the others prefill alone
         self._loaded.pop(request.request_id, None)
         delay = False
         if self.connector is not None:  # connector hook: the request is done
