@@ -22,8 +22,8 @@ nothing and so bounds any reader from above.
 
 With `--codecs raw int8 fp8 lossless` it times instead each codec's whole load (the same connector path,
 a store written with `?codec=`) in ms, best of `repeats`, the batched coded path (kvstore/coded_reads.py)
-and, with `--per-object`, also the per-object path coded loads took before it (connectors/coded_load.py's
-_load_layer_parts), each against raw in the same run; `--model smollm2` loads a real model's KV shape
+and, with `--per-object`, also the per-object path coded loads took before it (connectors/decoded_loads.py's
+DecodedLoads.read_parts), each against raw in the same run; `--model smollm2` loads a real model's KV shape
 (engine/builtin_model.preset_checkpoint).
 
 Used by benchmarks/kv_handoff.py; standalone:

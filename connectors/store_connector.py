@@ -14,8 +14,9 @@ still in the background. Every store failure turns into "recompute" (loads) or a
 Parallel layouts (kvstore/layout.py): the connector of each rank is given its `KVShard` (its layers
 and KV heads; the argument, or `runner.kv_shard`, default: everything) and saves and loads only
 those. Layer indices are the model's (global); `register_kv_caches` takes the rank's own layers'
-caches (or every layer's). A chunk saved by another layout, or with a codec, is read by
-connectors/coded_load.py.
+caches (or every layer's). Where a load's rows land in them is `PagedCaches`' (connectors/store_load.py);
+a chunk saved by another layout, or with a codec, is read by the `DecodedLoads` the connector holds
+(connectors/decoded_loads.py).
 """
 from __future__ import annotations
 
@@ -29,39 +30,22 @@ import torch
 
 from pdserve.common.hashing import chunk_keys
 from pdserve.connectors.chunk_math import chunk_bounds, hit_tokens
-from pdserve.connectors import direct_rows
-from pdserve.connectors.coded_load import CodedLoads
 from pdserve.connectors.chunked import (ChunkedConnector, ChunkedConnectorMetadata, InFlightLoad, LoadSpec, PendingSave,
                                 SaveSpec)
-from pdserve.connectors.direct_rows import DirectRows
+from pdserve.connectors.decoded_loads import DecodedLoads
 from pdserve.connectors.staging import HostChunks, make_kv_transfer
+from pdserve.connectors.store_load import PagedCaches, StoreLoad
 from pdserve.engine.config import KVRole
 from pdserve.kvstore import CorruptObject, KVStore, NotFound, StoreTimeout, StoreUnavailable, open_store
 from pdserve.kvstore.layout import KVShard, WriterLayout
-from pdserve.kvstore.native_reader import native_reader
 
 if TYPE_CHECKING:
+    from pdserve.connectors.staging import ReadTarget
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.request import Request
 
 _REASONS = ((StoreUnavailable, "unavailable"), (StoreTimeout, "timeout"), (CorruptObject, "corrupt"),
             (NotFound, "missing"))
-
-
-@dataclass
-class _Load(InFlightLoad):
-    keys: list[str] = field(default_factory=list)
-    chunk_lens: list[int] = field(default_factory=list)  # tokens of each chunk read
-    slots: torch.Tensor | None = None  # spec.slots on the engine's device
-    scatter: Any = None  # the transfer's plan of the scatter into `slots` (the same for every layer)
-    direct: DirectRows | None = None  # reads straight into the blocks: where each byte goes (every layer)
-    events: dict[int, Any] = field(default_factory=dict)  # layer -> the event of its copy into paged memory
-    layouts: list[WriterLayout] | None = None  # each chunk's writer layout (read once, by the first layer read)
-    layouts_lock: threading.Lock = field(default_factory=threading.Lock)
-    whole: bool = True  # every chunk has an object of exactly this rank's heads (known once layouts are)
-    coded: bool = False  # some chunk was written with a codec (known once layouts are)
-    codecs: set[str] = field(default_factory=set)  # the codecs of the objects read, when not all raw
-    parts_plan: list[Any] | None = None  # another layout's chunks: the reads of every layer (coded_load._parts_plan)
 
 
 @dataclass
@@ -74,7 +58,7 @@ class _Save:
     io_seconds: float = 0.0  # gather + put + commit time (puts overlap compute, so not wall time)
 
 
-class StoreConnector(CodedLoads, ChunkedConnector):
+class StoreConnector(ChunkedConnector):
     """The pdserve kvstore connector: docs/architecture.md's invariants and arithmetic over open_store(url)."""
 
     def __init__(self, config: EngineConfig, runner: Any, store: KVStore | None = None,
@@ -93,16 +77,18 @@ class StoreConnector(CodedLoads, ChunkedConnector):
         self.store = store or open_store(kt.kv_store, fingerprint=runner.fingerprint, num_layers=self.num_layers,
                                          dtype=runner.dtype, kv_shape=(self.num_kv_heads, runner.head_dim),
                                          timeout=min(kt.load_timeout_s, 5.0))
-        self.kv_caches: list[torch.Tensor] = []
         self.transfer = make_kv_transfer(runner.platform)
-        self.dtype: torch.dtype = runner.dtype
-        self.kv_shape: tuple[int, int] = (self.heads[1] - self.heads[0], runner.head_dim)  # this rank's heads
+        # this rank's caches and where loads land in them; the loads of coded or other-layout chunks
+        self.caches = PagedCaches(self.transfer, self.block_size, runner.dtype,
+                                  (self.heads[1] - self.heads[0], runner.head_dim))
+        self.decoded = DecodedLoads(self.store, self.caches, self.heads, self.num_kv_heads)
         self._saves: dict[str, _Save] = {}
         self._keys: dict[str, list[str]] = {}  # request id -> its prompt's chunk keys
-        self._cache_bytes: list[memoryview] = []  # per layer, when loads read straight into the blocks
-        self._row_bytes = self._half_bytes = 0  # the blocks' layout, when loads read straight into them
-        self._planner: Any = None  # kvstore.native_reader.KVReadLibrary: DirectRows' plan in C
-        self._local = threading.local()  # per I/O thread: scratch memory of direct reads
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor | None]:
+        """The registered caches, by the model's layer index (None before this rank's first layer)."""
+        return self.caches.kv_caches
 
     def keys_for(self, token_ids: list[int], cache_salt: str | None) -> list[str]:
         return chunk_keys(self.fingerprint, token_ids, self.chunk_size, cache_salt)
@@ -141,19 +127,7 @@ class StoreConnector(CodedLoads, ChunkedConnector):
             raise ValueError(f"{len(kv_caches)} KV caches for layers [{self.layers.start}, {self.layers.stop}) "
                              f"of {self.num_layers}")
         offset = self.layers.start if len(kv_caches) == len(self.layers) else 0
-        self.kv_caches = [None] * offset + list(kv_caches)  # indexed by the model's layer index
-        # Store reads land straight in the blocks when the caches are host memory of the stored layout
-        # (no staging copy); otherwise (CUDA, another layout) through the transfer's staging buffers.
-        own = [self.kv_caches[layer] for layer in self.layers]
-        direct = self.transfer.reads_in_place and all(direct_rows.applies_to(c, self.dtype, self.block_size)
-                                                      for c in own)
-        self._cache_bytes = [None if c is None else direct_rows.cache_bytes(c) for c in self.kv_caches] \
-            if direct else []
-        if direct:
-            cache = own[0]
-            self._row_bytes = cache[0, 0, 0].numel() * cache.element_size()  # one token's K (or V) row
-            self._half_bytes = cache[0].numel() * cache.element_size()  # one layer's K half
-            self._planner = native_reader()  # DirectRows' plan in C (None: in numpy)
+        self.caches.register([None] * offset + list(kv_caches), self.layers)  # indexed by the model's layer index
 
     def _start_loads(self, specs: list[LoadSpec]) -> list[InFlightLoad]:
         loads = []
@@ -161,18 +135,12 @@ class StoreConnector(CodedLoads, ChunkedConnector):
             keys = self._prompt_keys(spec.request_id, spec.token_ids, spec.cache_salt)
             plan = spec.plan
             bounds = [chunk_bounds(idx, plan.num_tokens, self.chunk_size) for idx in plan.chunk_range]
-            load = _Load(spec, keys=keys[plan.chunk_range.start:plan.chunk_range.stop],
-                         chunk_lens=[end - start for start, end in bounds])
+            load = StoreLoad(spec, keys=keys[plan.chunk_range.start:plan.chunk_range.stop],
+                             chunk_lens=[end - start for start, end in bounds])
             load.layouts = self.store.cached_layouts(load.keys)
             load.whole = load.layouts is None or self._whole(load.layouts)
             load.coded = load.layouts is not None and _coded(load.layouts)
-            if self._cache_bytes and load.whole:
-                lo, hi = (at - plan.aligned_start for at in plan.write_range)
-                load.direct = DirectRows.plan(spec.slots, load.chunk_lens, lo, hi, self._row_bytes, self._half_bytes,
-                                              self._planner)
-            if not self._cache_bytes or load.layouts is None or not load.whole:
-                load.slots = self.transfer.device_slots(spec.slots)
-                load.scatter = self.transfer.scatter_plan(spec.slots, self.block_size)
+            self.caches.prepare(load)
             loads.append(load)
         self.transfer.begin_step()
         # Layer-major, so layer 0 of every request arrives first. One future per (load, layer), resolved
@@ -186,7 +154,7 @@ class StoreConnector(CodedLoads, ChunkedConnector):
             self.store.submit(self._read_layers, pending, lock)
         return loads
 
-    def _read_layers(self, pending: Iterator[tuple[_Load, int]], lock: threading.Lock) -> None:
+    def _read_layers(self, pending: Iterator[tuple[StoreLoad, int]], lock: threading.Lock) -> None:
         """Read (load, layer) pairs from `pending` until it is empty, resolving each pair's future as a
         pool task would: skipped if it was cancelled before it started (a failed load), else its bytes
         read or its exception."""
@@ -206,7 +174,7 @@ class StoreConnector(CodedLoads, ChunkedConnector):
             else:
                 future.set_result(nbytes)
 
-    def _load_layer(self, load: _Load, layer: int) -> int:
+    def _load_layer(self, load: StoreLoad, layer: int) -> int:
         """Read one layer's chunks and write the rows of tokens [N, N + need) into their slots; the bytes
         read. The copy's event (end of the write into paged memory) goes to `load.events[layer]`."""
         if load.failed:  # an earlier layer already failed: the request recomputes, skip the read
@@ -219,50 +187,30 @@ class StoreConnector(CodedLoads, ChunkedConnector):
                     load.layouts = self.store.layouts(load.keys)
                     load.whole, load.coded = self._whole(load.layouts), _coded(load.layouts)
         if not load.whole:
-            return self._load_layer_parts(load, layer)
+            return self.decoded.read_parts(load, layer)
         if load.coded:
-            return self._load_layer_coded(load, layer)
+            return self.decoded.read_coded(load, layer)
         heads = self.heads
         if load.direct is not None:  # straight into the blocks, only inside the load's gate
-            scratch = self._scratch(load.direct.scratch_bytes)
-            nbytes = self.store.get_layer_spans(layer, load.keys, load.direct.spans(self._cache_bytes[layer], scratch),
+            nbytes = self.store.get_layer_spans(layer, load.keys, self.caches.direct_spans(load, layer),
                                                 load.chunk_lens, load.gate, heads=heads)
             with load.lock:
                 load.finished = max(load.finished, time.perf_counter())
             return nbytes
-        target = self.transfer.read_target(load.chunk_lens, self.kv_shape, self.dtype)
+        target: ReadTarget = self.caches.read_target(load)
         try:  # a chunk holding another number of tokens than its bounds say is CorruptObject
             nbytes = self.store.get_layer_into(layer, load.keys, target.full, target.chunk_lens, heads=heads)
         except BaseException:
-            self.transfer.load(self.kv_caches[layer], 0, 0, load.slots, target)  # hand the buffer back
+            self.caches.hand_back(load, layer, target)
             raise
-        self._scatter(load, layer, target)
+        self.caches.scatter(load, layer, target)
         return nbytes
 
     def _whole(self, layouts: list[WriterLayout]) -> bool:
         """Whether every chunk has an object of exactly this rank's heads (the whole-object read: raw, or
-        coded through connectors/coded_load.py)."""
+        coded through connectors/decoded_loads.py)."""
         want = [(self.heads, self.heads)]
         return all(layout.reads(self.heads, self.num_kv_heads) == want for layout in layouts)
-
-    def _scatter(self, load: _Load, layer: int, target: Any) -> None:
-        """Write the rows of tokens [N, N + need) of a staged layer into their slots (under the load's lock:
-        nothing once the load failed) and keep the copy's event."""
-        plan = load.spec.plan
-        first = plan.aligned_start
-        write_start, write_end = plan.write_range
-        with load.lock:
-            lo, hi = (0, 0) if load.failed else (write_start - first, write_end - first)
-            load.events[layer] = self.transfer.load(self.kv_caches[layer], lo, hi, load.slots, target,
-                                                    load.scatter)
-            load.finished = max(load.finished, time.perf_counter())
-
-    def _scratch(self, nbytes: int) -> memoryview:
-        """This I/O thread's scratch memory for the rows a direct read must not put in the blocks."""
-        buf = getattr(self._local, "scratch", None)
-        if buf is None or buf.nbytes < nbytes:
-            buf = self._local.scratch = memoryview(bytearray(max(nbytes, 1 << 16)))
-        return buf
 
     def wait_for_layer_load(self, layer_idx: int) -> None:
         """Layer-wise loads only (background loads are polled by get_finished), bounded by their deadline."""
@@ -290,13 +238,13 @@ class StoreConnector(CodedLoads, ChunkedConnector):
         return ok
 
     def _load_codec(self, load: InFlightLoad) -> str | None:
-        codecs = getattr(load, "codecs", None)
+        codecs = load.codecs if isinstance(load, StoreLoad) else None
         return "+".join(sorted(codecs)) if codecs else "raw"
 
     def _fail_load(self, load: InFlightLoad, exc: BaseException) -> None:
         super()._fail_load(load, exc)  # no copy is issued for it from now on
         self.transfer.fence()  # and those issued before land before the engine recomputes the blocks
-        if isinstance(exc, (CorruptObject, NotFound)) and isinstance(load, _Load):
+        if isinstance(exc, (CorruptObject, NotFound)) and isinstance(load, StoreLoad):
             # a committed chunk is damaged: un-commit it (kvstore/admin.py, repair) or every later prefill
             # skips it and every decode recomputes; on the I/O pool, the engine thread does not wait
             self.store.submit(self.store.repair, list(load.keys))

@@ -17,7 +17,7 @@ import redis
 import torch
 
 from pdserve.common.hashing import chunk_keys
-from pdserve.connectors import coded_load
+from pdserve.connectors import decoded_loads
 from pdserve.connectors.chunk_math import LoadPlan, slots_for
 from pdserve.connectors.chunked import ChunkedConnectorMetadata, LoadSpec, SaveSpec
 from pdserve.connectors.store_connector import StoreConnector
@@ -133,7 +133,7 @@ def test_every_reader_of_a_split_writer_reads_its_own_objects_exactly(kind, code
 
 def test_a_narrow_reader_moves_half_the_bytes_of_an_unsplit_store_and_says_so_once(tmp_path, caplog, monkeypatch):
     url = f"file://{tmp_path}"
-    monkeypatch.setattr(coded_load, "_WIDE_READS", type(coded_load._WIDE_READS)())  # this test's process-wide flag
+    monkeypatch.setattr(decoded_loads, "_WIDE_READS", type(decoded_loads._WIDE_READS)())  # this test's own flag
     caplog.set_level(logging.WARNING, logger="pdserve")
     reads = {}
     for k, seed in ((0, 30), (2, 31)):

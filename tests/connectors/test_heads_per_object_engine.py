@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.connectors import coded_load
+from pdserve.connectors import decoded_loads
 from pdserve.kvstore.object_format import HEADER_SIZE
 from pdserve.serving import SamplingParams
 from tests.helpers.parallel import parallel_llm
@@ -34,7 +34,7 @@ def _decode(model: Path, store: str) -> tuple[list, int]:
 def test_prefill_tp1_split_per_head_hands_off_to_decode_tp2_at_half_the_bytes(tiny_llama, tmp_path, caplog, capfd,
                                                                              monkeypatch):
     refs = hf_greedy(tiny_llama, PROMPTS, max_tokens=8)
-    monkeypatch.setattr(coded_load, "_WIDE_READS", type(coded_load._WIDE_READS)())  # rank 0 is this process
+    monkeypatch.setattr(decoded_loads, "_WIDE_READS", type(decoded_loads._WIDE_READS)())  # rank 0 is this process
     caplog.set_level(logging.INFO, logger="pdserve")
     read = {}
     for k in (1, 0):

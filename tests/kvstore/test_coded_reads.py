@@ -1,4 +1,4 @@
-"""The batched coded load (kvstore/coded_reads.py, connectors/coded_load.py): a layer's coded objects in one read
+"""The batched coded load (kvstore/coded_reads.py, connectors/decoded_loads.py): a layer's coded objects in one read
 and one C decode, straight into the blocks or the staging buffer.
 
 Over a real directory and a real redis-server: it writes bit for bit what the per-object path (get_layer_decoded)

@@ -1,11 +1,12 @@
-"""The store connector's loads of chunks that are not one raw object of exactly this rank's heads.
+"""The store connector's loads of chunks that are not one raw object of exactly this rank's heads: decoded.
 
 Two ways, both ending as any load does (rows [N, N + need) into their slots, connectors/staging.py):
 
 - **coded, this rank's heads** (a chunk written with `?codec=int8|fp8|lossless`, or a mix of coded and raw
   chunks, by a writer of this rank's head split): the layer's objects in one batched read, checked, and
   decoded in one C call (kvstore/coded_reads.py) straight into the blocks where raw loads read into them
-  (connectors/direct_rows.py: the same span table), else into the staging buffer that is then scattered.
+  (connectors/direct_rows.py: the same span table), else into the staging buffer that is then scattered
+  (both by connectors/store_load.PagedCaches, as for raw loads).
 - **another layout** (a writer of another TP split, or one that split its heads into several objects:
   the store's `heads_per_object`): per object group that overlaps this rank's heads, the same batched read
   and C decode, row by row into this rank's heads of one staging buffer (`ReadTarget.heads_table`; heads
@@ -13,60 +14,69 @@ Two ways, both ending as any load does (rows [N, N + need) into their slots, con
   nothing: the first such load of a process says so in one warning, with the heads_per_object that
   would spare it.
 
-`CodedLoads` is mixed into connectors/store_connector.StoreConnector (its store, transfer, heads, caches,
-_scratch and _scatter).
+connectors/store_connector.StoreConnector holds one `DecodedLoads` and hands it the layers its raw read
+does not take.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pdserve.kvstore.gate import NO_GATE
+
+if TYPE_CHECKING:
+    from pdserve.connectors.staging import ReadTarget
+    from pdserve.connectors.store_load import PagedCaches, StoreLoad
+    from pdserve.kvstore import KVStore
+    from pdserve.kvstore.layout import WriterLayout
+    from pdserve.kvstore.spans import SpanTable
 
 logger = logging.getLogger(__name__)
 _WIDE_READS = threading.Event()  # set once this process said that its loads read heads they do not keep
 _WIDE_READS_LOCK = threading.Lock()
 
 
-class CodedLoads:
-    """_load_layer_coded and _load_layer_parts of a StoreConnector."""
+class DecodedLoads:
+    """Layer reads of a load through the store's batched coded read, into one rank's heads of `caches`."""
 
-    store: Any
-    transfer: Any
-    heads: tuple[int, int]
+    def __init__(self, store: KVStore, caches: PagedCaches, heads: tuple[int, int], num_kv_heads: int) -> None:
+        self.store = store
+        self.caches = caches
+        self.heads = heads  # this rank's KV heads [start, end) of the model's num_kv_heads
+        self.num_kv_heads = num_kv_heads
 
-    def _load_layer_coded(self, load: Any, layer: int) -> int:
+    def read_coded(self, load: StoreLoad, layer: int) -> int:
         """One layer of chunks of this rank's heads, some of them coded: one batched read and one decode of
         the whole layer; the bytes read (as stored)."""
         if load.direct is not None:  # straight into the blocks, only inside the load's gate
-            table = load.direct.spans(self._cache_bytes[layer], self._scratch(load.direct.scratch_bytes))
-            nbytes, codecs = self.store.get_layer_coded(layer, load.keys, table, load.chunk_lens, load.gate,
-                                                        heads=self.heads, codecs=_marker_codecs(load))
+            nbytes, codecs = self.store.get_layer_coded(layer, load.keys, self.caches.direct_spans(load, layer),
+                                                        load.chunk_lens, load.gate, heads=self.heads,
+                                                        codecs=_marker_codecs(load))
             with load.lock:
                 load.codecs |= codecs
                 load.finished = max(load.finished, time.perf_counter())
             return nbytes
-        target = self.transfer.read_target(load.chunk_lens, self.kv_shape, self.dtype)
+        target = self.caches.read_target(load)
         try:  # the staging buffer is this thread's until the scatter: no gate
             nbytes, codecs = self.store.get_layer_coded(layer, load.keys, target.span_table(), load.chunk_lens,
                                                         NO_GATE, heads=self.heads, codecs=_marker_codecs(load))
         except BaseException:
-            self.transfer.load(self.kv_caches[layer], 0, 0, load.slots, target)  # hand the buffer back
+            self.caches.hand_back(load, layer, target)
             raise
         with load.lock:
             load.codecs |= codecs
-        self._scatter(load, layer, target)
+        self.caches.scatter(load, layer, target)
         return nbytes
 
-    def _load_layer_parts(self, load: Any, layer: int) -> int:
+    def read_parts(self, load: StoreLoad, layer: int) -> int:
         """One layer of chunks written by another layout (or split into several objects per head group): per
         object group that overlaps this rank's heads, its chunks' objects read and checked as one batched
         coded read (kvstore/coded_reads.py) and decoded row by row into this rank's heads of one staging
         buffer (heads it does not keep into scratch), then scattered as any other load. The bytes read (as
         stored: encoded)."""
-        target = self.transfer.read_target(load.chunk_lens, self.kv_shape, self.dtype)
+        target = self.caches.read_target(load)
         nbytes = 0
         try:
             if load.parts_plan is None:  # the same reads for every layer of the load
@@ -78,13 +88,13 @@ class CodedLoads:
                 with load.lock:
                     load.codecs |= seen
         except BaseException:
-            self.transfer.load(self.kv_caches[layer], 0, 0, load.slots, target)  # hand the buffer back
+            self.caches.hand_back(load, layer, target)
             raise
-        self._scatter(load, layer, target)
+        self.caches.scatter(load, layer, target)
         return nbytes
 
-    def _parts_plan(self, load: Any, target: Any) -> list[tuple[tuple[int, int], list[str], list[int], list[str],
-                                                                Any]]:
+    def _parts_plan(self, load: StoreLoad, target: ReadTarget) -> list[tuple[tuple[int, int], list[str], list[int],
+                                                                             list[str], SpanTable]]:
         """Per object group overlapping this rank's heads: (group, its chunks' keys, their token counts, their
         marker codecs, the pieces its rows fill: ReadTarget.heads_table)."""
         by_group: dict[tuple[int, int], list[int]] = {}
@@ -99,7 +109,8 @@ class CodedLoads:
                 for group, chunks in by_group.items()]
 
 
-def _warn_wide_reads(layout: Any, reads: list, heads: tuple[int, int], num_kv_heads: int) -> None:
+def _warn_wide_reads(layout: WriterLayout, reads: list[tuple[tuple[int, int], tuple[int, int]]],
+                     heads: tuple[int, int], num_kv_heads: int) -> None:
     """Once per process: this rank's loads read objects holding heads it does not keep, how many times the
     bytes it keeps they move, and the writer's heads_per_object that would make them read only its own."""
     with _WIDE_READS_LOCK:
@@ -113,6 +124,6 @@ def _warn_wide_reads(layout: Any, reads: list, heads: tuple[int, int], num_kv_he
                    layout.fitting_object_heads(heads, num_kv_heads))
 
 
-def _marker_codecs(load: Any) -> list[str] | None:
+def _marker_codecs(load: StoreLoad) -> list[str] | None:
     """Each chunk's codec as its commit marker says (the objects' sizes follow from it for 8-bit and raw)."""
     return [layout.codec for layout in load.layouts] if load.layouts is not None else None
