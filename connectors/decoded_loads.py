@@ -39,11 +39,12 @@ _WIDE_READS_LOCK = threading.Lock()
 
 
 class DecodedLoads:
-    """Layer reads of a load through the store's batched coded read, into one rank's heads of `caches`."""
+    """Layer reads of a load through the store's batched coded read, into one rank's heads of `paged_caches`."""
 
-    def __init__(self, store: KVStore, caches: PagedCaches, heads: tuple[int, int], num_kv_heads: int) -> None:
+    def __init__(self, store: KVStore, paged_caches: PagedCaches, heads: tuple[int, int],
+                 num_kv_heads: int) -> None:
         self.store = store
-        self.caches = caches
+        self.paged_caches = paged_caches
         self.heads = heads  # this rank's KV heads [start, end) of the model's num_kv_heads
         self.num_kv_heads = num_kv_heads
 
@@ -51,23 +52,23 @@ class DecodedLoads:
         """One layer of chunks of this rank's heads, some of them coded: one batched read and one decode of
         the whole layer; the bytes read (as stored)."""
         if load.direct is not None:  # straight into the blocks, only inside the load's gate
-            nbytes, codecs = self.store.get_layer_coded(layer, load.keys, self.caches.direct_spans(load, layer),
-                                                        load.chunk_lens, load.gate, heads=self.heads,
-                                                        codecs=_marker_codecs(load))
+            spans = self.paged_caches.direct_spans(load, layer)
+            nbytes, codecs = self.store.get_layer_coded(layer, load.keys, spans, load.chunk_lens, load.gate,
+                                                        heads=self.heads, codecs=_marker_codecs(load))
             with load.lock:
                 load.codecs |= codecs
                 load.finished = max(load.finished, time.perf_counter())
             return nbytes
-        target = self.caches.read_target(load)
+        target = self.paged_caches.read_target(load)
         try:  # the staging buffer is this thread's until the scatter: no gate
             nbytes, codecs = self.store.get_layer_coded(layer, load.keys, target.span_table(), load.chunk_lens,
                                                         NO_GATE, heads=self.heads, codecs=_marker_codecs(load))
         except BaseException:
-            self.caches.hand_back(load, layer, target)
+            self.paged_caches.hand_back(load, layer, target)
             raise
         with load.lock:
             load.codecs |= codecs
-        self.caches.scatter(load, layer, target)
+        self.paged_caches.scatter(load, layer, target)
         return nbytes
 
     def read_parts(self, load: StoreLoad, layer: int) -> int:
@@ -76,7 +77,7 @@ class DecodedLoads:
         coded read (kvstore/coded_reads.py) and decoded row by row into this rank's heads of one staging
         buffer (heads it does not keep into scratch), then scattered as any other load. The bytes read (as
         stored: encoded)."""
-        target = self.caches.read_target(load)
+        target = self.paged_caches.read_target(load)
         nbytes = 0
         try:
             if load.parts_plan is None:  # the same reads for every layer of the load
@@ -88,9 +89,9 @@ class DecodedLoads:
                 with load.lock:
                     load.codecs |= seen
         except BaseException:
-            self.caches.hand_back(load, layer, target)
+            self.paged_caches.hand_back(load, layer, target)
             raise
-        self.caches.scatter(load, layer, target)
+        self.paged_caches.scatter(load, layer, target)
         return nbytes
 
     def _parts_plan(self, load: StoreLoad, target: ReadTarget) -> list[tuple[tuple[int, int], list[str], list[int],

@@ -3,7 +3,8 @@
 Worker half: `_start_loads` gives every (request, layer) read its own future and lets up to
 io_threads readers on the store's I/O pool take them in layer order, and each read's chunk rows
 go into paged memory through the transfer `make_kv_transfer` picks for the engine's device
-(connectors/staging.py: `DirectTransfer` on CPU; pinned buffers, a copy stream and one event per layer on CUDA). A layer-wise load (ChunkedConnector decides which) is waited for
+(connectors/staging.py: `DirectTransfer` on CPU; pinned buffers, a copy stream and one event per
+layer on CUDA). A layer-wise load (ChunkedConnector decides which) is waited for
 right before each layer's attention, so reads overlap compute; a background load is polled
 between steps while its request waits, and the compute stream waits for its copies' events
 once it is done. Saves gather a layer's complete chunks right after the layer wrote its KV
@@ -79,16 +80,16 @@ class StoreConnector(ChunkedConnector):
                                          timeout=min(kt.load_timeout_s, 5.0))
         self.transfer = make_kv_transfer(runner.platform)
         # this rank's caches and where loads land in them; the loads of coded or other-layout chunks
-        self.caches = PagedCaches(self.transfer, self.block_size, runner.dtype,
+        self.paged_caches = PagedCaches(self.transfer, self.block_size, runner.dtype,
                                   (self.heads[1] - self.heads[0], runner.head_dim))
-        self.decoded = DecodedLoads(self.store, self.caches, self.heads, self.num_kv_heads)
+        self.decoded_loads = DecodedLoads(self.store, self.paged_caches, self.heads, self.num_kv_heads)
         self._saves: dict[str, _Save] = {}
         self._keys: dict[str, list[str]] = {}  # request id -> its prompt's chunk keys
 
     @property
     def kv_caches(self) -> list[torch.Tensor | None]:
         """The registered caches, by the model's layer index (None before this rank's first layer)."""
-        return self.caches.kv_caches
+        return self.paged_caches.kv_caches
 
     def keys_for(self, token_ids: list[int], cache_salt: str | None) -> list[str]:
         return chunk_keys(self.fingerprint, token_ids, self.chunk_size, cache_salt)
@@ -127,7 +128,7 @@ class StoreConnector(ChunkedConnector):
             raise ValueError(f"{len(kv_caches)} KV caches for layers [{self.layers.start}, {self.layers.stop}) "
                              f"of {self.num_layers}")
         offset = self.layers.start if len(kv_caches) == len(self.layers) else 0
-        self.caches.register([None] * offset + list(kv_caches), self.layers)  # indexed by the model's layer index
+        self.paged_caches.register([None] * offset + list(kv_caches), self.layers)  # by the model's layer index
 
     def _start_loads(self, specs: list[LoadSpec]) -> list[InFlightLoad]:
         loads = []
@@ -140,7 +141,7 @@ class StoreConnector(ChunkedConnector):
             load.layouts = self.store.cached_layouts(load.keys)
             load.whole = load.layouts is None or self._whole(load.layouts)
             load.coded = load.layouts is not None and _coded(load.layouts)
-            self.caches.prepare(load)
+            self.paged_caches.prepare(load)
             loads.append(load)
         self.transfer.begin_step()
         # Layer-major, so layer 0 of every request arrives first. One future per (load, layer), resolved
@@ -187,23 +188,23 @@ class StoreConnector(ChunkedConnector):
                     load.layouts = self.store.layouts(load.keys)
                     load.whole, load.coded = self._whole(load.layouts), _coded(load.layouts)
         if not load.whole:
-            return self.decoded.read_parts(load, layer)
+            return self.decoded_loads.read_parts(load, layer)
         if load.coded:
-            return self.decoded.read_coded(load, layer)
+            return self.decoded_loads.read_coded(load, layer)
         heads = self.heads
         if load.direct is not None:  # straight into the blocks, only inside the load's gate
-            nbytes = self.store.get_layer_spans(layer, load.keys, self.caches.direct_spans(load, layer),
-                                                load.chunk_lens, load.gate, heads=heads)
+            spans = self.paged_caches.direct_spans(load, layer)
+            nbytes = self.store.get_layer_spans(layer, load.keys, spans, load.chunk_lens, load.gate, heads=heads)
             with load.lock:
                 load.finished = max(load.finished, time.perf_counter())
             return nbytes
-        target: ReadTarget = self.caches.read_target(load)
+        target: ReadTarget = self.paged_caches.read_target(load)
         try:  # a chunk holding another number of tokens than its bounds say is CorruptObject
             nbytes = self.store.get_layer_into(layer, load.keys, target.full, target.chunk_lens, heads=heads)
         except BaseException:
-            self.caches.hand_back(load, layer, target)
+            self.paged_caches.hand_back(load, layer, target)
             raise
-        self.caches.scatter(load, layer, target)
+        self.paged_caches.scatter(load, layer, target)
         return nbytes
 
     def _whole(self, layouts: list[WriterLayout]) -> bool:
