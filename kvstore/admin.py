@@ -1,7 +1,7 @@
 """Administration of a KV store across every model fingerprint (what the `pd-kvstore` CLI calls).
 
-`StoreAdmin` is mixed into kvstore.base.KVStore (its _lock, _stats and _guard); each backend
-implements the hooks below.
+`StoreAdmin` is the administration member of kvstore.base.KVStore; each backend implements the hooks of
+`ChunkInventory` (kvstore/filesystem.py, kvstore/redis_store.py).
 
 Damage and healing. A committed chunk is damaged when its marker is empty or unreadable, a layer
 object is missing, or an object fails its checks (header, key binding, checksum). Since a prefill
@@ -12,34 +12,56 @@ connectors call it when a load fails on a damaged chunk) and `verify(repair=True
 from __future__ import annotations
 
 import logging
-import threading
-from abc import ABC, abstractmethod
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Protocol, Sequence
 
 from pdserve.kvstore import object_format
+from pdserve.kvstore.binding import ModelBinding
+from pdserve.kvstore.calls import StoreCalls
 from pdserve.kvstore.errors import CorruptObject, NotFound
-from pdserve.kvstore.records import Buffer, ChunkInfo, StoreStats, Usage, VerifyReport
+from pdserve.kvstore.records import Buffer, ChunkInfo, Usage, VerifyReport
 
 logger = logging.getLogger(__name__)
 
 
-class StoreAdmin(ABC):
-    """stats, list_chunks, inventory, verify and clear of a KVStore."""
+class ChunkInventory(Protocol):
+    """The backend hooks administration calls: what the store holds, object by object and chunk by chunk."""
 
-    _lock: threading.Lock
-    _stats: StoreStats
-    fingerprint: str | None
-    _guard: Any
-    _get: Any
-    object_name: Any
+    def object_name(self, key: str, layer: int | str) -> str: ...
 
-    def stats(self) -> StoreStats:
-        with self._lock:
-            return StoreStats(**vars(self._stats))
+    def _get(self, items: list[tuple[int | str, str]]) -> list[Buffer]:
+        """Raw object bytes of (layer name, key) items, in order; NotFound for a missing one."""
+
+    def _chunk_infos(self, fingerprint: str | None) -> Iterator[ChunkInfo]: ...
+
+    def _iter_objects(self, fingerprint: str | None) -> Iterator[tuple[str, str, int | str, str, Buffer]]:
+        """(fingerprint, chunk key, layer, object name, raw bytes) of every stored layer object
+        (key and layer as its name says: verify checks the object's binding against them)."""
+
+    def _clear(self, fingerprint: str | None) -> int: ...
+
+    def _committed_chunks(self, fingerprint: str | None) -> Iterator[tuple[str, str]]:
+        """(fingerprint, chunk key) of every committed chunk."""
+
+    def _damage(self, fingerprint: str, key: str) -> tuple[str | None, list[int | str]]:
+        """(what is wrong with a committed chunk's marker or layer set, or None; the names of its layer objects,
+        kvstore/layout.py). A chunk that is not committed (or gone) is (None, [])."""
+
+    def _uncommit(self, fingerprint: str, key: str) -> bool:
+        """Make a chunk vanish (marker and layers, the marker first or all at once); False if it was gone."""
+
+
+class StoreAdmin:
+    """list_chunks, inventory, verify, repair and clear of a store: over its `backend`'s chunks, through its
+    `calls`; repair applies to the model of `model`."""
+
+    def __init__(self, model: ModelBinding, backend: ChunkInventory, calls: StoreCalls) -> None:
+        self._model = model
+        self._backend = backend
+        self._calls = calls
 
     def list_chunks(self, fingerprint: str | None = None) -> list[ChunkInfo]:
         """Every chunk (committed or not) of one or all fingerprints."""
-        return self._guard(lambda: list(self._chunk_infos(fingerprint)))
+        return self._calls.guard(lambda: list(self._backend._chunk_infos(fingerprint)))
 
     def inventory(self) -> dict[str, Usage]:
         """{fingerprint: Usage} over the whole backend."""
@@ -67,8 +89,8 @@ class StoreAdmin(ABC):
         (marker, all layers present) of one or all fingerprints; with repair, un-commit the damaged chunks."""
         report = VerifyReport()
         bad: dict[tuple[str, str], None] = {}
-        objects = self._iter_objects(fingerprint)
-        while (item := self._guard(next, objects, None)) is not None:
+        objects = self._backend._iter_objects(fingerprint)
+        while (item := self._calls.guard(next, objects, None)) is not None:
             fp, key, layer, name, buf = item
             report.objects += 1
             report.bytes += len(memoryview(buf).cast("B"))
@@ -77,32 +99,33 @@ class StoreAdmin(ABC):
             except CorruptObject as exc:
                 report.corrupt.append(str(exc))
                 bad[(fp, key)] = None
-        chunks = self._committed_chunks(fingerprint)
-        while (chunk := self._guard(next, chunks, None)) is not None:
-            reason, _ = self._guard(self._damage, *chunk)
+        chunks = self._backend._committed_chunks(fingerprint)
+        while (chunk := self._calls.guard(next, chunks, None)) is not None:
+            reason, _ = self._calls.guard(self._backend._damage, *chunk)
             if reason:
                 report.damaged.append(f"{chunk[0]}/{chunk[1]}: {reason}")
                 bad[chunk] = None
         if repair:
-            report.repaired = sum(self._guard(self._uncommit, fp, key) for fp, key in bad)
+            report.repaired = sum(self._calls.guard(self._backend._uncommit, fp, key) for fp, key in bad)
         return report
 
     def repair(self, keys: Sequence[str]) -> int:
         """Un-commit the damaged chunks among `keys` (this store's fingerprint; every object of a structurally
         whole chunk is read and checked); returns how many. For a load that failed on a damaged chunk."""
-        if self.fingerprint is None:
+        fingerprint, backend, guard = self._model.fingerprint, self._backend, self._calls.guard
+        if fingerprint is None:
             raise ValueError("repair needs a store opened for a model fingerprint")
         repaired = 0
         for key in keys:
-            reason, names = self._guard(self._damage, self.fingerprint, key)
+            reason, names = guard(backend._damage, fingerprint, key)
             for layer in (names if reason is None else []):
                 try:
-                    object_format.decode(self._guard(self._get, [(layer, key)])[0], self.fingerprint,
-                                 name=self.object_name(key, layer), key=key, layer=layer)
+                    object_format.decode(guard(backend._get, [(layer, key)])[0], fingerprint,
+                                         name=backend.object_name(key, layer), key=key, layer=layer)
                 except (CorruptObject, NotFound) as exc:
                     reason = str(exc)
                     break
-            if reason and self._guard(self._uncommit, self.fingerprint, key):
+            if reason and guard(backend._uncommit, fingerprint, key):
                 logger.warning("KV store: chunk %s was damaged (%s): un-committed, the next prefill rewrites it",
                                key, reason)
                 repaired += 1
@@ -110,28 +133,4 @@ class StoreAdmin(ABC):
 
     def clear(self, fingerprint: str | None = None) -> int:
         """Delete every chunk of one or all fingerprints; returns the number of objects removed."""
-        return self._guard(self._clear, fingerprint)
-
-    @abstractmethod
-    def _chunk_infos(self, fingerprint: str | None) -> Iterator[ChunkInfo]: ...
-
-    @abstractmethod
-    def _iter_objects(self, fingerprint: str | None) -> Iterator[tuple[str, str, int | str, str, Buffer]]:
-        """(fingerprint, chunk key, layer, object name, raw bytes) of every stored layer object
-        (key and layer as its name says: verify checks the object's binding against them)."""
-
-    @abstractmethod
-    def _clear(self, fingerprint: str | None) -> int: ...
-
-    @abstractmethod
-    def _committed_chunks(self, fingerprint: str | None) -> Iterator[tuple[str, str]]:
-        """(fingerprint, chunk key) of every committed chunk."""
-
-    @abstractmethod
-    def _damage(self, fingerprint: str, key: str) -> tuple[str | None, list[int | str]]:
-        """(what is wrong with a committed chunk's marker or layer set, or None; the names of its layer objects,
-        kvstore/layout.py). A chunk that is not committed (or gone) is (None, [])."""
-
-    @abstractmethod
-    def _uncommit(self, fingerprint: str, key: str) -> bool:
-        """Make a chunk vanish (marker and layers, the marker first or all at once); False if it was gone."""
+        return self._calls.guard(self._backend._clear, fingerprint)

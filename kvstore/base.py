@@ -26,31 +26,8 @@ Usage (one store per model: it is opened for one fingerprint, layer count and dt
                                                                  # written only inside the load's gate
                                                                  # (kvstore.gate; the decode hot path)
 
-Batched loads (the decode hot path: all chunks of a prompt, many layers, one call)::
-
-    # staging: per layer one reusable (pinned) buffer [2, T, H, D] holding the chunks in token order
-    out = [[staging[i][:, a:b] for a, b in chunk_token_ranges] for i in range(num_layers)]
-    futures = store.get_layers_async(range(num_layers), keys, out=out)   # one Future per layer
-    for i, fut in enumerate(futures):
-        store.result(fut, remaining_s)       # layer i complete (StoreError / StoreTimeout otherwise)
-        scatter(staging[i][:, lo:hi], slots)  # one copy per layer into paged memory
-
-  get_layers(layers, keys, out=None) -> list[list[Tensor]]  (result[i][j]: layer layers[i] of keys[j])
-      Reads every (layer, chunk) object in one call: one pipelined round trip on redis (on a
-      cluster: one pipeline per node, sent to all nodes before any reply is read).
-  get_layers_async(layers, keys, out=None) -> list[Future]  (future i -> get_layers' row i)
-      One task per layer on the store's I/O pool, queued in `layers` order, so early layers
-      finish first and several layers are read at once (io_threads parallel connections on
-      redis). A future that has not started can be cancel()ed (e.g. after an earlier layer
-      failed: the request recomputes anyway).
-  out[i][j] is the destination of layer layers[i] of chunk keys[j]: a CPU tensor (pinned or not)
-      of the store's dtype and shape [2, n_tokens_j, H, D] whose K half and V half are each
-      contiguous, e.g. a token slice staging[:, a:b] of a [2, T, H, D] buffer. Files are read
-      straight into it (readv, no intermediate copy); redis replies are copied into it. The
-      returned tensors are those `out` tensors. Without `out`, fresh tensors are returned
-      (aliasing the reply bytes on redis: read-only, no copy). Either way every object's
-      header, key binding and xxh3 checksum are checked before its future resolves; an error
-      in any object fails that layer's call/future (NotFound, CorruptObject, ...).
+Batched loads (the decode hot path: all chunks of a prompt, many layers, one call): get_layers and
+get_layers_async, kvstore/reads.py says how.
 
 Overlapping other I/O with compute: `submit(fn, ...)` runs anything on the store's thread
 pool and returns a concurrent.futures.Future; `result(future, timeout)` waits and turns a
@@ -82,27 +59,34 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import threading
 import time
-from abc import abstractmethod
-from typing import Any, Callable, Mapping, Sequence
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
-import numpy as np
 import torch
 
 from pdserve.kvstore import object_format, payload_codecs
 from pdserve.kvstore.admin import StoreAdmin
+from pdserve.kvstore.binding import ModelBinding
+from pdserve.kvstore.calls import StoreCalls
+from pdserve.kvstore.coded_reads import CodedReader
 from pdserve.kvstore.errors import StoreError, StoreTimeout
-from pdserve.kvstore.layout import Heads, WriterLayout, object_layer, split_heads
-from pdserve.kvstore.coded_reads import CodedReads
-from pdserve.kvstore.reads import LayerReads
-from pdserve.kvstore.records import Buffer, StoreStats
+from pdserve.kvstore.gate import NO_GATE, WriteGate
+from pdserve.kvstore.layout import Heads, LayoutCache, WriterLayout, object_layer, split_heads
+from pdserve.kvstore.native_reader import ReaderSlot
+from pdserve.kvstore.reads import LayerReader, copy_into_spans
+from pdserve.kvstore.records import Buffer, ChunkInfo, StoreStats, Usage, VerifyReport
+from pdserve.kvstore.spans import SpanReader, SpanTable
 
 
-class KVStore(LayerReads, CodedReads, StoreAdmin):
-    """A chunked, per-layer KV store bound to one model fingerprint (see the module docstring): the
-    write path, commits and deletes, the I/O pool and the backend hooks here; reads in
-    kvstore/reads.py, administration in kvstore/admin.py, result types in kvstore/records.py."""
+class KVStore(ABC):
+    """A chunked, per-layer KV store bound to one model fingerprint (see the module docstring): the write
+    path, commits and deletes, the I/O pool and the backend hooks here. It holds the model it is bound to
+    (`_model`, kvstore/binding.py), its guarded and counted backend calls (`_calls`, kvstore/calls.py) and
+    the members that serve the rest through the backend hooks: layer reads (`_reads`, kvstore/reads.py),
+    coded reads (`_coded`, kvstore/coded_reads.py) and administration (`_admin`, kvstore/admin.py)."""
+
+    _io_errors: tuple[type[Exception], ...] = (OSError,)  # the backend's own exceptions, see _translate
 
     def __init__(self, fingerprint: str | None = None, num_layers: int | None = None,
                  dtype: torch.dtype | str | None = None, kv_shape: Sequence[int] | None = None,
@@ -112,35 +96,63 @@ class KVStore(LayerReads, CodedReads, StoreAdmin):
             object_format.fingerprint_bytes(fingerprint)
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
-        self.fingerprint = fingerprint
-        self.num_layers = num_layers
-        self.dtype = object_format.as_dtype(dtype) if dtype is not None else None
-        self.kv_shape = tuple(kv_shape) if kv_shape is not None else None
+        self._model = ModelBinding(fingerprint, num_layers, object_format.as_dtype(dtype) if dtype is not None else None,
+                                   tuple(kv_shape) if kv_shape is not None else None)
         self.timeout = float(timeout)
         self.codec = payload_codecs.check_name(codec)  # what this store's writes encode with (reads: any)
         if isinstance(heads_per_object, bool) or not isinstance(heads_per_object, int) or heads_per_object < 0:
             raise ValueError(f"heads_per_object must be an integer >= 0, got {heads_per_object!r}")
         self.heads_per_object = heads_per_object  # what this store's writes split head groups by (0: not at all)
-        self._stats = StoreStats()
-        self._lock = threading.Lock()
         self.io_threads = io_threads  # the I/O pool's threads: how many reads may run at once
-        self._layout_cache: dict[str, WriterLayout] = {}  # chunk key -> its marker's layout (lookups fill it)
+        self._layouts = LayoutCache()  # the markers' layouts that lookups read, for the loads that follow
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kvstore-io")
+        self._calls = StoreCalls(self._io_errors, self._translate)
+        self._span_readers = ReaderSlot()
+        self._reads = LayerReader(self._model, self, self._calls, self.submit)
+        self._coded = CodedReader(self._model, self, self._calls)
+        self._admin = StoreAdmin(self._model, self, self._calls)
+
+    # ---- the model this store is bound to (kvstore/binding.py) ----
+    @property
+    def fingerprint(self) -> str | None:
+        return self._model.fingerprint
+
+    @property
+    def num_layers(self) -> int | None:
+        return self._model.num_layers
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return self._model.dtype
+
+    @property
+    def kv_shape(self) -> tuple[int, ...] | None:
+        return self._model.kv_shape
+
+    @property
+    def span_reader(self) -> SpanReader | None:
+        """The compiled reader of loads into spans (kvstore/native_reader.py, ReaderSlot); None: the Python paths."""
+        return self._span_readers.get()
+
+    @span_reader.setter
+    def span_reader(self, reader: SpanReader | None) -> None:
+        self._span_readers.set(reader)
 
     # ---- data path (needs a fingerprint) ----
     def lookup(self, keys: Sequence[str]) -> int:
         """Number of leading chunks of `keys` that are committed (the longest present prefix)."""
-        self._bound()
-        hits = self._guard(self._lookup, list(keys))
-        self._count(lookups=1, lookup_chunks=len(keys), hit_chunks=hits)
-        return hits
+        self._model.check()
+        found = self._calls.guard(self._lookup, list(keys))
+        self._layouts.remember([(key, layout) for key, layout in found if layout is not None])
+        self._calls.count(lookups=1, lookup_chunks=len(keys), hit_chunks=len(found))
+        return len(found)
 
     def put_layer(self, layer: int, chunks: Mapping[str, torch.Tensor], heads: Heads | None = None) -> None:
         """Write layer `layer` of several chunks: {chunk key: [2, n_tokens, H, D] tensor}; with `heads`
         (lo, hi), the tensors hold KV heads [lo, hi) only: a TP rank's part (kvstore/layout.py). With the
         store's heads_per_object K, each chunk's heads go into objects of at most K heads (split_heads)."""
-        self._bound(layer)
-        name, kv_shape = self._part(layer, heads)
+        self._model.check(layer)
+        name, kv_shape = self._model.part(layer, heads)
         for key, tensor in chunks.items():
             if self.dtype is not None and tensor.dtype != self.dtype:
                 raise ValueError(f"chunk {key} layer {layer}: dtype {tensor.dtype}, store holds {self.dtype}")
@@ -159,12 +171,13 @@ class KVStore(LayerReads, CodedReads, StoreAdmin):
                           for a, b in split]
         written = 0
         for piece, cut in pieces:
-            objects = [(key, *object_format.encode(tensor if cut is None else _heads_of(tensor, *cut), self.fingerprint,
-                                           key=key, layer=piece, codec=self.codec)) for key, tensor in chunks.items()]
-            self._guard(self._put, piece, objects)
+            objects = [(key, *object_format.encode(tensor if cut is None else object_format.heads_of(tensor, *cut),
+                                                   self.fingerprint, key=key, layer=piece, codec=self.codec))
+                       for key, tensor in chunks.items()]
+            self._calls.guard(self._put, piece, objects)
             written += sum(len(h) + sum(v.nbytes for v in p) for _, h, p in objects)
-        self._count(objects_written=len(chunks) * len(pieces), bytes_written=written,
-                    write_seconds=time.perf_counter() - start)
+        self._calls.count(objects_written=len(chunks) * len(pieces), bytes_written=written,
+                          write_seconds=time.perf_counter() - start)
 
     def commit(self, keys: Sequence[str], num_layers: int | None = None, *, layout: WriterLayout | None = None,
                part: int = 0) -> None:
@@ -174,7 +187,7 @@ class KVStore(LayerReads, CodedReads, StoreAdmin):
         be written): the chunk becomes visible when the last of its parts is committed, by whichever
         writer commits that part. Chunks with a missing object stay invisible and raise NotFound
         (after the complete ones were committed)."""
-        self._bound()
+        self._model.check()
         layers = num_layers if num_layers is not None else self.num_layers
         if layout is None:
             if not layers or layers < 1:
@@ -191,47 +204,82 @@ class KVStore(LayerReads, CodedReads, StoreAdmin):
             split = dataclasses.replace(layout, num_kv_heads=layout.num_kv_heads or self.kv_shape[0],
                                         object_heads=self.heads_per_object)
             layout = split if split.object_heads else layout  # splitting nothing: the marker of before
-        self._guard(self._commit, list(keys), layout, part)
-        self._count(chunks_committed=len(keys))
+        self._calls.guard(self._commit, list(keys), layout, part)
+        self._calls.count(chunks_committed=len(keys))
 
     def layouts(self, keys: Sequence[str]) -> list[WriterLayout]:
         """The writer layout of each committed chunk (what its commit marker records; NotFound for a chunk
         that is not committed). Answered from the last lookup's markers where it read them."""
-        self._bound()
+        self._model.check()
         keys = list(keys)
-        cache = self._layout_cache
-        found = [cache.get(key) for key in keys]
+        found = self._layouts.get(keys)
         missing = [key for key, layout in zip(keys, found) if layout is None]
         if missing:
-            read = dict(zip(missing, self._guard(self._read_layouts, missing)))
+            read = dict(zip(missing, self._calls.guard(self._read_layouts, missing)))
             found = [layout or read[key] for key, layout in zip(keys, found)]
         return found
 
     def cached_layouts(self, keys: Sequence[str]) -> list[WriterLayout] | None:
         """The chunks' layouts when this process's lookups read all of them (no I/O), else None."""
-        cache = self._layout_cache
-        found = [cache.get(key) for key in keys]
+        found = self._layouts.get(keys)
         return None if any(layout is None for layout in found) else found
 
-    def _remember_layouts(self, pairs: Sequence[tuple[str, WriterLayout]]) -> None:
-        """Keep the layouts a lookup read for the load that usually follows it (recent chunks only)."""
-        if len(self._layout_cache) > 8192:
-            self._layout_cache.clear()
-        self._layout_cache.update(pairs)
+    # ---- reads (kvstore/reads.py, kvstore/coded_reads.py: what each takes and returns) ----
+    def get_layer(self, layer: int, keys: Sequence[str], out: Sequence[torch.Tensor] | None = None,
+                  heads: Heads | None = None) -> list[torch.Tensor]:
+        return self._reads.get_layer(layer, keys, out, heads)
 
-    def _part(self, layer: int, heads: Heads | None) -> tuple[int | str, tuple[int, ...] | None]:
-        """(object layer name, its [H, D]) of layer `layer`'s object holding KV heads `heads` (None: all)."""
-        if heads is None:
-            return layer, self.kv_shape
-        if self.kv_shape is None or not 0 <= heads[0] < heads[1] <= self.kv_shape[0]:
-            raise ValueError(f"KV heads {heads} of a store holding {self.kv_shape}")
-        return object_layer(layer, heads, self.kv_shape[0]), (heads[1] - heads[0], self.kv_shape[1])
+    def get_layer_into(self, layer: int, keys: Sequence[str], staging: torch.Tensor, chunk_lens: Sequence[int],
+                       heads: Heads | None = None) -> int:
+        return self._reads.get_layer_into(layer, keys, staging, chunk_lens, heads)
+
+    def get_layer_spans(self, layer: int, keys: Sequence[str], spans: SpanTable | Sequence[Sequence[memoryview]],
+                        chunk_lens: Sequence[int], gate: WriteGate, heads: Heads | None = None) -> int:
+        return self._reads.get_layer_spans(layer, keys, spans, chunk_lens, gate, heads)
+
+    def get_layers(self, layers: Sequence[int], keys: Sequence[str],
+                   out: Sequence[Sequence[torch.Tensor]] | None = None, heads: Heads | None = None
+                   ) -> list[list[torch.Tensor]]:
+        return self._reads.get_layers(layers, keys, out, heads)
+
+    def get_layers_async(self, layers: Sequence[int], keys: Sequence[str],
+                         out: Sequence[Sequence[torch.Tensor]] | None = None) -> list[concurrent.futures.Future]:
+        return self._reads.get_layers_async(layers, keys, out)
+
+    def get_layer_decoded(self, layer: int, keys: Sequence[str], heads: Heads | None = None
+                          ) -> tuple[list[torch.Tensor], int, set[str]]:
+        return self._reads.get_layer_decoded(layer, keys, heads)
+
+    def get_layer_coded(self, layer: int, keys: Sequence[str], spans: SpanTable, chunk_lens: Sequence[int],
+                        gate: WriteGate, heads: Heads | None = None,
+                        codecs: Sequence[str] | None = None) -> tuple[int, set[str]]:
+        return self._coded.get_layer_coded(layer, keys, spans, chunk_lens, gate, heads, codecs)
+
+    # ---- administration (kvstore/admin.py) ----
+    def stats(self) -> StoreStats:
+        """This process's counters."""
+        return self._calls.stats()
+
+    def list_chunks(self, fingerprint: str | None = None) -> list[ChunkInfo]:
+        return self._admin.list_chunks(fingerprint)
+
+    def inventory(self) -> dict[str, Usage]:
+        return self._admin.inventory()
+
+    def verify(self, fingerprint: str | None = None, repair: bool = False) -> VerifyReport:
+        return self._admin.verify(fingerprint, repair)
+
+    def repair(self, keys: Sequence[str]) -> int:
+        return self._admin.repair(keys)
+
+    def clear(self, fingerprint: str | None = None) -> int:
+        return self._admin.clear(fingerprint)
 
     def delete(self, keys: Sequence[str]) -> int:
         """Remove chunks (marker first, so they vanish atomically); returns how many existed."""
-        self._bound()
-        deleted = self._guard(self._delete, list(keys))
-        self._count(chunks_deleted=deleted)
+        self._model.check()
+        deleted = self._calls.guard(self._delete, list(keys))
+        self._calls.count(chunks_deleted=deleted)
         return deleted
 
     # ---- background work ----
@@ -269,38 +317,15 @@ class KVStore(LayerReads, CodedReads, StoreAdmin):
         """Human-readable object name for error messages."""
         return f"{self.fingerprint}/{key}/{layer}"
 
-    # ---- helpers ----
-    def _bound(self, layer: int | None = None) -> None:
-        if self.fingerprint is None:
-            raise ValueError("this store was opened without a model fingerprint (admin use only)")
-        if layer is not None and (layer < 0 or (self.num_layers is not None and layer >= self.num_layers)):
-            raise ValueError(f"layer {layer} out of range for a {self.num_layers}-layer store")
-
-    def _guard(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Call a backend hook; count failures and make sure only StoreError subclasses escape."""
-        try:
-            return fn(*args, **kwargs)
-        except StoreError:
-            self._count(errors=1)
-            raise
-        except self._io_errors as exc:
-            self._count(errors=1)
-            raise self._translate(exc) from exc
-
     # ---- backend hooks ----
-    _io_errors: tuple[type[Exception], ...] = (OSError,)  # the backend's own exceptions, see _translate
-
     @abstractmethod
     def _translate(self, exc: Exception) -> StoreError:
-        """Map one of the backend's own exceptions to a typed store error."""
-
-    def _count(self, **deltas: float) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                setattr(self._stats, name, getattr(self._stats, name) + delta)
+        """Map one of the backend's own exceptions (`_io_errors`) to a typed store error."""
 
     @abstractmethod
-    def _lookup(self, keys: list[str]) -> int: ...
+    def _lookup(self, keys: list[str]) -> list[tuple[str, WriterLayout | None]]:
+        """The leading committed chunks of `keys`, each with the layout its marker records (None: unreadable;
+        the load fails, and repair heals it)."""
 
     @abstractmethod
     def _put(self, layer: int | str, objects: list[tuple[str, bytes, list[memoryview]]]) -> None:
@@ -321,14 +346,45 @@ class KVStore(LayerReads, CodedReads, StoreAdmin):
     @abstractmethod
     def _delete(self, keys: list[str]) -> int: ...
 
+    # administration's hooks (kvstore/admin.py, ChunkInventory, says what each returns)
+    @abstractmethod
+    def _chunk_infos(self, fingerprint: str | None) -> Iterator[ChunkInfo]: ...
+
+    @abstractmethod
+    def _iter_objects(self, fingerprint: str | None) -> Iterator[tuple[str, str, int | str, str, Buffer]]: ...
+
+    @abstractmethod
+    def _clear(self, fingerprint: str | None) -> int: ...
+
+    @abstractmethod
+    def _committed_chunks(self, fingerprint: str | None) -> Iterator[tuple[str, str]]: ...
+
+    @abstractmethod
+    def _damage(self, fingerprint: str, key: str) -> tuple[str | None, list[int | str]]: ...
+
+    @abstractmethod
+    def _uncommit(self, fingerprint: str, key: str) -> bool: ...
+
     def _close(self) -> None:
         """Release backend resources."""
 
+    # reads into caller memory: defaults for a backend that can only read whole objects
+    def _get_spans(self, items: list[tuple[int | str, str]], spans: list[list[memoryview]],
+                   shapes: list[tuple[int, ...]], dtype: torch.dtype, gate: WriteGate = NO_GATE) -> None:
+        """Read each (layer, key) object's payload into its spans, writing them only inside `gate`, and check it;
+        backends that read straight into the spans override this (this one copies whole objects in)."""
+        copy_into_spans(self, self.fingerprint, items, spans, shapes, dtype, gate)
 
-def _heads_of(tensor: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """KV heads [lo, hi) of a [2, n, H, D] CPU tensor, contiguous: copied in numpy, single-threaded (puts run on
-    the store's I/O threads, which never start an OpenMP team of their own: docs/architecture.md)."""
-    part = tensor.detach().cpu()[:, :, lo:hi]
-    out = torch.empty(part.shape, dtype=part.dtype)
-    np.copyto(out.view(torch.uint8).numpy(), part.view(torch.uint8).numpy())
-    return out
+    def _get_table(self, items: list[tuple[int | str, str]], table: SpanTable, shapes: list[tuple[int, ...]],
+                   dtype: torch.dtype, gate: WriteGate) -> None:
+        """_get_spans into a SpanTable's spans; backends with a reader that takes the table override this."""
+        self._get_spans(items, table.views(), shapes, dtype, gate)
+
+    def _get_whole(self, items: list[tuple[int | str, str]], sizes: list[int], expect: bytes
+                   ) -> tuple[list[memoryview], memoryview, list[int]] | None:
+        """Objects whose payloads are `sizes` bytes (and whose header bytes [0, SUMMED) should be `expect`'s, back
+        to back) read whole by a compiled reader: (payloads, their headers back to back, xxh3 digests of header
+        bytes [0, SUMMED) and payload). None: no such reader here, or an object that is not plainly what is
+        expected (kvstore/coded_reads.py then reads the layer again, checking each object)."""
+        return None
+

@@ -5,44 +5,53 @@ chunk is written; it records the chunk's object bytes (the ledger's size, kvstor
 the writer was not one plain raw part, its layout (kvstore/layout.py: head groups, parts, codec, heads
 per object). A multi-part writer (TP/PP ranks) first leaves `commit.<part>` for its own part; whichever
 writer finds every part's marker there writes the chunk's. Lookups read the markers in order and keep
-their layouts for the load that follows. `FileCommits` is mixed into kvstore.filesystem.FileSystemStore
-(its _chunk_dir, _write_atomic, _touch, _inflight, _ledger, _evict and _reconcile_quietly).
+their layouts for the load that follows. `FileCommits` is the commits member of
+kvstore.filesystem.FileSystemStore.
 """
 from __future__ import annotations
 
 import os
 import struct
-import threading
+from typing import Callable
 
+from pdserve.kvstore.binding import ModelBinding
 from pdserve.kvstore.errors import CorruptObject, NotFound, StoreUnavailable
+from pdserve.kvstore.fs_ledger import Entry
+from pdserve.kvstore.fs_tree import MARKER, ChunkTree
 from pdserve.kvstore.layout import WriterLayout
 
-MARKER = "commit"
 MARKER_FORMAT = struct.Struct("<4sHIQ")  # magic, version, num_layers, bytes of the chunk's layer objects
 _MARKER_MAGIC = b"PDKC"
 MARKER_MAX = 4096  # a marker's bytes at most (a version-2 marker's layout text is far shorter)
 
 
 class FileCommits:
-    """_lookup, _read_layouts and _commit of a FileSystemStore."""
+    """Lookups, layouts and commits of the chunks in `tree` (of the model of `model`); `committed(keys,
+    entries)` hears of every commit: the keys no longer in flight, and the (fingerprint/key, bytes, LRU
+    clock) of the chunks made visible (kvstore/fs_space.py, SpaceKeeper.committed)."""
 
-    def _lookup(self, keys: list[str]) -> int:
-        found = []
+    def __init__(self, tree: ChunkTree, model: ModelBinding,
+                 committed: Callable[[list[str], list[Entry]], None]) -> None:
+        self._tree = tree
+        self._model = model
+        self._committed = committed
+
+    def lookup(self, keys: list[str]) -> list[tuple[str, WriterLayout | None]]:
+        found: list[tuple[str, WriterLayout | None]] = []
         for key in keys:
             try:
-                layout = read_marker(f"{self._chunk_dir(key)}/{MARKER}")
+                layout = read_marker(f"{self._tree.chunk_dir(key)}/{MARKER}")
             except FileNotFoundError:
-                if not os.path.isdir(self._root):  # deleted or unmounted: an outage, not a miss
-                    raise StoreUnavailable(f"{self._root}: the store directory is gone") from None
+                if not os.path.isdir(self._tree.root):  # deleted or unmounted: an outage, not a miss
+                    raise StoreUnavailable(f"{self._tree.root}: the store directory is gone") from None
                 break
             found.append((key, layout))  # an unreadable marker (None) still counts: the load fails, repair heals
-        self._remember_layouts([(key, layout) for key, layout in found if layout is not None])
-        return len(found)
+        return found
 
-    def _read_layouts(self, keys: list[str]) -> list[WriterLayout]:
+    def read_layouts(self, keys: list[str]) -> list[WriterLayout]:
         layouts = []
         for key in keys:
-            path = f"{self._chunk_dir(key)}/{MARKER}"
+            path = f"{self._tree.chunk_dir(key)}/{MARKER}"
             try:
                 layout = read_marker(path)
             except FileNotFoundError:
@@ -52,22 +61,23 @@ class FileCommits:
             layouts.append(layout)
         return layouts
 
-    def _commit(self, keys: list[str], layout: WriterLayout, part: int) -> None:
+    def commit(self, keys: list[str], layout: WriterLayout, part: int) -> None:
         incomplete, committed = [], []
-        heads = layout.num_kv_heads or (self.kv_shape[0] if self.kv_shape else 0)
+        kv_shape = self._model.kv_shape
+        heads = layout.num_kv_heads or (kv_shape[0] if kv_shape else 0)
         names = [f"{name}.kv" for name in layout.object_layers(heads)]
         if not layout.single:
             own = [f"{name}.kv" for name in layout.part_objects(part, heads)]
             parts = layout.part_names(heads)
         for key in keys:
-            chunk = self._chunk_dir(key)
+            chunk = self._tree.chunk_dir(key)
             try:
                 if layout.single:
                     size = sum(os.stat(os.path.join(chunk, name)).st_size for name in names)
                 else:  # this writer's part, then the chunk once every part's marker is there
                     for name in own:
                         os.stat(os.path.join(chunk, name))
-                    self._write_atomic(chunk, f"{MARKER}.{parts[part]}", (b"",), create=False)
+                    self._tree.write_atomic(chunk, f"{MARKER}.{parts[part]}", (b"",), create=False)
                     if not all(os.path.exists(f"{chunk}/{MARKER}.{name}") for name in parts):
                         continue  # another writer's part is still on its way: that writer commits the chunk
                     size = sum(os.stat(os.path.join(chunk, name)).st_size for name in names)
@@ -75,23 +85,13 @@ class FileCommits:
                 incomplete.append(key)
                 continue
             try:  # no directory re-creation here: a marker must never appear in an evicted, empty chunk
-                self._write_atomic(chunk, MARKER, (make_marker(layout, size),), create=False)
-                clock = self._touch(os.path.join(chunk, MARKER))
+                self._tree.write_atomic(chunk, MARKER, (make_marker(layout, size),), create=False)
+                clock = self._tree.touch(os.path.join(chunk, MARKER))
             except FileNotFoundError:
                 incomplete.append(key)
                 continue
-            committed.append((f"{self.fingerprint}/{key}", size, clock))
-        self._inflight.drop([key for key in keys if key not in incomplete])
-        if self._ledger is not None:
-            with self._ledger.locked() as ledger:
-                ledger.add(committed)
-                self._evict(ledger)
-                ledger.maybe_compact()
-                due = ledger.reconcile_due()
-            if due and not (self._reconciling and self._reconciling.is_alive()):
-                self._reconciling = threading.Thread(target=self._reconcile_quietly, name="kvstore-reconcile",
-                                                     daemon=True)
-                self._reconciling.start()
+            committed.append((f"{self._model.fingerprint}/{key}", size, clock))
+        self._committed([key for key in keys if key not in incomplete], committed)
         if incomplete:
             raise NotFound(f"{len(incomplete)} chunk(s) miss layers and stay invisible: {incomplete[0]}...")
 

@@ -1,7 +1,7 @@
 """The file store's reads into caller memory: a load's objects straight into paged KV blocks.
 
-`FileReads` is the read half of kvstore.filesystem.FileSystemStore (split from it: that module keeps
-the layout, writes, commits and eviction). A load's bytes reach its spans only inside its write
+`FileReader` is the reads member of kvstore.filesystem.FileSystemStore: whole objects, and payloads
+into caller spans (the store's read hooks, kvstore/reads.py's ObjectReads). A load's bytes reach its spans only inside its write
 gate (kvstore.gate), and nothing inside the gate waits for the medium: what the page cache holds is
 read straight into the spans with RWF_NOWAIT; the rest, or everything on a filesystem without
 RWF_NOWAIT (NFS), is read into scratch memory outside the gate and copied in inside it.
@@ -17,41 +17,49 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from pdserve.kvstore import object_format
+from pdserve.kvstore.binding import ModelBinding
 from pdserve.kvstore.errors import CorruptObject
-from pdserve.kvstore.layout import first_layer
+from pdserve.kvstore.fs_tree import ChunkTree
 from pdserve.kvstore.gate import NO_GATE, LoadAbandoned, WriteGate
-from pdserve.kvstore.spans import SpanReader, SpanTable, advance, copy_into, scratch_table
+from pdserve.kvstore.layout import first_layer
+from pdserve.kvstore.native_reader import ReaderSlot
+from pdserve.kvstore.records import Buffer
+from pdserve.kvstore.spans import SpanTable, advance, copy_into, scratch_table
 
 logger = logging.getLogger(__name__)
 
-class FileReads:
-    """Reads of a FileSystemStore's objects into caller spans (mixed into it: its root, fingerprint,
-    _chunk_dir and _refresh)."""
 
-    root: Path
-    fingerprint: str | None
-    span_reader: SpanReader | None  # kvstore/native_reader.py where it is available: a layer in one C call
-    _objects_seen: dict[tuple, tuple[str, bytes]]  # per (key, shape, dtype, fingerprint): (directory, header head)
-    _nowait: bool  # whether the filesystem takes RWF_NOWAIT reads (cleared the first time it refuses one)
+class FileReader:
+    """Reads of the objects in `tree` (of the model of `model`), with the compiled reader `span_readers` holds
+    where there is one; a read of a chunk's layer 0 advances its LRU clock."""
 
-    def _chunk_dir(self, key: str, fingerprint: str | None = None) -> str:
-        raise NotImplementedError
+    def __init__(self, tree: ChunkTree, model: ModelBinding, span_readers: ReaderSlot) -> None:
+        self._tree = tree
+        self._model = model
+        self._span_readers = span_readers
+        self.nowait = hasattr(os, "RWF_NOWAIT")  # whether the filesystem takes RWF_NOWAIT reads (cleared the
+                                                 # first time it refuses one)
+        self._objects_seen: dict[tuple, tuple[str, bytes]] = {}  # (key, shape, dtype, fingerprint): (directory,
+                                                                  # header head), layer_objects
 
-    def _refresh(self, key: str) -> None:
-        """Advance chunk `key`'s LRU clock (a reader loaded its layer 0)."""
-        raise NotImplementedError
+    def get_objects(self, items: list[tuple[int | str, str]]) -> list[Buffer]:
+        buffers: list[Buffer] = []
+        for layer, key in items:
+            buffers.append(read_file(f"{self._tree.chunk_dir(key)}/{layer}.kv"))
+            if first_layer(layer):
+                self._tree.refresh(key)
+        return buffers
 
-    def _get_spans(self, items: list[tuple[int, str]], spans: list[list[memoryview]], shapes: list[tuple[int, ...]],
+    def get_spans(self, items: list[tuple[int, str]], spans: list[list[memoryview]], shapes: list[tuple[int, ...]],
                    dtype: torch.dtype, gate: WriteGate = NO_GATE) -> None:
         header = memoryview(bytearray(object_format.HEADER_SIZE))
         for (layer, key), payload, shape in zip(items, spans, shapes):
-            chunk = self._chunk_dir(key)
+            chunk = self._tree.chunk_dir(key)
             path = f"{chunk}/{layer}.kv"
             nbytes = sum(span.nbytes for span in payload)
             fd = os.open(path, os.O_RDONLY)
@@ -60,26 +68,26 @@ class FileReads:
                 if gate is NO_GATE:
                     read_exact(fd, [header, *payload], path)
                 else:
-                    self._read_gated(fd, [header, *payload], object_format.HEADER_SIZE + nbytes, path, gate)
+                    self.read_gated(fd, [header, *payload], object_format.HEADER_SIZE + nbytes, path, gate)
             finally:
                 os.close(fd)
-            object_format.check_payload(header, payload, self.fingerprint, dtype, shape, path, key=key, layer=layer,
+            object_format.check_payload(header, payload, self._model.fingerprint, dtype, shape, path, key=key, layer=layer,
                                 nbytes=nbytes)
             if first_layer(layer):
-                self._refresh(key)
+                self._tree.refresh(key)
 
-    def _get_table(self, items: list[tuple[int, str]], table: SpanTable, shapes: list[tuple[int, ...]],
+    def get_table(self, items: list[tuple[int, str]], table: SpanTable, shapes: list[tuple[int, ...]],
                    dtype: torch.dtype, gate: WriteGate) -> None:
-        """_get_spans through the compiled reader: one call opens every object and checks its size (outside
+        """get_spans through the compiled reader: one call opens every object and checks its size (outside
         the gate), reads them from the page cache into their headers and spans and hashes each while it
         is in cache (inside the gate: no I/O wait), and compares headers and digests. An object not
         wholly in the page cache (or not right) takes the Python path for the rest of it, which says
         precisely what is wrong."""
-        reader = self.span_reader
-        if reader is None or not self._nowait or gate is NO_GATE:
-            return self._get_spans(items, table.views(), shapes, dtype, gate)
-        fingerprint = self.fingerprint
-        paths, expect = self._layer_objects(items, shapes, dtype)
+        reader = self._span_readers.get()
+        if reader is None or not self.nowait or gate is NO_GATE:
+            return self.get_spans(items, table.views(), shapes, dtype, gate)
+        fingerprint = self._model.fingerprint
+        paths, expect = self.layer_objects(items, shapes, dtype)
         headers = np.empty(object_format.HEADER_SIZE * len(items), np.uint8)
         loaded = reader.load(paths, table.desc, table.first, table.bases(), headers, expect,
                              gate.native(reader.gate_close))
@@ -100,7 +108,7 @@ class FileReads:
                 for i in left:
                     (layer, key), path, total = items[i], paths[i], table.totals[i]
                     header = all_headers[object_format.HEADER_SIZE * i:object_format.HEADER_SIZE * (i + 1)]
-                    self._finish_object(int(loaded.fds[i]), int(loaded.got[i]), [header, *views[i]],
+                    self.finish_object(int(loaded.fds[i]), int(loaded.got[i]), [header, *views[i]],
                                         object_format.HEADER_SIZE + total, path, gate)
                     object_format.check_payload(header, views[i], fingerprint, dtype, shapes[i], path, key=key, layer=layer,
                                         nbytes=total)
@@ -109,19 +117,19 @@ class FileReads:
                 os.close(int(loaded.fds[i]))
         for layer, key in items:
             if first_layer(layer):
-                self._refresh(key)
+                self._tree.refresh(key)
 
-    def _get_whole(self, items: list[tuple[int | str, str]], sizes: list[int], expect: bytes
+    def get_whole(self, items: list[tuple[int | str, str]], sizes: list[int], expect: bytes
                    ) -> tuple[list[memoryview], memoryview, list[int]] | None:
         """Coded objects of known payload sizes read whole by the compiled reader from the page cache into this
         thread's scratch, sized, hashed and their headers compared in one call (the batched coded load's read,
         kvstore/coded_reads.py); None without the reader, or when an object is missing, of another size, not
         wholly in the page cache or not as expected (the checked Python read then takes the layer)."""
-        reader = self.span_reader
-        if reader is None or not self._nowait or not items:
+        reader = self._span_readers.get()
+        if reader is None or not self.nowait or not items:
             return None
         scratch, table, offsets = scratch_table(sizes)
-        paths = [f"{self._chunk_dir(key)}/{layer}.kv" for layer, key in items]
+        paths = [f"{self._tree.chunk_dir(key)}/{layer}.kv" for layer, key in items]
         headers = np.empty(object_format.HEADER_SIZE * len(items), np.uint8)
         loaded = reader.load(paths, table.desc, table.first, table.bases(), headers, expect, 0)
         left = np.flatnonzero(loaded.fds >= 0).tolist()
@@ -131,16 +139,16 @@ class FileReads:
             return None
         for layer, key in items:
             if first_layer(layer):
-                self._refresh(key)
+                self._tree.refresh(key)
         return [scratch[a:b] for a, b in zip(offsets[:-1], offsets[1:])], memoryview(headers), loaded.digests.tolist()
 
-    def _layer_objects(self, items: list[tuple[int, str]], shapes: list[tuple[int, ...]], dtype: torch.dtype
+    def layer_objects(self, items: list[tuple[int, str]], shapes: list[tuple[int, ...]], dtype: torch.dtype
                        ) -> tuple[list[str], bytes]:
         """Each object's path, and its expected header bytes [0, object_format.SUMMED) back to back (object_format.expected_header).
         A load asks for the same chunks layer after layer: each chunk's directory and its header up to the
         binding (the last 8 of those bytes, object_format's layout) are kept from its first layer for the others,
         which only hash their binding (a few microseconds less per object, on every layer)."""
-        seen, fingerprint = self._objects_seen, self.fingerprint
+        seen, fingerprint = self._objects_seen, self._model.fingerprint
         if len(seen) > 4096:  # the chunks of recent loads only
             seen.clear()
         paths, heads = [], []
@@ -148,14 +156,14 @@ class FileReads:
             known = seen.get((key, shape, dtype, fingerprint))
             if known is None:
                 head = object_format.expected_header(fingerprint, dtype, shape, key=key, layer=layer)
-                known = seen[key, shape, dtype, fingerprint] = (self._chunk_dir(key), head[:-8])
+                known = seen[key, shape, dtype, fingerprint] = (self._tree.chunk_dir(key), head[:-8])
             else:
                 head = known[1] + object_format.binding(key, layer).to_bytes(8, "little")
             paths.append(f"{known[0]}/{layer}.kv")
             heads.append(head)
         return paths, b"".join(heads)
 
-    def _finish_object(self, fd: int, done: int, views: list[memoryview], total: int, path: str,
+    def finish_object(self, fd: int, done: int, views: list[memoryview], total: int, path: str,
                        gate: WriteGate) -> None:
         """After the compiled reader read `done` bytes of an object (-errno: an error), the rest the
         Python way: gated RWF_NOWAIT reads, then cold reads into scratch."""
@@ -164,9 +172,9 @@ class FileReads:
                 raise OSError(-done, os.strerror(-done), path)
             done = 0
         if done < total:
-            self._read_gated(fd, advance(views, done), total - done, path, gate, done)
+            self.read_gated(fd, advance(views, done), total - done, path, gate, done)
 
-    def _read_gated(self, fd: int, views: list[memoryview], total: int, path: str, gate: WriteGate,
+    def read_gated(self, fd: int, views: list[memoryview], total: int, path: str, gate: WriteGate,
                     start: int = 0) -> None:
         """Fill the views, writing them only inside `gate` (kvstore.gate): what the page cache holds is
         read straight into them with RWF_NOWAIT (a copy that never waits for the medium); the rest,
@@ -174,7 +182,7 @@ class FileReads:
         outside the gate, however long that takes, and then copied in inside it. `total`: the views' bytes;
         `start`: the file offset they begin at."""
         got = 0
-        if self._nowait:
+        if self.nowait:
             gate.enter()
             try:
                 while got < total:
@@ -185,9 +193,9 @@ class FileReads:
                     except OSError as exc:
                         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                             raise
-                        self._nowait = False
+                        self.nowait = False
                         logger.info("KV store %s: no RWF_NOWAIT reads here (%s); loads copy through scratch "
-                                    "memory", self.root, exc.strerror)
+                                    "memory", self._tree.root, exc.strerror)
                         break
                     if n == 0:
                         raise CorruptObject(f"{path}: file ended after {start + got} of {start + total} bytes")
@@ -198,11 +206,11 @@ class FileReads:
                 gate.leave()
         if got < total:
             views = [v for v in views if v.nbytes]
-            scratch = self._read_cold(fd, total - got, start + got, path)
+            scratch = self.read_cold(fd, total - got, start + got, path)
             with gate.writing():
                 copy_into(scratch, views)
 
-    def _read_cold(self, fd: int, nbytes: int, offset: int, path: str) -> memoryview:
+    def read_cold(self, fd: int, nbytes: int, offset: int, path: str) -> memoryview:
         """Bytes [offset, offset + nbytes) of an object in fresh scratch memory: the read that may wait
         for the medium (a cold page cache, a hung NFS server), so it never writes a caller's spans."""
         scratch = memoryview(bytearray(nbytes))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 Heads = tuple[int, int]
 
@@ -291,3 +292,21 @@ def layer_number(layer: int | str) -> int:
 def first_layer(layer: int | str) -> bool:
     """Whether an object name is one of layer 0 (a load of it advances its chunk's LRU clock)."""
     return layer == 0 or (isinstance(layer, str) and layer.startswith("0."))
+
+
+class LayoutCache:
+    """Chunk key -> the layout its commit marker records, as this process's lookups read them: the load that
+    usually follows a lookup needs them (recent chunks only)."""
+
+    LIMIT = 8192
+
+    def __init__(self) -> None:
+        self._layouts: dict[str, WriterLayout] = {}
+
+    def remember(self, pairs: list[tuple[str, WriterLayout]]) -> None:
+        if len(self._layouts) > self.LIMIT:
+            self._layouts.clear()
+        self._layouts.update(pairs)
+
+    def get(self, keys: Sequence[str]) -> list[WriterLayout | None]:
+        return [self._layouts.get(key) for key in keys]

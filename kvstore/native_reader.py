@@ -26,6 +26,7 @@ import xxhash
 
 from pdserve.common.native_build import build_or_none, load_library
 from pdserve.kvstore.object_format import HEADER_SIZE, SUMMED
+from pdserve.kvstore.spans import SpanReader
 
 SOURCE = Path(__file__).with_name("csrc") / "kv_read.c"
 RECV_SOURCE = SOURCE.with_name("kv_recv.c")
@@ -183,3 +184,21 @@ class KVReadLibrary:
 def native_reader() -> KVReadLibrary | None:
     """This process's compiled reader, or None (PDSERVE_KERNELS=torch, or no library: one warning)."""
     return build_or_none("compiled KV reader", KVReadLibrary, "KV loads read and check objects in Python")
+
+
+class ReaderSlot:
+    """A store's compiled reader of loads into spans: this process's (native_reader), taken at the first load
+    that asks; None: the Python paths (PDSERVE_KERNELS=torch, or no library here). Tests and benchmarks set
+    another (store.span_reader) to choose a path."""
+
+    def __init__(self) -> None:
+        self._chosen = False
+        self._reader: SpanReader | None = None
+
+    def get(self) -> SpanReader | None:
+        if not self._chosen:
+            self.set(native_reader())
+        return self._reader
+
+    def set(self, reader: SpanReader | None) -> None:
+        self._reader, self._chosen = reader, True

@@ -26,6 +26,7 @@ import struct
 import warnings
 from typing import Sequence
 
+import numpy as np
 import torch
 import xxhash
 
@@ -300,3 +301,12 @@ def _check(header: memoryview, payload: list[memoryview], fingerprint: str, dtyp
     if bound != binding(key, layer):  # after the checksum: a damaged object is reported as damaged
         raise CorruptObject(f"{name}: a valid object of another chunk or layer, stored under the wrong key")
     return found, shape
+
+
+def heads_of(tensor: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """KV heads [lo, hi) of a [2, n, H, D] CPU tensor, contiguous: copied in numpy, single-threaded (puts run on
+    the store's I/O threads, which never start an OpenMP team of their own: docs/architecture.md)."""
+    part = tensor.detach().cpu()[:, :, lo:hi]
+    out = torch.empty(part.shape, dtype=part.dtype)
+    np.copyto(out.view(torch.uint8).numpy(), part.view(torch.uint8).numpy())
+    return out

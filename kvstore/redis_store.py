@@ -92,7 +92,7 @@ class RedisStore(KVStore):
         if self.ttl is not None:
             return None
         try:
-            infos = self._guard(self._memory_infos)
+            infos = self._calls.guard(self._memory_infos)
         except StoreError:  # unreachable or INFO not allowed: nothing to say
             return None
         unbounded = [i for i in infos if int(i.get("maxmemory", 0)) == 0]
@@ -110,17 +110,16 @@ class RedisStore(KVStore):
         """INFO memory of every server holding our keys."""
         return [self._redis.info("memory")]
 
-    def _lookup(self, keys: list[str]) -> int:
+    def _lookup(self, keys: list[str]) -> list[tuple[str, WriterLayout | None]]:
         pipe = self._redis.pipeline(transaction=False)
         for key in keys:
             pipe.get(self._key(key, MARKER))  # as cheap as EXISTS, and the load that follows needs the layout
-        found = []
+        found: list[tuple[str, WriterLayout | None]] = []
         for key, marker in zip(keys, pipe.execute()):
             if marker is None:
                 break
             found.append((key, _layout(marker)))  # an unreadable one (None) still counts: the load fails, repair heals
-        self._remember_layouts([(key, layout) for key, layout in found if layout is not None])
-        return len(found)
+        return found
 
     def _read_layouts(self, keys: list[str]) -> list[WriterLayout]:
         pipe = self._redis.pipeline(transaction=False)

@@ -167,16 +167,16 @@ def test_a_lossless_hand_off_through_the_staged_path_is_exact(tiny_llama, tmp_pa
     """The CUDA data path (StagedTransfer: decode into the pinned staging buffer, then the copy stream's
     scatter), run on the CPU: a lossless load is token-identical to HF and goes through the batched read."""
     from pdserve.connectors import staging
-    from pdserve.kvstore.coded_reads import CodedReads
+    from pdserve.kvstore.coded_reads import CodedReader
 
     monkeypatch.setattr(staging, "use_staging", lambda platform: True)
-    calls, batched = [], CodedReads.get_layer_coded
+    calls, batched = [], CodedReader.get_layer_coded
 
     def counted(self, layer, *args, **kwargs):  # the real read, noting which layers took it
         calls.append(layer)
         return batched(self, layer, *args, **kwargs)
 
-    monkeypatch.setattr(CodedReads, "get_layer_coded", counted)
+    monkeypatch.setattr(CodedReader, "get_layer_coded", counted)
     prompts = [prompt(300, seed=50)]
     producer, consumer = engine_pair(tiny_llama, f"file://{tmp_path}?codec=lossless")
     try:

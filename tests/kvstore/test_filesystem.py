@@ -148,7 +148,7 @@ def test_eviction_replays_a_ledger_instead_of_walking_the_tree(tmp_path):
     for i in range(0, 250, 50):  # 250 chunks in, nothing to evict yet
         filler.put_layer(0, {k: layers[0][k] for k in keys[i:i + 50]})
         filler.commit(keys[i:i + 50])
-    assert filler._ledger.disk_scans == 1  # the ledger's birth: one walk of an empty tree
+    assert filler._space.ledger.disk_scans == 1  # the ledger's birth: one walk of an empty tree
     bounded = open_test_store(f"file://{tmp_path}?max_bytes={200 * chunk_bytes}", 1)  # a second process's view
     hot = keys[0]
     for key in keys[250:]:
@@ -156,12 +156,12 @@ def test_eviction_replays_a_ledger_instead_of_walking_the_tree(tmp_path):
         bounded.put_layer(0, {key: layers[0][key]})
         bounded.commit([key])
         assert _committed_bytes(tmp_path) <= bounded.max_bytes
-    assert bounded._ledger.disk_scans == 0  # 50 commits and 100 evictions, not one walk of the tree
+    assert bounded._space.ledger.disk_scans == 0  # 50 commits and 100 evictions, not one walk of the tree
     present = [k for k in keys if bounded.lookup([k])]
     assert present == [hot, *keys[-199:]]  # exact LRU: the read chunk survived, the oldest others went
-    assert bounded._ledger.total == _committed_bytes(tmp_path) == 200 * chunk_bytes
-    with filler._ledger.locked() as ledger:  # the first process catches up from the ledger too
-        assert ledger.total == bounded._ledger.total and set(ledger.sizes) == {f"{FP}/{k}" for k in present}
+    assert bounded._space.ledger.total == _committed_bytes(tmp_path) == 200 * chunk_bytes
+    with filler._space.ledger.locked() as ledger:  # the first process catches up from the ledger too
+        assert ledger.total == bounded._space.ledger.total and set(ledger.sizes) == {f"{FP}/{k}" for k in present}
 
 
 def test_ledger_operations_stay_cheap_at_100k_chunks(tmp_path):
@@ -201,7 +201,7 @@ def test_bound_holds_with_writer_processes_sharing_the_directory(tmp_path):
     assert [w.wait() for w in writers] == [0, 0]
     assert _committed_bytes(tmp_path) <= 10 * chunk_bytes
     with open_test_store(url, 2) as store:
-        with store._ledger.locked() as ledger:
+        with store._space.ledger.locked() as ledger:
             assert ledger.total == _committed_bytes(tmp_path) == 10 * chunk_bytes  # evicted down to the bound
         present = [k for seed in (1, 2) for k in make_chunks(16 * 12, 2, seed=seed)[0] if store.lookup([k])]
         assert len(present) == 10 and store.verify().corrupt == []
@@ -223,7 +223,7 @@ def test_reconcile_counts_chunks_of_unbounded_stores_and_removes_dead_writers_le
     os.utime(orphan, (old, old))
     assert bounded.reconcile() == (4, 0)
     assert not orphan.exists()
-    assert _committed_bytes(tmp_path) == bounded._ledger.total == 4 * chunk_bytes  # evicted down to the bound
+    assert _committed_bytes(tmp_path) == bounded._space.ledger.total == 4 * chunk_bytes  # evicted down to the bound
     assert [bool(bounded.lookup([k])) for k in keys] == [False, False, True, True, True, True]
 
 
@@ -252,11 +252,11 @@ def test_layer_objects_name_and_expect_what_the_codec_says(tmp_path):
     store = FileSystemStore(tmp_path, fingerprint="ab" * 16, num_layers=3)
     keys = ["k" * 8 + str(i) for i in range(3)]
     for fingerprint in ("ab" * 16, "cd" * 16):
-        store.fingerprint = fingerprint
+        store._model.fingerprint = fingerprint  # noqa: SLF001 (the binding its reads share)
         for layer in range(3):
             for dtype, n in ((torch.bfloat16, 16), (torch.float32, 5)):
                 items, shapes = [(layer, key) for key in keys], [(2, n, 2, 4)] * len(keys)
-                paths, expect = store._layer_objects(items, shapes, dtype)
+                paths, expect = store._files.layer_objects(items, shapes, dtype)
                 assert paths == [store.object_name(key, layer) for key in keys]
                 assert expect == b"".join(object_format.expected_header(fingerprint, dtype, shape, key=key, layer=layer)
                                           for (_, key), shape in zip(items, shapes))
