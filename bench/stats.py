@@ -56,13 +56,21 @@ class SLO:
         return self.e2e_s is None or r["e2e"] <= self.e2e_s + _SLACK_S
 
 
+def percentile(values: Iterable[float], p: float) -> float:
+    """The p-th percentile (0..100) of values, interpolated linearly between the two nearest (numpy's
+    default; p 50 is the median): the one rule of pd-bench's reports and of benchmarks/."""
+    arr = np.asarray(list(values), dtype=float)
+    if arr.size == 0:
+        raise ValueError("no values to take a percentile of")
+    return float(np.percentile(arr, p))
+
+
 def distribution_ms(values: Iterable[float]) -> dict[str, float | None]:
     """mean and p50/p90/p99 in milliseconds (None when there are no values)."""
     arr = np.asarray(list(values), dtype=float) * 1e3
     if arr.size == 0:
         return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
-    return {"mean": round(float(arr.mean()), 3),
-            **{f"p{p}": round(float(np.percentile(arr, p)), 3) for p in PERCENTILES}}
+    return {"mean": round(float(arr.mean()), 3), **{f"p{p}": round(percentile(arr, p), 3) for p in PERCENTILES}}
 
 
 def run_window(requests: list[dict[str, Any]]) -> tuple[float, float]:
