@@ -1,7 +1,7 @@
 """Chaos at load: each fault of tests/cluster/test_chaos.py under --requests concurrent streams, beside a no-fault run.
 
 One local cluster (pd-proxy, 1 prefill + 2 decode nodes on the tiny model, redis behind a delaying
-TCP relay; tests/helpers/chaos.py). Per scenario the same request set (greedy and seeded streams
+TCP relay; deploy/chaos.py, bench/chaos.py). Per scenario the same request set (greedy and seeded streams
 over token-id prompts) runs with its own cache salt while one fault hits:
 
   none             no fault: the reference every other row's `exact` compares with
@@ -26,11 +26,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pdserve.engine.builtin_model import default_model_path  # noqa: E402
-from tests.helpers.chaos import (ChaosCluster, Tally, frozen_decode, frozen_redis, killed_decode,  # noqa: E402
-                                 request_bodies, run_load, send_malformed, slow_store, wait_tokens)
+from pdserve.bench.chaos import Tally, request_bodies, run_load
+from pdserve.deploy.chaos import (ChaosCluster, frozen_decode, frozen_redis, killed_decode, send_malformed, slow_store,
+                                  wait_tokens)
+from pdserve.engine.builtin_model import default_model_path
 
 
 def scenarios(chaos: ChaosCluster, args: argparse.Namespace) -> dict:

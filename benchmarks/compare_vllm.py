@@ -22,23 +22,22 @@ import gc
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from benchmarks.chat_workload import chat_prompts  # noqa: E402
-from benchmarks.engine_throughput import prompts, run_hf, run_ours  # noqa: E402
-from benchmarks.machine import describe  # noqa: E402
 from pdserve.common import cpu_isa  # noqa: E402
 from pdserve.deploy.local_cluster import resolve_model  # noqa: E402
 from pdserve.serving import LLM  # noqa: E402
+
+from chat_workload import chat_prompts  # noqa: E402
+from engine_throughput import prompts, run_hf, run_ours  # noqa: E402
+from machine import describe  # noqa: E402
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 

@@ -17,21 +17,20 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tqdm import tqdm  # noqa: E402
 
-from benchmarks.engine_throughput import bench_model_path, prompts  # noqa: E402
-from benchmarks.machine import describe  # noqa: E402
-from benchmarks.roofline import decode_floor  # noqa: E402
-from benchmarks.timing import engine_parts, print_parts  # noqa: E402
 from pdserve.engine import SamplingParams  # noqa: E402
 from pdserve.engine.llm_engine import LLMEngine  # noqa: E402
+
+from engine_throughput import bench_model_path, prompts  # noqa: E402
+from machine import describe  # noqa: E402
+from roofline import decode_floor  # noqa: E402
+from timing import engine_parts, print_parts  # noqa: E402
 
 
 def main() -> None:

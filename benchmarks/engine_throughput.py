@@ -14,18 +14,17 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from benchmarks.timing import engine_parts, print_parts  # noqa: E402
 from pdserve.engine.builtin_model import default_model_path  # noqa: E402
 from pdserve.serving import LLM, SamplingParams  # noqa: E402
+
+from timing import engine_parts, print_parts  # noqa: E402
 
 
 def bench_model_path() -> Path:

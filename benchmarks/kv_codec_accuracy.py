@@ -18,17 +18,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pdserve.engine.real_model import real_model_path
+from pdserve.kvstore import open_store
+from pdserve.serving import LLM, SamplingParams
 
-from benchmarks.chat_workload import chat_prompts  # noqa: E402
-from pdserve.engine.real_model import real_model_path  # noqa: E402
-from pdserve.kvstore import open_store  # noqa: E402
-from pdserve.serving import LLM, SamplingParams  # noqa: E402
+from chat_workload import chat_prompts
 
 CODECS = ["raw", "lossless", "int8", "fp8"]
 

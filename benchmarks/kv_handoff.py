@@ -33,16 +33,15 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tqdm import tqdm
 
-from tqdm import tqdm  # noqa: E402
+from pdserve.deploy.processes import free_port, require_port
+from pdserve.serving import LLM, SamplingParams
 
-from benchmarks import kv_load_only  # noqa: E402
-from benchmarks.engine_throughput import bench_model_path, prompts  # noqa: E402
-from benchmarks.machine import describe  # noqa: E402
-from benchmarks.timing import PartTimer  # noqa: E402
-from pdserve.serving import LLM, SamplingParams  # noqa: E402
-from tests.helpers.utils import free_port, wait_for_port  # noqa: E402
+import kv_load_only
+from engine_throughput import bench_model_path, prompts
+from machine import describe
+from timing import PartTimer
 
 TTFT_BARS = {"file": 20, "redis": 15, "lmcache": 15}  # x lower than recompute at 2k tokens
 LOAD_SHARE_BAR = 0.7  # load-only GB/s over the raw read of the same objects
@@ -61,7 +60,7 @@ def backend(name: str, tmp: Path) -> Iterator[str]:
            "lmcache": [str(Path(sys.executable).with_name("lmcache_server")), "127.0.0.1", str(port), "cpu"]}[name]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_for_port(port, timeout=60)
+        require_port(port, 60)
         yield f"redis://127.0.0.1:{port}/0" if name == "redis" else f"lm://127.0.0.1:{port}"
     finally:
         proc.terminate()

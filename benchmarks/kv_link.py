@@ -2,10 +2,10 @@
 
 The store (redis-server; and lmcache_server with --stores lmcache) runs in its own network namespace,
 the decode side in another, joined by one veth pair whose store end is shaped with `tc`
-(benchmarks/link.py). For each link setting (1, 10 and 25 Gbit/s, each with no added delay and with 0.1 and
+(deploy/netns.py). For each link setting (1, 10 and 25 Gbit/s, each with no added delay and with 0.1 and
 1 ms one-way delay where the kernel has sch_netem; the unshaped veth as the reference), in one run, on the real model:
 
-  ceiling    a plain TCP transfer of the prompt's KV bytes over the same link (benchmarks/link.py)
+  ceiling    a plain TCP transfer of the prompt's KV bytes over the same link (deploy/netns.py)
   load only  the decode connector's real load path for one prompt, no forward pass competing
              (benchmarks/kv_load_only.py), in GB/s and as a share of the ceiling; goal >= 80%
   TTFT       decode-side time to first token with the KV loaded, per codec, at 2k and 8k tokens,
@@ -30,14 +30,13 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pdserve.deploy.netns import Link, NetnsError, Shape, plain_transfer, start_sender
+from pdserve.engine.builtin_model import preset_checkpoint
+from pdserve.serving import LLM, SamplingParams
 
-from benchmarks import kv_load_only  # noqa: E402
-from benchmarks.engine_throughput import prompts  # noqa: E402
-from benchmarks.link import Link, LinkError, Shape, plain_transfer, start_sender  # noqa: E402
-from benchmarks.machine import describe  # noqa: E402
-from pdserve.engine.builtin_model import preset_checkpoint  # noqa: E402
-from pdserve.serving import LLM, SamplingParams  # noqa: E402
+import kv_load_only
+from engine_throughput import prompts
+from machine import describe
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 ENGINE_KW = dict(kv_cache_memory="1GiB")
@@ -125,7 +124,7 @@ def decode_side(cfg: dict) -> dict:
     for setting in [Shape(None), *shapes]:
         try:
             qdisc = link.shape(setting)
-        except LinkError as exc:
+        except NetnsError as exc:
             result["skipped"].append(f"{setting}: {exc}")
             continue
         row: dict = {"setting": str(setting), "rate_gbit": setting.rate_gbit, "delay_ms": setting.delay_ms,
@@ -271,7 +270,7 @@ def store_host(link: Link, stores: list[str]) -> Iterator[None]:
         time.sleep(1.0)
         for proc in procs:
             if proc.poll() is not None:
-                raise LinkError(f"{proc.args[-3:]} exited with {proc.returncode} in the store namespace")
+                raise NetnsError(f"{proc.args[-3:]} exited with {proc.returncode} in the store namespace")
         yield
     finally:
         for proc in procs:

@@ -26,13 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pdserve.deploy.fault_relay import FaultRelay
+from pdserve.serving import LLM, SamplingParams
+from pdserve.engine.config import KV_LOAD_MODES
 
-from benchmarks.engine_throughput import bench_model_path, prompts  # noqa: E402
-from benchmarks.kv_handoff import backend  # noqa: E402
-from pdserve.deploy.fault_relay import FaultRelay  # noqa: E402
-from pdserve.serving import LLM, SamplingParams  # noqa: E402
-from pdserve.engine.config import KV_LOAD_MODES  # noqa: E402
+from engine_throughput import bench_model_path, prompts
+from kv_handoff import backend
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 STREAM = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)

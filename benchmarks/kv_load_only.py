@@ -44,20 +44,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
+from pdserve.connectors.chunk_math import LoadPlan, slots_for
+from pdserve.connectors.chunked import ChunkedConnectorMetadata, LoadSpec
+from pdserve.connectors.store_connector import StoreConnector
+import numpy as np
 
-from pdserve.connectors.chunk_math import LoadPlan, slots_for  # noqa: E402
-from pdserve.connectors.chunked import ChunkedConnectorMetadata, LoadSpec  # noqa: E402
-from pdserve.connectors.store_connector import StoreConnector  # noqa: E402
-import numpy as np  # noqa: E402
-
-from pdserve.kvstore import object_format, resp  # noqa: E402
-from pdserve.kvstore.filesystem import FileSystemStore  # noqa: E402
-from pdserve.kvstore.redis_store import RedisStore  # noqa: E402
-from pdserve.kvstore.spans import SpanTable  # noqa: E402
-from pdserve.serving import LLM, SamplingParams  # noqa: E402
+from pdserve.kvstore import object_format, resp
+from pdserve.kvstore.filesystem import FileSystemStore
+from pdserve.kvstore.redis_store import RedisStore
+from pdserve.kvstore.spans import SpanTable
+from pdserve.serving import LLM, SamplingParams
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -295,8 +293,8 @@ def table(results: dict[str, LoadOnly], tokens: int) -> list[str]:
 
 
 def main() -> int:
-    from benchmarks.engine_throughput import bench_model_path
-    from benchmarks.kv_handoff import backend
+    from engine_throughput import bench_model_path
+    from kv_handoff import backend
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2048)

@@ -28,15 +28,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import redis
+import torch
 
-import redis  # noqa: E402
-import torch  # noqa: E402
-
-from pdserve.common.hashing import chunk_keys  # noqa: E402
-from pdserve.kvstore import KVStore, open_store  # noqa: E402
-from tests.helpers.redis_cluster import RedisClusterServer  # noqa: E402
-from tests.helpers.utils import free_port, wait_for_port  # noqa: E402
+from pdserve.common.hashing import chunk_keys
+from pdserve.kvstore import KVStore, open_store
+from pdserve.deploy.redis_servers import RedisClusterServer
+from pdserve.deploy.processes import free_port, require_port
 
 FP = "5eed" * 8
 TOKENS, HEADS, HEAD_DIM, LAYERS, DTYPE = 256, 8, 128, 32, torch.bfloat16
@@ -190,7 +188,7 @@ def main() -> int:
         port = free_port()
         server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                    "--appendonly", "no"], stdout=subprocess.DEVNULL)
-        wait_for_port(port)
+        require_port(port)
         url = f"redis://127.0.0.1:{port}/0"
     cluster = None
     cluster_url = args.cluster_url

@@ -20,17 +20,15 @@ the cache) per batch size, as the decode step's linear layers do.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
+from pdserve.kernels.cpu_linear import Bf16DotLinear, Bf16Linear
 
-from benchmarks.machine import describe  # noqa: E402
-from pdserve.kernels.cpu_linear import Bf16DotLinear, Bf16Linear  # noqa: E402
+from machine import describe
 
 BENCH_SHAPES = ["2048x1024", "1024x1024", "5632x1024", "1024x2816"]  # N x K: qkv, o_proj, gate_up, down
 

@@ -18,21 +18,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import aiohttp
 
-import aiohttp  # noqa: E402
+from pdserve.bench.client import RequestRecord, stream
+from pdserve.bench.stats import percentile
+from pdserve.deploy.processes import HOST, Child, ClusterSpec, LocalCluster, free_port, python_module
+from pdserve.deploy.server_process import ServerProcess
 
-from benchmarks.engine_throughput import bench_model_path, prompts  # noqa: E402
-from benchmarks.serve_latency import pct  # noqa: E402
-from pdserve.deploy.processes import HOST, Child, ClusterSpec, LocalCluster, free_port, python_module  # noqa: E402
-from tests.helpers.serve import ServerProcess  # noqa: E402
+from engine_throughput import bench_model_path, prompts
 
 
 def workload(n: int, length: int, shared_fraction: float, seed: int) -> list[list[int]]:
@@ -40,28 +38,14 @@ def workload(n: int, length: int, shared_fraction: float, seed: int) -> list[lis
     return [shared + tail for tail in prompts(n, length - len(shared), seed + 1)]
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int) -> dict:
-    """Token arrival times from the SSE chunks' token_ids; the usage chunk confirms the count (a chunk
-    whose text is still held back may be skipped by the server, so gaps are per visible chunk)."""
+async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int) -> RequestRecord:
+    """Token arrival times from the SSE chunks' token_ids (pdserve.bench.client); the usage chunk confirms the
+    count (a chunk whose text is still held back may be skipped by the server, so gaps are per visible chunk)."""
     body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
             "return_token_ids": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    times: list[float] = []
-    completion_tokens = 0
-    async with session.post(url + "/v1/completions", json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        async for line in resp.content:
-            if not line.startswith(b"data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                completion_tokens = event["usage"]["completion_tokens"]
-            elif event["choices"]:
-                times += [time.perf_counter()] * len(event["choices"][0].get("token_ids", []))
-    end = time.perf_counter()
-    assert completion_tokens == output_len and times, (completion_tokens, len(times))
-    return {"ttft": times[0] - start, "itl": [b - a for a, b in zip(times, times[1:])],
-            "tok_s": output_len / (end - start)}
+    rec = await stream(session, url + "/v1/completions", body)
+    assert rec.ok and rec.completion_tokens == output_len, (rec.error, rec.completion_tokens, len(rec.token_ids))
+    return rec
 
 
 async def run_batch(url: str, batch: list[list[int]], output_len: int) -> dict:
@@ -69,11 +53,11 @@ async def run_batch(url: str, batch: list[list[int]], output_len: int) -> dict:
         start = time.perf_counter()
         results = await asyncio.gather(*(one_request(session, url, p, output_len) for p in batch))
         wall = time.perf_counter() - start
-    ttft = [r["ttft"] for r in results]
-    itl = [g for r in results for g in r["itl"]]
-    tok_s = [r["tok_s"] for r in results]
-    return {"ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99), "itl_p50": pct(itl, 0.5),
-            "itl_p99": pct(itl, 0.99), "tok_s_p50": pct(tok_s, 0.5), "tok_s_p99": pct(tok_s, 0.01),
+    ttft = [r.ttft for r in results]
+    itl = [g for r in results for g in r.itl]
+    tok_s = [output_len / r.e2e for r in results]
+    return {"ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99), "itl_p50": percentile(itl, 50),
+            "itl_p99": percentile(itl, 99), "tok_s_p50": percentile(tok_s, 50), "tok_s_p99": percentile(tok_s, 1),
             "agg_tok_s": len(batch) * output_len / wall, "wall": wall}
 
 
@@ -168,12 +152,12 @@ def main() -> int:
 def print_latencies(latency: dict[str, list[float]]) -> None:
     print("\nshort requests (16 prompt tokens, 1 output token), sequential, the paths interleaved:")
     for name, values in latency.items():
-        print(f"  {name:28} p50 {statistics.median(values) * 1e3:7.2f} ms  p99 {pct(values, 0.99) * 1e3:7.2f} ms")
+        print(f"  {name:28} p50 {percentile(values, 50) * 1e3:7.2f} ms  p99 {percentile(values, 99) * 1e3:7.2f} ms")
     via, direct = latency["proxy -> decode node"], latency["decode node direct"]
-    added = statistics.median(via) - statistics.median(direct)
+    added = percentile(via, 50) - percentile(direct, 50)
     # The same statistic over pairs (request i through the proxy minus request i direct, sent back to back):
     # less moved by the engine's own time drifting over the run, a check on the difference of medians.
-    paired = statistics.median(v - d for v, d in zip(via, direct))
+    paired = percentile([v - d for v, d in zip(via, direct)], 50)
     print(f"  proxy's added latency (p50): {added * 1e3:.2f} ms (bar <= 1 ms); median of paired differences "
           f"{paired * 1e3:.2f} ms")
 

@@ -3,7 +3,8 @@
 Closed loop: at concurrency c, c clients each send streaming requests back to back until
 `requests-per-client x c` requests are done (EOS ignored, so each yields exactly --output-len
 tokens). Per request: TTFT (send -> first token), ITL (gaps between tokens), output tokens/s
-(tokens / end-to-end time); p50/p99 of each. Each level (and the baseline) first runs a
+(tokens / time to the last token); p50/p99 of each, TTFT and ITL as pd-bench's client times them
+(pdserve.bench.client: a chunk of k tokens counts k gaps of a k-th of its wait each). Each level (and the baseline) first runs a
 short warm-up at the same concurrency: CPU kernels specialise per shape on first use.
 Baseline in the same run: the offline engine (`LLM.generate`, no HTTP, no async thread) on
 a batch of c such prompts; the ratio served/offline of aggregate output tokens/s shows what
@@ -16,36 +17,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import aiohttp
 
-import aiohttp  # noqa: E402
+from pdserve.bench.client import RequestRecord, stream
+from pdserve.bench.stats import percentile
+from pdserve.deploy.server_process import ServerProcess
 
-from benchmarks.engine_throughput import bench_model_path, prompts  # noqa: E402
-from tests.helpers.serve import ServerProcess  # noqa: E402
+from engine_throughput import bench_model_path, prompts
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int) -> dict:
+async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int) -> RequestRecord:
     body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
             "return_token_ids": True}
-    start = time.perf_counter()
-    times: list[float] = []
-    async with session.post(url + "/v1/completions", json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        async for line in resp.content:
-            if not line.startswith(b"data: {"):
-                continue
-            n = len(json.loads(line[6:])["choices"][0].get("token_ids", []))
-            times += [time.perf_counter()] * n
-    assert len(times) == output_len, f"got {len(times)} tokens, expected {output_len}"
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    # Tokens that arrive in one chunk share the chunk's gap (the client cannot see finer).
-    return {"ttft": times[0] - start, "itl": gaps, "tok_s": output_len / (times[-1] - start)}
+    rec = await stream(session, url + "/v1/completions", body)
+    assert rec.ok, rec.error
+    assert len(rec.token_ids) == output_len, f"got {len(rec.token_ids)} tokens, expected {output_len}"
+    return rec
+
+
+def tok_s(rec: RequestRecord) -> float:
+    """Output tokens per second from sending the request to its last token."""
+    return len(rec.token_ids) / (rec.ttft + sum(rec.itl))
 
 
 async def run_level(url: str, concurrency: int, per_client: int, prompt_len: int, output_len: int) -> dict:
@@ -53,7 +48,7 @@ async def run_level(url: str, concurrency: int, per_client: int, prompt_len: int
     entries do not flatter this one."""
     batch = prompts(concurrency * per_client, prompt_len, seed=concurrency + 10_000 * per_client)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-        async def client(k: int) -> list[dict]:
+        async def client(k: int) -> list[RequestRecord]:
             return [await one_request(session, url, batch[k * per_client + i], output_len)
                     for i in range(per_client)]
 
@@ -61,11 +56,6 @@ async def run_level(url: str, concurrency: int, per_client: int, prompt_len: int
         results = [r for rs in await asyncio.gather(*(client(k) for k in range(concurrency))) for r in rs]
         wall = time.perf_counter() - start
     return {"results": results, "agg_tok_s": len(results) * output_len / wall}
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
 def offline_tok_s(args: argparse.Namespace) -> dict[int, float]:
@@ -105,12 +95,12 @@ def main(args: argparse.Namespace) -> None:
     print("-" * len(header))
     for c, lv in levels.items():
         res = lv["results"]
-        ttft = [r["ttft"] * 1e3 for r in res]
-        itl = [g * 1e3 for r in res for g in r["itl"]]
-        tps = [r["tok_s"] for r in res]
-        print(f"{c:>4} {len(res):>4} | {statistics.median(ttft):>7.0f}ms {pct(ttft, .99):>7.0f}ms | "
-              f"{statistics.median(itl):>6.1f}ms {pct(itl, .99):>6.1f}ms | {statistics.median(tps):>13.1f} "
-              f"{pct(tps, .01):>6.1f} | {lv['agg_tok_s']:>9.1f} {baseline[c]:>8.1f} "
+        ttft = [r.ttft * 1e3 for r in res]
+        itl = [g * 1e3 for r in res for g in r.itl]
+        tps = [tok_s(r) for r in res]
+        print(f"{c:>4} {len(res):>4} | {percentile(ttft, 50):>7.0f}ms {percentile(ttft, 99):>7.0f}ms | "
+              f"{percentile(itl, 50):>6.1f}ms {percentile(itl, 99):>6.1f}ms | {percentile(tps, 50):>13.1f} "
+              f"{percentile(tps, 1):>6.1f} | {lv['agg_tok_s']:>9.1f} {baseline[c]:>8.1f} "
               f"{lv['agg_tok_s'] / baseline[c]:>5.2f}x")
     print("tok/s/req p99 is the slow tail (1st percentile of per-request speed); ratio = served / offline "
           "aggregate output tokens/s at the same concurrency")

@@ -3,7 +3,9 @@
 vLLM's `vllm bench serve` client times every SSE chunk that carries a choice: TTFT to the first, an
 ITL sample for each later one, and per request TPOT = (latency - TTFT) / (output tokens - 1). When a
 server sends one chunk per token (per engine step), ITL mean ≈ TPOT mean; when tokens reach the
-client k at a time, ITL mean ≈ k x TPOT mean. This script is that client (the same definitions,
+client k at a time, ITL mean ≈ k x TPOT mean. This script takes those definitions (timed by pd-bench's
+client, pdserve.bench.client: ITL is its gaps between chunks with output, by token ids where the server
+sends them, else by text;
 `stream_options.include_usage` for the token count, `ignore_eos` so every request makes exactly
 --output-len tokens), run at --concurrency against, in turn and on the same model and prompts:
 
@@ -24,89 +26,62 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
-import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import aiohttp
 
-import aiohttp  # noqa: E402
-
-from benchmarks.machine import describe  # noqa: E402
-from pdserve.deploy.local_cluster import resolve_model  # noqa: E402
-from pdserve.deploy.processes import (HOST, Child, ClusterSpec, LocalCluster, free_port, python_module,  # noqa: E402
+from pdserve.bench.client import RequestRecord, stream
+from pdserve.bench.stats import percentile
+from pdserve.deploy.local_cluster import resolve_model
+from pdserve.deploy.processes import (HOST, Child, ClusterSpec, LocalCluster, free_port, python_module,
                                       shared_cores_env)
+
+from machine import describe
 
 SERVED_NAME = "bench-model"
 
 
-@dataclass
-class Sample:
-    """One request as vLLM's client records it."""
-
-    ttft: float = 0.0
-    latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    chunks: int = 0
-    output_tokens: int = 0
-
-    @property
-    def tpot(self) -> float:
-        return (self.latency - self.ttft) / (self.output_tokens - 1)
-
-
-async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int) -> Sample:
+async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], output_len: int) -> RequestRecord:
+    """One request through pd-bench's client (pdserve.bench.client): vLLM's ITL is its `chunk_gaps`, the gaps
+    between consecutive chunks with output (token ids where the server sends them, else text)."""
     body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    s = Sample()
-    start = last = time.perf_counter()
-    async with session.post(url + "/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"{resp.status}: {(await resp.text())[:300]}")
-        async for line in resp.content:  # one SSE line at a time, as soon as it is in
-            if not line.startswith(b"data: {"):
-                continue
-            data = json.loads(line[6:])
-            if data.get("choices"):
-                now = time.perf_counter()
-                if s.chunks == 0:
-                    s.ttft = now - start
-                else:
-                    s.itl.append(now - last)
-                last = now
-                s.chunks += 1
-            elif data.get("usage"):
-                s.output_tokens = data["usage"]["completion_tokens"]
-    s.latency = time.perf_counter() - start
-    if s.output_tokens != output_len:
-        raise RuntimeError(f"expected {output_len} output tokens, the usage says {s.output_tokens}")
-    return s
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    rec = await stream(session, url + "/v1/completions", body)
+    if not rec.ok:
+        raise RuntimeError(rec.error)
+    if rec.completion_tokens != output_len:
+        raise RuntimeError(f"expected {output_len} output tokens, the usage says {rec.completion_tokens}")
+    return rec
 
 
-async def run(url: str, prompts: list[list[int]], concurrency: int, output_len: int) -> list[Sample]:
+def tpot(rec: RequestRecord) -> float:
+    """vLLM's TPOT: (latency - TTFT) / (output tokens - 1)."""
+    return (rec.e2e - rec.ttft) / (rec.completion_tokens - 1)
+
+
+async def run(url: str, prompts: list[list[int]], concurrency: int, output_len: int) -> list[RequestRecord]:
     """Every prompt, at most `concurrency` in flight (vLLM's --max-concurrency)."""
     limit = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-        async def limited(prompt: list[int]) -> Sample:
+        async def limited(prompt: list[int]) -> RequestRecord:
             async with limit:
                 return await one_request(session, url, prompt, output_len)
         return list(await asyncio.gather(*(limited(p) for p in prompts)))
 
 
-def summary(name: str, samples: list[Sample]) -> str:
-    itl = [g for s in samples for g in s.itl]
-    ttft, tpot = statistics.mean(s.ttft for s in samples), statistics.mean(s.tpot for s in samples)
-    tokens = sum(s.output_tokens for s in samples)
-    chunks = sum(s.chunks for s in samples)
-    ratio = statistics.mean(itl) / tpot
-    return (f"{name:>6} | {ttft * 1e3:>9.1f} | {tpot * 1e3:>9.2f} | {statistics.mean(itl) * 1e3:>9.2f} | "
-            f"{statistics.quantiles(itl, n=100)[98] * 1e3:>8.2f} | {ratio:>7.2f} | {tokens / chunks:>7.2f}")
+def summary(name: str, samples: list[RequestRecord]) -> str:
+    itl = [g for s in samples for g in s.chunk_gaps]
+    ttft, mean_tpot = statistics.mean(s.ttft for s in samples), statistics.mean(tpot(s) for s in samples)
+    tokens = sum(s.completion_tokens for s in samples)
+    chunks = sum(1 + len(s.chunk_gaps) for s in samples)
+    ratio = statistics.mean(itl) / mean_tpot
+    return (f"{name:>6} | {ttft * 1e3:>9.1f} | {mean_tpot * 1e3:>9.2f} | {statistics.mean(itl) * 1e3:>9.2f} | "
+            f"{percentile(itl, 99) * 1e3:>8.2f} | {ratio:>7.2f} | {tokens / chunks:>7.2f}")
 
 
 def wait_healthy(url: str, child: Child, timeout_s: float) -> None:

@@ -36,8 +36,6 @@ from pathlib import Path
 from types import MethodType
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's pdserve, installed or not
-
 
 def machine() -> str:
     """The machine line every figure is quoted with: lscpu's model name, cores, bf16 matmul support."""

@@ -87,6 +87,12 @@ def wait_for_port(port: int, timeout_s: float, host: str = HOST) -> bool:
     return False
 
 
+def require_port(port: int, timeout_s: float = 30.0, host: str = HOST) -> None:
+    """wait_for_port, raising TimeoutError when nothing listens there by the deadline."""
+    if not wait_for_port(port, timeout_s, host):
+        raise TimeoutError(f"nothing listening on {host}:{port} after {timeout_s}s")
+
+
 @dataclass
 class Child:
     """One child process; output to `<log_dir>/<name>.out`."""
@@ -193,6 +199,14 @@ class ClusterSpec:
     node_args: list[str] = field(default_factory=list)  # engine options for every node
     proxy_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+
+
+# Small, exact (fp32) nodes: the tests' clusters and the chaos harness (deploy/chaos.py). Chunk 64 = 4 blocks of
+# 16, so prompts of a few hundred tokens span several chunks.
+MAX_MODEL_LEN = 1024
+CHUNK_SIZE = 64
+NODE_ARGS = ["--dtype", "float32", "--kv-cache-memory", "32MiB", "--max-model-len", str(MAX_MODEL_LEN),
+             "--chunk-size", str(CHUNK_SIZE), "--shutdown-timeout", "1"]
 
 
 # The nodes of one LocalCluster share this machine's cores, each engine with a thread per core. A

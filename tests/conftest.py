@@ -12,8 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # run in the interpreter whatever the test order. CPU tensors still take the torch path.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.helpers.redis_cluster import RedisClusterServer  # noqa: E402
-from tests.helpers.utils import RedisServer  # noqa: E402
+from pdserve.deploy.redis_servers import RedisClusterServer, RedisServer  # noqa: E402
 
 # Hook modules, each registered as its own plugin (no hook name of one can shadow another's).
 pytest_plugins = ["tests.plugins.isa_report", "tests.plugins.requirements"]

@@ -81,6 +81,22 @@ def test_every_package_imports_only_what_it_may():
     assert not any(graph[p] & {"tests", "benchmarks"} for p in graph)
 
 
+def test_benchmarks_and_tests_stay_apart():
+    """benchmarks/ runs from any directory on the installed package alone: no `tests` import and no sys.path
+    edit (a benchmark's siblings import as top-level modules: its folder is sys.path[0], never `benchmarks.`);
+    the tests import no benchmark (what they share lives in the package)."""
+    wrong = []
+    for folder, banned in (("benchmarks", {"tests", "benchmarks"}), ("tests", {"benchmarks"})):
+        for path in (REPO / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text(), str(path))
+            wrong += [f"{path.relative_to(REPO)} imports {p}" for p in sorted(_imported(tree) & banned)]
+            if folder == "benchmarks":
+                wrong += [f"{path.relative_to(REPO)}:{node.lineno} edits sys.path" for node in ast.walk(tree)
+                          if isinstance(node, ast.Attribute) and node.attr == "path"
+                          and isinstance(node.value, ast.Name) and node.value.id == "sys"]
+    assert not wrong, wrong
+
+
 def test_the_package_graph_is_acyclic():
     graph = package_graph()
     done: set[str] = set()

@@ -42,7 +42,7 @@ def bf16_model(tmp_path_factory) -> Path:
 
 @pytest.fixture()
 def redis_server():
-    from tests.helpers.utils import RedisServer
+    from pdserve.deploy.redis_servers import RedisServer
 
     server = RedisServer()
     server.start()

@@ -15,8 +15,8 @@ import jsonschema
 import pytest
 
 from pdserve.bench import cli, plots, report, schema, stats
+from pdserve.deploy.processes import console_script
 from tests.helpers.cluster import start_cluster
-from tests.helpers.utils import console_script
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 misplaced KV object. Each costs the requests that meet it some time, never another request's
 stream and never a token: every request completes with the tokens of a run without the fault.
 
-One cluster (tests/helpers/chaos.py) for the module; each scenario uses its own cache salt, so
+One cluster (deploy/chaos.py, bench/chaos.py) for the module; each scenario uses its own cache salt, so
 no scenario finds another's KV in a prefix cache or the store.
 """
 from __future__ import annotations
@@ -11,9 +11,9 @@ import asyncio
 
 import pytest
 
-from tests.helpers.chaos import (LOAD_TIMEOUT_S, STALL_S, ChaosCluster, Outcome, Tally, frozen_decode, frozen_redis,
-                                 killed_decode, request_bodies, run_load, send, send_malformed, slow_store, stopped,
-                                 wait_tokens)
+from pdserve.bench.chaos import Outcome, Tally, client_session, request_bodies, run_load, send
+from pdserve.deploy.chaos import (LOAD_TIMEOUT_S, STALL_S, ChaosCluster, frozen_decode, frozen_redis, killed_decode,
+                                  send_malformed, slow_store, stopped, wait_tokens)
 from tests.helpers.cluster import log_lines, status
 from tests.helpers.timing import HANG_S
 
@@ -71,8 +71,7 @@ def test_frozen_redis_stalls_only_the_requests_that_need_it(healthy, reference):
         async def fault(progress):
             await wait_tokens(progress, 20)
             with stopped(chaos.redis.proc.pid):
-                import httpx
-                async with httpx.AsyncClient(timeout=120) as client:
+                async with client_session(len(newcomers)) as client:
                     late = await asyncio.gather(*(send(client, chaos.url, i, b, "frozen-late")
                                                   for i, b in enumerate(newcomers)))
             return late
@@ -169,7 +168,7 @@ def test_no_decode_node_left_ends_each_stream_with_an_error_chunk(chaos, referen
     tally = Tally.of("all decode killed", outcomes, reference)
     assert tally.truncated + sum(tally.failed.values()) > 0 and tally.exact == tally.ok, tally
     for o in outcomes:
-        assert o.latency_s < HANG_S, o  # none ended only at the proxy's token deadline (chaos_helpers.TOKEN_S)
+        assert o.latency_s < HANG_S, o  # none ended only at the proxy's token deadline (deploy/chaos.py's TOKEN_S)
         assert o.token_ids == reference[o.index][:len(o.token_ids)], o
         if o.status == 200 and o.finish_reason is None:
             assert o.error is not None and "no_healthy_decode_node" in o.error, o

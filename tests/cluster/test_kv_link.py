@@ -1,4 +1,4 @@
-"""The hand-off across a shaped network link (benchmarks/link.py, benchmarks/kv_link.py), run for real.
+"""The hand-off across a shaped network link (deploy/netns.py, benchmarks/kv_link.py), run for real.
 
 Two network namespaces joined by a veth pair whose store end `tc` shapes to 1 Gbit/s: the link really
 caps a plain transfer at its rate, and a decode engine in one namespace loading KV from redis-server in
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.link import Link, Shape, start_sender
+from pdserve.deploy.netns import Link, Shape, start_sender
 from tests.helpers.cluster import wait_until
 from tests.helpers.timing import HANG_S
 
@@ -54,7 +54,7 @@ def _listening(link: Link, port: int) -> bool:
 def _plain_rate_gbit(link: Link, port: int) -> float:
     """The best of two plain transfers of 24 MiB from the sender, as seen from the decode namespace."""
     nbytes = 24 << 20
-    probe = [sys.executable, "-c", "from benchmarks.link import plain_transfer as t; "
+    probe = [sys.executable, "-c", "from pdserve.deploy.netns import plain_transfer as t; "
              f"print({nbytes} / t('{link.store_address}', {port}, {nbytes}, repeats=2))"]
     out = subprocess.run(link.exec_argv(link.decode_ns, probe), capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from tests.helpers.utils import console_script, free_port
+from pdserve.deploy.processes import console_script, free_port
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess:

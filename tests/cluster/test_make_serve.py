@@ -28,9 +28,9 @@ import pytest
 
 from pdserve.deploy import local_cluster
 from pdserve.deploy.local_cluster import resolve_model
-from pdserve.deploy.processes import HOST, ClusterSpec, LocalCluster
+from pdserve.deploy.processes import HOST, NODE_ARGS, ClusterSpec, LocalCluster
 from pdserve.engine.real_model import SMOLLM2, find_source
-from tests.helpers.cluster import NODE_ARGS, client, wait_until
+from tests.helpers.cluster import client, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""A P/D cluster over seven "hosts" (Linux network namespaces, tests/helpers/netns.py): the proxy, two
+"""A P/D cluster over seven "hosts" (Linux network namespaces, deploy/netns.py): the proxy, two
 prefill nodes, two decode nodes, redis and LMCache's server, each with its own address; this test
 process is the client, on the bridge. What loopback hides, exercised here: nodes bound to 0.0.0.0 or to
 their own non-loopback address and reached at it, the stores reached across hosts, mutual TLS whose
@@ -22,11 +22,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdserve.deploy.processes import Child, console_script, python_module, wait_for_port
+from pdserve.deploy.netns import NetnsError, NetnsLab
+from pdserve.deploy.processes import NODE_ARGS, Child, console_script, python_module, wait_for_port
 from pdserve.proxy.decode_stream import Deadlines
-from tests.helpers.cluster import NODE_ARGS, wait_until
+from tests.helpers.cluster import wait_until
 from tests.helpers.connector import hf_greedy
-from tests.helpers.netns import NetnsLab
 from tests.helpers.tls import make_pki
 from tests.helpers.timing import HANG_S
 
@@ -54,7 +54,10 @@ def multihost(tiny_llama, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("multihost")
     children: dict[str, Child] = {}
     try:
-        lab.create()
+        try:
+            lab.create()
+        except NetnsError as e:
+            pytest.fail(str(e), pytrace=False)
         addr = lab.address
         pki = make_pki(log_dir / "pki", [addr(h) for h in HOSTS if h.startswith(("prefill", "decode"))])
         children["redis"] = Child("redis", lab.exec_argv("redis", [

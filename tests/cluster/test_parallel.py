@@ -15,8 +15,9 @@ import signal
 import httpx
 import pytest
 
+from pdserve.deploy.processes import NODE_ARGS
 from pdserve.serving import LLM, SamplingParams
-from tests.helpers.cluster import NODE_ARGS, log_lines, wait_until
+from tests.helpers.cluster import log_lines, wait_until
 from tests.helpers.parallel import child_pids, wait_gone
 from tests.helpers.timing import HANG_S
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.deploy.processes import CHUNK_SIZE
 from pdserve.engine.tokenizer import load_tokenizer
-from tests.helpers.cluster import CHUNK_SIZE, client, kv_hits, start_cluster
+from tests.helpers.cluster import client, kv_hits, start_cluster
 from tests.helpers.real_model import CONVERSATIONS, MAX_TOKENS, chat_ids, near_ties
 
 pytestmark = pytest.mark.slow  # P/D clusters on the real model

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.deploy.processes import CHUNK_SIZE
+from pdserve.deploy.server_process import ServerProcess
 from pdserve.engine.real_model import real_model_path
-from tests.helpers.cluster import CHUNK_SIZE, client, kv_hits, start_cluster
+from tests.helpers.cluster import client, kv_hits, start_cluster
 from tests.helpers.real_model import CONVERSATIONS, _user
-from tests.helpers.serve import ServerProcess
 
 pytestmark = pytest.mark.slow  # real-model servers
 

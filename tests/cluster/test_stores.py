@@ -8,8 +8,9 @@ import urllib.request
 import httpx
 import pytest
 
-from tests.helpers.cluster import CHUNK_SIZE, NODE_ARGS, client, kv_hits, log_lines, post, start_cluster
-from tests.helpers.serve import ServerProcess
+from pdserve.deploy.processes import CHUNK_SIZE, NODE_ARGS
+from pdserve.deploy.server_process import ServerProcess
+from tests.helpers.cluster import client, kv_hits, log_lines, post, start_cluster
 from tests.engine.test_generate import hf_greedy, random_prompt
 from tests.serving.test_serve_errors import BAD_CHATS, BAD_COMPLETIONS
 

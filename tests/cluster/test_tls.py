@@ -9,10 +9,11 @@ import grpc
 import httpx
 import pytest
 
-from pdserve.deploy.processes import Child, ClusterSpec, LocalCluster, console_script, free_port, python_module
+from pdserve.deploy.processes import (NODE_ARGS, Child, ClusterSpec, LocalCluster, console_script, free_port,
+                                      python_module)
 from pdserve.protos import pdserve_pb2 as pb
 from pdserve.protos import pdserve_pb2_grpc as pb_grpc
-from tests.helpers.cluster import NODE_ARGS, status, wait_until
+from tests.helpers.cluster import status, wait_until
 from tests.helpers.connector import hf_greedy
 from tests.helpers.tls import Pki, make_pki
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from pdserve.common import eventloop
-from tests.helpers.serve import ServerProcess
-from tests.helpers.utils import console_script
+from pdserve.deploy.processes import console_script
+from pdserve.deploy.server_process import ServerProcess
 
 
 async def _loop_module() -> str:

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from pdserve.connectors.lmcache_connector import chunk_hash
+from pdserve.deploy.processes import free_port, require_port
 from pdserve.serving import LLM
 from tests.helpers.connector import (GREEDY, LENGTHS, LOOKUP_RE, PARTIAL_CASES, capture, check_full_handoff,
                                      check_partial_load, check_salts_never_share, engine_pair, hf_greedy, lines, mono_engine, prompt,
                                      prompt_tokens_computed, token_ids)
-from tests.helpers.utils import free_port, wait_for_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 REPO = Path(__file__).resolve().parents[2]
@@ -26,7 +26,7 @@ def lm_url():
     server = subprocess.Popen([str(Path(sys.executable).with_name("lmcache_server")), "127.0.0.1", str(port), "cpu"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_for_port(port, timeout=60)
+        require_port(port, 60)
         yield f"lm://127.0.0.1:{port}"
     finally:
         server.terminate()

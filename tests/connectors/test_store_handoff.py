@@ -7,9 +7,9 @@ import shutil
 import time
 import pytest
 
+from pdserve.deploy.redis_servers import RedisClusterServer
 from tests.helpers.connector import (FALLBACK_RE, GREEDY, PREFILL, capture, engine_pair, lines, mono_engine, prompt,
                                      token_ids)
-from tests.helpers.redis_cluster import RedisClusterServer
 from tests.helpers.timing import HANG_S
 
 pytestmark = pytest.mark.timeout(180)

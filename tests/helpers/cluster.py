@@ -12,14 +12,8 @@ from typing import Any
 import httpx
 import openai
 
-from pdserve.deploy.processes import Child, ClusterSpec, LocalCluster, python_module
+from pdserve.deploy.processes import NODE_ARGS, Child, ClusterSpec, LocalCluster, python_module
 from tests.helpers.timing import HANG_S
-
-# Small, exact (fp32) nodes; chunk 64 = 4 blocks of 16, so prompts of a few hundred tokens span several chunks.
-MAX_MODEL_LEN = 1024
-CHUNK_SIZE = 64
-NODE_ARGS = ["--dtype", "float32", "--kv-cache-memory", "32MiB", "--max-model-len", str(MAX_MODEL_LEN),
-             "--chunk-size", str(CHUNK_SIZE), "--shutdown-timeout", "1"]
 
 
 def start_cluster(model: Path, log_dir: Path, store: str = "file", num_prefill: int = 1, num_decode: int = 1,

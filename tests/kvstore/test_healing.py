@@ -17,10 +17,10 @@ import pytest
 import redis
 import torch
 
-from pdserve.deploy.processes import ClusterSpec, LocalCluster
+from pdserve.deploy.processes import NODE_ARGS, ClusterSpec, LocalCluster
 from pdserve.kvstore import StoreUnavailable, open_store
 from pdserve.kvstore import fs_space
-from tests.helpers.cluster import NODE_ARGS, client, log_lines, wait_until
+from tests.helpers.cluster import client, log_lines, wait_until
 from tests.helpers.kvstore import FP
 from tests.engine.test_generate import hf_greedy, random_prompt
 from tests.helpers.timing import HANG_S

@@ -13,13 +13,13 @@ import redis
 import torch
 import xxhash
 
+from pdserve.deploy.processes import require_port
 from pdserve.kvstore.native_reader import KVReadLibrary
 from pdserve.kvstore import CorruptObject, StoreTimeout, StoreUnavailable, resp
 from pdserve.kvstore.gate import LoadAbandoned, WriteGate
 from pdserve.kvstore.spans import SpanTable
 from tests.helpers.kvstore import FP, OTHER_FP, make_chunks, open_test_store, write_all
 from tests.helpers.timing import HANG_S
-from tests.helpers.utils import wait_for_port
 
 
 def test_outage_is_unavailable_within_the_timeout_and_the_same_store_recovers(redis_server):
@@ -138,7 +138,7 @@ def test_make_serve_starts_a_bounded_redis(tmp_path):
     cluster = LocalCluster(ClusterSpec(model="unused", log_dir=tmp_path, store="redis", redis_maxmemory="64mb"))
     cluster.store_server.start()  # only the redis-server of `make serve ARGS="--store redis"`
     try:
-        wait_for_port(int(cluster.kv_store.rsplit(":", 1)[1].split("/")[0]))
+        require_port(int(cluster.kv_store.rsplit(":", 1)[1].split("/")[0]))
         with open_store(cluster.kv_store, timeout=10) as store:
             assert store.bounds_warning() is None
             info = store._redis.info("memory")

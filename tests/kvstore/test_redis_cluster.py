@@ -10,10 +10,10 @@ import pytest
 import redis
 import torch
 
+from pdserve.deploy.redis_servers import RedisClusterServer
 from pdserve.kvstore import CorruptObject, NotFound, StoreError, StoreTimeout, StoreUnavailable, open_store
 from pdserve.kvstore.cli import main
 from tests.helpers.kvstore import FP, PYTHON, make_chunks, open_test_store, write_all
-from tests.helpers.redis_cluster import RedisClusterServer
 from tests.helpers.timing import HANG_S
 
 REPO = Path(__file__).resolve().parents[2]

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from pdserve.deploy.processes import NODE_ARGS, console_script
+from pdserve.deploy.server_process import ServerProcess
 from pdserve.serving.limits import HttpTimeouts
-from tests.helpers.cluster import NODE_ARGS, start_cluster, wait_until
-from tests.helpers.serve import ServerProcess
+from tests.helpers.cluster import start_cluster, wait_until
 from tests.helpers.timing import HANG_S
-from tests.helpers.utils import console_script
 
 HEADER_S, BODY_S, KEEP_ALIVE_S = 1.0, 1.0, 2.0
 DEADLINES = ["--timeout-request-header", str(HEADER_S), "--timeout-request-body", str(BODY_S),

@@ -20,10 +20,11 @@ import torch
 from openai.resources.chat.completions import Completions as ChatCompletions
 from openai.resources.completions import Completions
 
+from pdserve.deploy.processes import MAX_MODEL_LEN, NODE_ARGS
+from pdserve.deploy.server_process import ServerProcess
 from pdserve.serving import LLM, SamplingParams
 from pdserve.serving.protocol import CHAT, COMPLETION, NEUTRAL_PARAMETERS, SUPPORTED_PARAMETERS
-from tests.helpers.cluster import MAX_MODEL_LEN, NODE_ARGS, client, extra_proxy, log_lines, start_cluster
-from tests.helpers.serve import ServerProcess
+from tests.helpers.cluster import client, extra_proxy, log_lines, start_cluster
 from tests.engine.test_generate import hf_greedy, random_prompt
 from tests.serving.test_offline_api import adjacent_letters
 from tests.engine.test_penalties import reference_penalties

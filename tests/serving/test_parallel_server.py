@@ -13,9 +13,9 @@ from urllib.parse import urlparse
 
 import pytest
 
+from pdserve.deploy.server_process import ServerProcess
 from pdserve.serving import LLM, SamplingParams
 from tests.helpers.parallel import child_pids, wait_gone
-from tests.helpers.serve import ServerProcess
 from tests.helpers.timing import HANG_S
 
 PROMPT = "The quick brown fox"

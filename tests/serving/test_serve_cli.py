@@ -12,10 +12,10 @@ import time
 import pytest
 
 from pdserve.decode_node.__main__ import ROLE as DECODE
+from pdserve.deploy.processes import console_script, free_port
+from pdserve.deploy.server_process import PD_SERVE, ServerProcess
 from pdserve.prefill_node.__main__ import ROLE as PREFILL
 from pdserve.serving.node import node_main
-from tests.helpers.serve import PD_SERVE, ServerProcess
-from tests.helpers.utils import console_script, free_port
 
 
 def _run(*args: str) -> tuple[int, list[str]]:

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from tests.helpers.serve import ServerProcess, open_stream, send_request, sse_events
+from pdserve.deploy.server_process import ServerProcess
+from tests.helpers.serve import open_stream, send_request, sse_events
 from tests.engine.test_generate import random_prompt
 from tests.helpers.timing import HANG_S
 

@@ -14,9 +14,10 @@ import torch
 import yaml
 
 from pdserve.deploy.processes import REPO
+from pdserve.deploy.server_process import ServerProcess
 from pdserve.serving.responses import top_by_text
 from tests.helpers.cluster import wait_until
-from tests.helpers.serve import ServerProcess, open_stream, sse_events
+from tests.helpers.serve import open_stream, sse_events
 from tests.engine.test_generate import hf_greedy, random_prompt
 
 MAX_TOKENS = 12

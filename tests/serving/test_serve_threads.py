@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.serve import ServerProcess
+from pdserve.deploy.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

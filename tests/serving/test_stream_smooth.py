@@ -17,11 +17,12 @@ import httpx
 import pytest
 from aiohttp import web
 
+from pdserve.deploy.server_process import ServerProcess
 from pdserve.serving.protocol import COMPLETION, parse_request
 from pdserve.serving.responses import Delta, ResponseBuilder
 from pdserve.serving.sse import SSEStream
 from tests.helpers.cluster import start_cluster
-from tests.helpers.serve import ServerProcess, sse_events
+from tests.helpers.serve import sse_events
 from tests.helpers.timing import HANG_S
 
 

@@ -13,10 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pdserve.deploy.processes import CHUNK_SIZE
+from pdserve.deploy.server_process import ServerProcess
 from pdserve.engine.tokenizer import apply_chat_template, load_tokenizer
-from tests.helpers.cluster import CHUNK_SIZE, client, start_cluster
+from tests.helpers.cluster import client, start_cluster
 from tests.helpers.real_model import near_ties
-from tests.helpers.serve import ServerProcess
 
 NODE_ARGS = ["--dtype", "float32", "--kv-cache-memory", "96MiB", "--max-model-len", "1024",
              "--chunk-size", str(CHUNK_SIZE), "--shutdown-timeout", "1"]

@@ -1,11 +1,11 @@
-"""Chaos on a real local P/D cluster: inject one fault while streams run, count what survives.
+"""Chaos on a real local P/D cluster: inject one fault while streams run (bench/chaos.py sends and counts them).
 
 Shared by tests/cluster/test_chaos.py (a few requests per scenario, asserted) and benchmarks/chaos.py
 (hundreds, tabulated). The cluster is pd-proxy + 1 prefill + 2 decode nodes + a real
 redis-server reached through deploy.fault_relay (so the store can be made slow); every fault
 is real: SIGSTOP/SIGKILL of a process, a delayed TCP path, a store object copied under another
-key, malformed HTTP requests. A request counts as `exact` when its tokens equal the same
-request's tokens in a run without any fault.
+key, malformed HTTP requests. A fault is `fault(progress)`, awaited beside the streams; progress["tokens"]
+counts the tokens they have received so far.
 """
 from __future__ import annotations
 
@@ -13,28 +13,25 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import signal
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from pdserve.deploy.fault_relay import FaultRelay
-from pdserve.deploy.processes import HOST, ClusterSpec, LocalCluster, NodeProcess
-from tests.helpers.cluster import CHUNK_SIZE, NODE_ARGS
-from tests.helpers.timing import HANG_S
-from tests.helpers.utils import RedisServer
+from pdserve.deploy.processes import CHUNK_SIZE, HOST, NODE_ARGS, ClusterSpec, LocalCluster, NodeProcess
+from pdserve.deploy.redis_servers import RedisServer
 
 LOAD_TIMEOUT_S = 4.0  # the nodes' --kv-load-timeout: a frozen store costs a request at most this
 # Proxy deadlines: a frozen node is noticed by its silent stream within STALL_S. No scenario waits for the
-# token deadline: a stream that ends only there has hung, so it lies beyond what a test would call hung.
+# token deadline: a stream that ends only there has hung, so it lies beyond what a test would call hung
+# (twice tests/helpers/timing.py's HANG_S).
 STALL_S = 2.0
-TOKEN_S = 2 * HANG_S
+TOKEN_S = 120.0
 PROXY_ARGS = ["--health-interval", "0.3", "--connect-timeout", "2", "--first-token-timeout", "60",
               "--token-timeout", str(TOKEN_S), "--stall-timeout", str(STALL_S)]
 # One OpenMP thread per node: two spinning threads per step make a busy machine's steps 10x slower.
@@ -113,140 +110,10 @@ class ChaosCluster:
         return copied
 
 
-# ---------------------------------------------------------------- the client side
-
-@dataclass
-class Outcome:
-    """What the client saw of one request."""
-
-    index: int
-    status: int = 0
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None  # an error body, or an in-band error event
-    completion_tokens: int | None = None
-    latency_s: float = 0.0
-    max_gap_s: float = 0.0  # the longest wait between two chunks with tokens
-
-
-def request_bodies(n: int, seed: int = 0, prompt_range: tuple[int, int] = (80, 300),
-                   max_tokens_range: tuple[int, int] = (24, 64)) -> list[dict[str, Any]]:
-    """Streamed completions over token-id prompts: greedy and seeded sampling alternate."""
-    rng = random.Random(seed)
-    bodies = []
-    for i in range(n):
-        prompt = [rng.randrange(3, 259) for _ in range(rng.randint(*prompt_range))]
-        body = {"prompt": prompt, "max_tokens": rng.randint(*max_tokens_range), "stream": True,
-                "ignore_eos": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
-        body.update({"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.8, "seed": 1000 + i})
-        bodies.append(body)
-    return bodies
-
-
-async def send(client: httpx.AsyncClient, url: str, index: int, body: dict[str, Any], salt: str,
-               progress: Counter | None = None) -> Outcome:
-    """One streamed completion; `progress["tokens"]` counts tokens received across requests."""
-    out = Outcome(index)
-    started = last = time.monotonic()
-    try:
-        async with client.stream("POST", url + "/v1/completions", json={**body, "cache_salt": salt},
-                                 headers={"X-Request-Id": f"{salt}-{index}"}) as resp:
-            out.status = resp.status_code
-            if resp.status_code != 200:
-                out.error = (await resp.aread()).decode(errors="replace")[:300]
-                return out
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    out.error = json.dumps(event["error"])[:300]
-                    continue
-                if event.get("usage"):
-                    out.completion_tokens = event["usage"]["completion_tokens"]
-                for choice in event.get("choices", []):
-                    ids = choice.get("token_ids") or []
-                    if ids:
-                        now = time.monotonic()
-                        out.max_gap_s = max(out.max_gap_s, now - last) if out.token_ids else 0.0
-                        last = now
-                        out.token_ids.extend(ids)
-                        if progress is not None:
-                            progress["tokens"] += len(ids)
-                    if choice.get("finish_reason"):
-                        out.finish_reason = choice["finish_reason"]
-    except httpx.HTTPError as e:
-        out.error = f"{type(e).__name__}: {e}"
-    finally:
-        out.latency_s = time.monotonic() - started
-    return out
-
-
-async def run_load(url: str, bodies: list[dict[str, Any]], salt: str, concurrency: int,
-                   fault: Callable[[Counter], Awaitable[Any]] | None = None) -> tuple[list[Outcome], Any]:
-    """All bodies with at most `concurrency` in flight, `fault(progress)` running beside them."""
-    progress: Counter = Counter()
-    gate = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 16, max_keepalive_connections=concurrency + 16)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=10.0), limits=limits) as client:
-        async def one(i: int, body: dict[str, Any]) -> Outcome:
-            async with gate:
-                return await send(client, url, i, body, salt, progress)
-
-        fault_task = asyncio.ensure_future(fault(progress)) if fault else None
-        outcomes = await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)))
-        fault_result = await fault_task if fault_task else None
-    return list(outcomes), fault_result
-
-
 async def wait_tokens(progress: Counter, n: int, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while progress["tokens"] < n and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
-
-
-# ---------------------------------------------------------------- counting
-
-@dataclass
-class Tally:
-    """One scenario's counts: what was sent, finished properly, matched the no-fault run, failed."""
-
-    scenario: str
-    sent: int = 0
-    ok: int = 0  # 200, a finish_reason, no error event
-    exact: int = 0  # ok, and the same tokens (and completion_tokens) as without the fault
-    truncated: int = 0  # 200 but no finish_reason, or an in-band error
-    failed: Counter = field(default_factory=Counter)  # HTTP status (0: no answer) -> count
-    worst_latency_s: float = 0.0
-    worst_gap_s: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, scenario: str, outcomes: list[Outcome], reference: dict[int, list[int]] | None) -> Tally:
-        t = cls(scenario, sent=len(outcomes))
-        for o in outcomes:
-            t.worst_latency_s = max(t.worst_latency_s, o.latency_s)
-            t.worst_gap_s = max(t.worst_gap_s, o.max_gap_s)
-            if o.status != 200:
-                t.failed[o.status] += 1
-            elif o.finish_reason is None or o.error is not None:
-                t.truncated += 1
-            else:
-                t.ok += 1
-                if reference is None or (o.token_ids == reference[o.index]
-                                         and o.completion_tokens == len(o.token_ids)):
-                    t.exact += 1
-        return t
-
-    def row(self) -> str:
-        failed = ",".join(f"{s}:{c}" for s, c in sorted(self.failed.items())) or "-"
-        return (f"{self.scenario:<16} {self.sent:>5} {self.ok:>5} {self.exact:>6} {failed:>10} {self.truncated:>9} "
-                f"{self.worst_latency_s:>10.2f} {self.worst_gap_s:>9.2f}")
-
-    @staticmethod
-    def header() -> str:
-        return (f"{'scenario':<16} {'sent':>5} {'ok':>5} {'exact':>6} {'failed':>10} {'truncated':>9} "
-                f"{'latency s':>10} {'gap s':>9}")
 
 
 # ---------------------------------------------------------------- faults

@@ -1,4 +1,6 @@
-"""A real Redis Cluster for tests (and benchmarks): masters (+ replicas) on free ports, no persistence.
+"""Real redis-servers for tests and benchmarks, on free ports, without persistence.
+
+One server (RedisServer: stop() and start() for fault tests), or a Redis Cluster of masters (+ replicas):
 
     cluster = RedisClusterServer(masters=3, replicas=1)   # replicas per master (failover tests)
     cluster.start()           # ~2 s: redis refuses writes for 2 s after a master starts anyway
@@ -26,10 +28,40 @@ from typing import Callable, Sequence
 
 import redis
 
-from pdserve.deploy.processes import free_port
-from tests.helpers.utils import wait_for_port
+from pdserve.deploy.processes import HOST, free_port, require_port
 
 SLOTS = 16384
+
+
+def _redis_server() -> str:
+    exe = shutil.which("redis-server")
+    assert exe, "redis-server is not installed (make test installs it)"
+    return exe
+
+
+class RedisServer:
+    """A real redis-server on a free port, without persistence; stop() and start() for fault tests."""
+
+    def __init__(self) -> None:
+        self.exe = _redis_server()
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.exe, "--port", str(self.port), "--bind", HOST, "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        require_port(self.port)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
 
 
 @dataclass
@@ -51,12 +83,10 @@ class RedisClusterServer:
     def __init__(self, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000,
                  hosts: Sequence[str] | None = None, launcher: Callable[[int, list[str]], list[str]] | None = None,
                  extra_args: Sequence[str] = ()) -> None:
-        exe = shutil.which("redis-server")
-        assert exe, "redis-server is not installed (make test installs it)"
-        self.exe = exe
+        self.exe = _redis_server()
         self.masters = masters
         count = masters * (1 + replicas)
-        hosts = list(hosts or ["127.0.0.1"] * count)
+        hosts = list(hosts or [HOST] * count)
         assert len(hosts) == count, f"{count} nodes need {count} hosts, got {len(hosts)}"
         self.nodes = [ClusterNodeProcess(h, free_port(), free_port()) for h in hosts]
         self.node_timeout_ms = node_timeout_ms
@@ -80,7 +110,7 @@ class RedisClusterServer:
                 node.proc = subprocess.Popen(self.launcher(i, argv) if self.launcher else argv,
                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for node in self.nodes:
-                wait_for_port(node.port, timeout, node.host)
+                require_port(node.port, timeout, node.host)
             self._bootstrap(timeout)
         except BaseException:
             self.stop()

@@ -1,12 +1,18 @@
-"""A network link between two hosts on one machine: two namespaces joined by one veth pair, shaped with `tc`.
+"""Several "hosts" on one machine, as Linux network namespaces (needs root and iproute2).
 
-The store host's end of the pair is shaped on egress (the KV flows store -> decode; requests are
+NetnsLab: namespaces on one bridge. Each host is a namespace with its own loopback and one interface,
+eth0, holding its own address; the bridge in the root namespace joins them, and holds the .1 address, so
+the calling process itself is one more host (the client). Setting a host's eth0 down is a partition: its
+packets vanish without a reset, as when a cable is pulled, which loopback can never show. Used by
+tests/cluster/test_multihost_netns.py.
+
+Link: two namespaces joined by one veth pair, shaped with `tc`. The store host's end of the pair is shaped on egress (the KV flows store -> decode; requests are
 small), with `netem` (rate and one-way delay) where the kernel has it, else `tbf` (rate only; then a
 delay cannot be emulated and the setting says so instead of pretending). The link's own ceiling is
 a plain TCP transfer of a given number of bytes over it (`LinkSender` / `plain_transfer`): what any
 reader of those bytes could reach, so a load's bytes/s is judged against it.
 
-Used by benchmarks/kv_link.py and tests/cluster/test_kv_link.py. Needs root and iproute2.
+Used by benchmarks/kv_link.py and tests/cluster/test_kv_link.py.
 """
 from __future__ import annotations
 
@@ -23,15 +29,100 @@ _LEN = struct.Struct("<Q")
 _PIECE = 4 << 20  # sender's write size: large enough that syscalls never bound a 25 Gbit/s link
 
 
-class LinkError(RuntimeError):
-    """The link could not be made or shaped (no root, no netns, an unknown qdisc)."""
+class NetnsError(RuntimeError):
+    """Namespaces or a link could not be made or shaped (no root, no netns, an unknown qdisc)."""
 
 
 def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     if check and proc.returncode != 0:
-        raise LinkError(f"{' '.join(argv)}: {proc.stderr.strip()}")
+        raise NetnsError(f"{' '.join(argv)}: {proc.stderr.strip()}")
     return proc
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return _run(["ip", *args], check)
+
+
+def exec_argv(ns: str, argv: list[str]) -> list[str]:
+    """argv run inside namespace `ns` (ip netns exec replaces itself with the command: signals reach it)."""
+    return ["ip", "netns", "exec", ns, *argv]
+
+
+def _delete_namespaces(names: set[str] | tuple[str, ...]) -> None:
+    """Kill whatever still runs in the namespaces, then delete them (their veth ends go with them)."""
+    for ns in names:
+        for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+    deadline = time.monotonic() + 10
+    for ns in names:
+        while _ip("netns", "pids", ns, check=False).stdout.strip() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        _ip("netns", "del", ns, check=False)
+
+
+@dataclass
+class NetnsLab:
+    """Namespaces `<tag>-<host>` on bridge `<tag>br`, addresses 10.231.<net>.<n> (the bridge: .1)."""
+
+    hosts: list[str]
+    tag: str = field(default_factory=lambda: f"pd{os.getpid() % 100000}")
+    net: int = field(default_factory=lambda: 16 + os.getpid() % 224)  # concurrent runs use other subnets
+    created: list[str] = field(default_factory=list)
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.tag}br"
+
+    @property
+    def client_address(self) -> str:
+        return f"10.231.{self.net}.1"
+
+    def address(self, host: str) -> str:
+        return f"10.231.{self.net}.{10 + self.hosts.index(host)}"
+
+    def namespace(self, host: str) -> str:
+        return f"{self.tag}-{host}"
+
+    def exec_argv(self, host: str, argv: list[str]) -> list[str]:
+        """argv run inside `host`."""
+        return exec_argv(self.namespace(host), argv)
+
+    def create(self) -> None:
+        """The bridge and every namespace; NetnsError (one line) when namespaces are unavailable."""
+        if os.geteuid() != 0:
+            raise NetnsError("network namespaces unavailable: the multi-host test must run as root")
+        self.destroy()  # leftovers of a killed run with the same tag
+        probe = _ip("netns", "add", self.namespace(self.hosts[0]), check=False)
+        if probe.returncode != 0:
+            raise NetnsError(f"network namespaces unavailable: ip netns add: {probe.stderr.strip()}")
+        self.created.append(self.namespace(self.hosts[0]))
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"{self.client_address}/24", "dev", self.bridge)
+        _ip("link", "set", self.bridge, "up")
+        for i, host in enumerate(self.hosts):
+            ns = self.namespace(host)
+            if ns not in self.created:
+                _ip("netns", "add", ns)
+                self.created.append(ns)
+            veth = f"{self.tag}v{i}"
+            _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("link", "set", veth, "master", self.bridge, "up")
+            _ip("-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+
+    def set_link(self, host: str, up: bool) -> None:
+        _ip("-n", self.namespace(host), "link", "set", "eth0", "up" if up else "down")
+
+    def destroy(self) -> None:
+        """Kill whatever still runs in our namespaces, then delete them and the bridge (idempotent)."""
+        _delete_namespaces(set(self.created) | {self.namespace(h) for h in self.hosts})
+        _ip("link", "del", self.bridge, check=False)
+        self.created.clear()
 
 
 @dataclass(frozen=True)
@@ -72,32 +163,32 @@ class Link:
         return f"10.232.{self.net}.2"
 
     def exec_argv(self, ns: str, argv: list[str]) -> list[str]:
-        """argv run inside namespace `ns` (ip netns exec replaces itself with the command: signals reach it)."""
-        return ["ip", "netns", "exec", ns, *argv]
+        """argv run inside namespace `ns`."""
+        return exec_argv(ns, argv)
 
     def create(self) -> None:
         if os.geteuid() != 0:
-            raise LinkError("a shaped link needs root (network namespaces and tc)")
+            raise NetnsError("a shaped link needs root (network namespaces and tc)")
         self.destroy()  # leftovers of a killed run with the same tag
         a, b = f"{self.tag}a", f"{self.tag}b"
         for ns in (self.store_ns, self.decode_ns):
-            _run(["ip", "netns", "add", ns])
-        _run(["ip", "link", "add", a, "type", "veth", "peer", "name", b])
+            _ip("netns", "add", ns)
+        _ip("link", "add", a, "type", "veth", "peer", "name", b)
         for dev, ns, address in ((a, self.store_ns, self.store_address), (b, self.decode_ns, self.decode_address)):
-            _run(["ip", "link", "set", dev, "netns", ns])
-            _run(["ip", "-n", ns, "link", "set", dev, "name", "eth0"])
-            _run(["ip", "-n", ns, "addr", "add", f"{address}/24", "dev", "eth0"])
-            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            _ip("link", "set", dev, "netns", ns)
+            _ip("-n", ns, "link", "set", dev, "name", "eth0")
+            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
 
     def shape(self, setting: Shape) -> str:
-        """Apply `setting` to the store side's egress; returns the qdisc used. Raises LinkError when the
+        """Apply `setting` to the store side's egress; returns the qdisc used. Raises NetnsError when the
         kernel cannot emulate the delay (no sch_netem) rather than measuring a different link."""
         base = ["tc", "-n", self.store_ns, "qdisc"]
         _run([*base, "del", "dev", "eth0", "root"], check=False)
         if setting.rate_gbit is None:
             if setting.delay_ms:
-                raise LinkError("a delay needs a rate here")
+                raise NetnsError("a delay needs a rate here")
             return "none"
         rate = f"{setting.rate_gbit:g}gbit"
         netem = _run([*base, "replace", "dev", "eth0", "root", "netem", "rate", rate,
@@ -105,7 +196,7 @@ class Link:
         if netem.returncode == 0:
             return "netem"
         if setting.delay_ms:
-            raise LinkError(f"this kernel has no sch_netem ({netem.stderr.strip()}): a {setting.delay_ms:g} ms "
+            raise NetnsError(f"this kernel has no sch_netem ({netem.stderr.strip()}): a {setting.delay_ms:g} ms "
                             f"delay cannot be emulated")
         # tbf's bucket must hold a timer tick's worth of bytes at the rate, or the rate is never reached
         burst = max(int(setting.rate_gbit * 1e9 / 8 / 1000), 256 << 10)
@@ -114,17 +205,7 @@ class Link:
 
     def destroy(self) -> None:
         """Kill whatever still runs in the namespaces, then delete them (the veth pair goes with them)."""
-        for ns in (self.store_ns, self.decode_ns):
-            for pid in _run(["ip", "netns", "pids", ns], check=False).stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-        deadline = time.monotonic() + 10
-        for ns in (self.store_ns, self.decode_ns):
-            while _run(["ip", "netns", "pids", ns], check=False).stdout.strip() and time.monotonic() < deadline:
-                time.sleep(0.1)
-            _run(["ip", "netns", "del", ns], check=False)
+        _delete_namespaces((self.store_ns, self.decode_ns))
 
     def __enter__(self) -> Link:
         self.create()
@@ -162,7 +243,7 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
 
 def start_sender(link: Link, port: int) -> subprocess.Popen:
     """`serve_bytes` inside the store namespace, listening on the store address."""
-    argv = link.exec_argv(link.store_ns, [sys.executable, "-m", "benchmarks.link", "serve-bytes",
+    argv = link.exec_argv(link.store_ns, [sys.executable, "-m", "pdserve.deploy.netns", "serve-bytes",
                                           link.store_address, str(port)])
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -193,4 +274,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "serve-bytes":
         serve_bytes(sys.argv[2], int(sys.argv[3]))
     else:
-        sys.exit("usage: python -m benchmarks.link serve-bytes HOST PORT")
+        sys.exit("usage: python -m pdserve.deploy.netns serve-bytes HOST PORT")
