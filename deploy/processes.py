@@ -93,6 +93,16 @@ def require_port(port: int, timeout_s: float = 30.0, host: str = HOST) -> None:
         raise TimeoutError(f"nothing listening on {host}:{port} after {timeout_s}s")
 
 
+def wait_or_kill(proc: subprocess.Popen, timeout_s: float) -> int:
+    """Wait for a signalled process, SIGKILL it after `timeout_s`; its exit status."""
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    return proc.returncode
+
+
 @dataclass
 class Child:
     """One child process; output to `<log_dir>/<name>.out`."""
@@ -130,12 +140,7 @@ class Child:
         if self.proc is None:
             return None
         self.terminate()
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        return self.proc.returncode
+        return wait_or_kill(self.proc, timeout_s)
 
     def kill(self) -> None:
         """SIGKILL: a crash, for fault tests."""

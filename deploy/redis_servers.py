@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 import redis
 
-from pdserve.deploy.processes import HOST, free_port, require_port
+from pdserve.deploy.processes import HOST, free_port, require_port, wait_or_kill
 
 SLOTS = 16384
 
@@ -196,11 +196,7 @@ class RedisClusterServer:
                 node.proc.terminate()
         for node in self.nodes:
             if node.proc is not None:
-                try:
-                    node.proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    node.proc.kill()
-                    node.proc.wait()
+                wait_or_kill(node.proc, 10)
                 node.proc = None
         shutil.rmtree(self.dir, ignore_errors=True)
 

@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from pdserve.deploy.processes import console_script
+from pdserve.deploy.processes import console_script, wait_or_kill
 
 PD_SERVE = console_script("pd-serve")
 _READY = re.compile(r"ready at (http://[\d.]+:\d+)")
@@ -53,11 +53,7 @@ class ServerProcess:
         assert self.proc is not None
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            wait_or_kill(self.proc, timeout)
         return self.proc.returncode
 
     def __enter__(self) -> ServerProcess:
