@@ -9,22 +9,13 @@ import os
 
 import torch
 
-
-def cpu_model() -> str:
-    """The CPU's model name as `lscpu` prints it."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
+from pdserve.common import cpu_isa
 
 
 def describe() -> str:
+    """lscpu's model name, the flags that decide kernels (and a PDSERVE_CPU_ISA cap if any), torch's threads and
+    ISA, and the load average: a figure measured beside a busy neighbour says so."""
     cpu = torch.backends.cpu.get_cpu_capability()
-    bf16 = ("AMX" if torch.cpu._is_amx_tile_supported()
-            else "avx512_bf16" if torch.cpu._is_avx512_bf16_supported() else "no native bf16 matmul")
-    return (f"machine: {cpu_model()}, {os.cpu_count()} CPUs, torch {torch.__version__} with "
-            f"{torch.get_num_threads()} threads, ISA {cpu} ({bf16})")
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"machine: {cpu_isa.describe()}, {os.cpu_count()} CPUs, torch {torch.__version__} with "
+            f"{torch.get_num_threads()} threads, ISA {cpu}; load average {load}")

@@ -25,34 +25,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import random
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from types import MethodType
 from typing import Any, Callable
 
-
-def machine() -> str:
-    """The machine line every figure is quoted with: lscpu's model name, cores, bf16 matmul support."""
-    model, flags = "unknown CPU", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    bf16 = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags] or ["no native bf16 flags"]
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"machine: {model}, {os.cpu_count()} CPUs, {' '.join(bf16)}; load average {load}"
+from machine import describe
 
 
 def summarize(values: list[float], better: Callable[[list[float]], float]) -> tuple[float, float]:
@@ -61,15 +42,6 @@ def summarize(values: list[float], better: Callable[[list[float]], float]) -> tu
 
 
 # -------------------------------------------------------------------------------------------------- kv
-def _redis_server(port: int) -> subprocess.Popen:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-    return subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
 def use_path(store: Any, path: str, reader: Any) -> None:
     """Point a RedisStore's loads at one receive path (instance attributes over its methods)."""
     from pdserve.kvstore.base import KVStore
@@ -88,18 +60,16 @@ def bench_kv(args: argparse.Namespace) -> dict[int, dict[str, list[float]]]:
     from pdserve.connectors.chunk_math import LoadPlan, slots_for
     from pdserve.connectors.chunked import ChunkedConnectorMetadata, LoadSpec
     from pdserve.connectors.store_connector import StoreConnector
-    from pdserve.deploy.processes import free_port, wait_for_port
+    from pdserve.deploy.redis_servers import RedisServer
     from pdserve.engine.real_model import real_model_path
     from pdserve.serving import LLM, SamplingParams
 
     print(f"redis-py {redis.__version__}, hiredis parser: {redis.utils.HIREDIS_AVAILABLE}", flush=True)
-    port = free_port()
-    server = _redis_server(port)
+    server = RedisServer("--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru")
+    server.start()
     results: dict[int, dict[str, list[float]]] = {}
     try:
-        if not wait_for_port(port, 30.0):
-            raise RuntimeError("redis-server did not start")
-        url = f"redis://127.0.0.1:{port}/0"
+        url = server.url
         llm = LLM(str(real_model_path("smollm2")), kv_store=url, kv_role="kv_producer", kv_cache_memory="1GiB")
         runner = llm.engine.model_runner
         connector = StoreConnector(llm.engine.config, runner)
@@ -148,8 +118,7 @@ def bench_kv(args: argparse.Namespace) -> dict[int, dict[str, list[float]]]:
         connector.shutdown()
         llm.engine.shutdown()
     finally:
-        server.terminate()
-        server.wait(timeout=10)
+        server.stop()
     return results
 
 
@@ -178,14 +147,14 @@ def main() -> int:
     args = p.parse_args()
     if args.quick:
         args.kv_tokens, args.kv_rounds = [512], 1
-    print(machine(), flush=True)
-    raw: dict[str, Any] = {"machine": machine(), "args": vars(args)}
+    print(describe(), flush=True)
+    raw: dict[str, Any] = {"machine": describe(), "args": vars(args)}
     try:
         raw["kv"] = bench_kv(args)
     finally:
         if args.json:
             Path(args.json).write_text(json.dumps(raw, indent=1))
-    print("\n" + machine() + "\n" + "\n".join(kv_table(raw["kv"], args.kv_rounds)))
+    print("\n" + describe() + "\n" + "\n".join(kv_table(raw["kv"], args.kv_rounds)))
     return 0
 
 

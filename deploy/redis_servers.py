@@ -42,9 +42,11 @@ def _redis_server() -> str:
 class RedisServer:
     """A real redis-server on a free port, without persistence; stop() and start() for fault tests."""
 
-    def __init__(self) -> None:
+    def __init__(self, *options: str) -> None:
+        """`options`: more redis-server flags (e.g. "--maxmemory", "2gb")."""
         self.exe = _redis_server()
         self.port = free_port()
+        self.options = options
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -53,7 +55,7 @@ class RedisServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [self.exe, "--port", str(self.port), "--bind", HOST, "--save", "", "--appendonly", "no"],
+            [self.exe, "--port", str(self.port), "--bind", HOST, "--save", "", "--appendonly", "no", *self.options],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         require_port(self.port)
 
