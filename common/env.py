@@ -57,9 +57,14 @@ CONFIGURE_LOGGING = Variable(
     "PDSERVE_CONFIGURE_LOGGING", "boolean", "1",
     "`0` (or `false`, `no`, `off`): the offline `LLM` leaves logging alone (by default it prints its lines "
     "to stdout, like vLLM)")
+SHARED_CORES = Variable(
+    "PDSERVE_SHARED_CORES", "boolean", "0",
+    "`1`: other engines share this engine's cores (a launcher that packs engines onto one host says so; "
+    "`LocalCluster` does): its OpenMP workers wait passively (`GOMP_SPINCOUNT=100`) unless `OMP_WAIT_POLICY` "
+    "or `GOMP_SPINCOUNT` is set (`common/cpu_budget.py`)")
 
 VARIABLES: tuple[Variable, ...] = (CACHE_DIR, API_KEY, NODE_API_KEY, EVENT_LOOP, KERNELS, LINEAR, CPU_ISA,
-                                   CONFIGURE_LOGGING)
+                                   CONFIGURE_LOGGING, SHARED_CORES)
 _OFF = ("0", "false", "no", "off")
 
 
