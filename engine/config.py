@@ -42,6 +42,9 @@ class DeviceConfig:
 
     device: str = "auto"  # auto (CUDA when available) | cpu | cuda | cuda:N
     attention_backend: str = "auto"  # auto: the compiled CPU kernel on CPU, Triton on CUDA
+    # torch (OpenMP) threads of the engine, split over its ranks; None: the CPUs the process may use (its cgroup
+    # CPU quota and affinity mask), or OMP_NUM_THREADS per rank (common/cpu_budget.py)
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not DEVICE_RE.fullmatch(self.device):
@@ -49,6 +52,9 @@ class DeviceConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        if self.threads is not None and (not isinstance(self.threads, int) or isinstance(self.threads, bool)
+                                         or self.threads < 1):
+            raise ValueError(f"threads must be an integer >= 1, got {self.threads!r}")
 
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # on CPU, when neither KV sizing option is given

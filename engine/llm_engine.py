@@ -17,6 +17,7 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.output_state import OutputState, cut_at_stop_string, stop_holdback
 from pdserve.engine.outputs import EngineStats, FirstToken, Logprob, Resume, StepOutput
+from pdserve.engine.parallel.launcher import engine_threads
 from pdserve.engine.prompt_logprobs import prompt_logprobs_output
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
@@ -51,6 +52,7 @@ class LLMEngine:
         """
         self.config = config
         self.model_name = config.model.model
+        self.threads = engine_threads(config)  # torch threads before the first parallel op, on the step thread
         self.model_runner = ModelRunner(config, connector_factory=connector_factory)  # first: explains a bad path
         self.tokenizer = load_tokenizer(config.model.model)
         runner = self.model_runner

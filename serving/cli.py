@@ -23,8 +23,30 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0..65535 (0: the system picks a free one)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {text!r}")
+    return port
+
+
+port_number.__name__ = "port"
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with a one-line error (no usage dump) and exit status 2."""
+    """argparse with a one-line error (no usage dump) and exit status 2. Every `--...-port` flag added as an
+    int (--port, --grpc-port of every command built on it: pd-serve, pd-prefill, pd-decode, pd-proxy) parses
+    as a port_number, so 70000 is a usage error rather than a traceback from bind()."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[argparse.Namespace, list[str]]:
+        for action in self._actions:  # the parser's and its groups' alike
+            if action.type is int and any(name.endswith("-port") for name in action.option_strings):
+                action.type = port_number
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -125,6 +147,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("-pp", "--pipeline-parallel-size", type=_positive_int, default=None,
                    help="ranks that split the layers into stages (one process each; "
                         f"default {d(ParallelConfig, 'pipeline_parallel_size')})")
+    g.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch (OpenMP) threads of the engine, split over its -tp/-pp ranks (default: the CPUs "
+                        "this process may use, from its cgroup CPU quota and affinity mask, not the host's core "
+                        "count; OMP_NUM_THREADS, when set, per rank). Logged at start-up with the reason")
     return parser
 
 

@@ -20,6 +20,7 @@ from typing import Any, Awaitable, Callable
 from aiohttp import web
 
 from pdserve.common import eventloop
+from pdserve.common.cpu_budget import prepare_openmp
 from pdserve.engine.async_engine import RequestAbortedError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.serving import errors
@@ -258,6 +259,9 @@ def run_node(args: argparse.Namespace, prog: str, preflight: Callable[[], None] 
     """
     setup_logging(args.log_level)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # First, before anything imports torch (libgomp reads its wait settings once, when it loads): whether this
+    # engine's OpenMP workers wait passively (common/cpu_budget.py; the engine logs the outcome at start).
+    prepare_openmp(args.threads, (args.tensor_parallel_size or 1) * (args.pipeline_parallel_size or 1))
     try:
         try:
             eventloop.loop_kind()  # a bad PDSERVE_EVENT_LOOP fails before any weights load

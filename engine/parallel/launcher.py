@@ -5,6 +5,10 @@ engine config as one JSON line on stdin. The rendezvous is a TCPStore on a free 
 ranks of a node share its machine). A child dies with its parent (engine/parallel/worker.py); rank 0
 polls its children and, when one exits, logs it, stops the others and calls `on_death` (a server exits:
 engine/async_engine.py; the offline LLM's next step raises).
+
+It also owns an engine's threads (`engine_threads`, `threads_per_rank`; common/cpu_budget.py decides
+them). Torch is imported only once ranks start: importing this module (the servers do, through
+engine/async_engine.py) must not start libgomp before the entry point has chosen its OpenMP wait.
 """
 from __future__ import annotations
 
@@ -21,9 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
+from pdserve.common.cpu_budget import ThreadPlan, plan_threads
 from pdserve.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -32,13 +34,28 @@ _POLL_S = 0.2
 _STOP_WAIT_S = 10.0
 
 
-def threads_per_rank(world: int) -> int | None:
-    """The ranks of a node share its CPUs: each gets an equal share of torch threads, unless the operator
-    set OMP_NUM_THREADS. Two ranks with a full team each on the same cores make libgomp's teams wait on
-    each other's spinning threads (docs/architecture.md, "One OpenMP team")."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return None
-    return max(1, len(os.sched_getaffinity(0)) // world)
+def engine_threads(config: EngineConfig) -> ThreadPlan:
+    """An engine's threads, at its start: `config.device.threads` (`--threads`), else the CPUs the process may
+    use (cgroup quota, affinity), split over its ranks (common/cpu_budget.py); logged once. A single-rank
+    engine sets torch's threads here (on the thread that runs its steps); ranks get theirs from
+    RankProcesses. Torch is not imported before: a server decides its OpenMP wait first (serving/server.py)."""
+    plan = plan_threads(config.device.threads, config.parallel.world_size)
+    logger.info("%s", plan.line())
+    if plan.ranks == 1:
+        import torch
+
+        torch.set_num_threads(plan.threads)
+    return plan
+
+
+def threads_per_rank(config: EngineConfig) -> tuple[int, dict[str, str]]:
+    """The ranks of a node share its CPUs (its budget, or `--threads`): each gets an equal share of torch
+    threads (OMP_NUM_THREADS, when the operator set it, is each rank's). Two ranks with a full team each on
+    the same cores make libgomp's teams wait on each other's spinning threads (docs/architecture.md, "One
+    OpenMP team"). Also the environment the ranks start with: their thread count, and passive OpenMP workers
+    when the ranks' threads outnumber the CPUs, unless the operator chose a wait."""
+    plan = plan_threads(config.device.threads, config.parallel.world_size)
+    return plan.threads, {"OMP_NUM_THREADS": str(plan.threads), **plan.wait_env()}
 
 
 def joined_key(rank: int) -> str:
@@ -64,6 +81,9 @@ def exit_process(rank: int, code: int | None) -> None:
 class RankProcesses:
     def __init__(self, config: EngineConfig, connector_factory: str | None = None) -> None:
         """`connector_factory`: `module:qualname` of the KV connector factory every rank makes its connector with."""
+        import torch
+        import torch.distributed as dist
+
         par = config.parallel
         self.world = par.world_size
         self.timeout_s = par.distributed_timeout_s
@@ -75,8 +95,8 @@ class RankProcesses:
         self._stopping = False
         self.procs: dict[int, subprocess.Popen] = {}
         spec = config_to_json(config)
-        threads = threads_per_rank(self.world)
-        env = dict(os.environ) if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        threads, rank_env = threads_per_rank(config)
+        env = {**os.environ, **rank_env}
         for rank in range(1, self.world):
             proc = subprocess.Popen([sys.executable, "-m", "pdserve.engine.parallel.worker"], stdin=subprocess.PIPE,
                                     env=env)
@@ -89,11 +109,9 @@ class RankProcesses:
                 with contextlib.suppress(BrokenPipeError):
                     proc.stdin.close()
         self._threads_before = torch.get_num_threads()
-        if threads is not None:  # given back when the ranks stop: a later engine in this process gets all
-            torch.set_num_threads(threads)
+        torch.set_num_threads(threads)  # given back when the ranks stop: a later engine in this process gets all
         logger.info("parallel: started ranks %s (pids %s), rendezvous 127.0.0.1:%d, %s torch threads per rank",
-                    list(self.procs), [p.pid for p in self.procs.values()], self.port,
-                    threads or f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
+                    list(self.procs), [p.pid for p in self.procs.values()], self.port, threads)
 
     def wait_joined(self) -> None:
         """Until every child has loaded its shard and connected; a child that exits or a deadline fails."""
@@ -153,6 +171,8 @@ class RankProcesses:
             raise RankFailure(f"the engine lost a rank: {self.failure}")
 
     def kill(self) -> None:
+        import torch
+
         self._stopping = True
         torch.set_num_threads(self._threads_before)
         for proc in self.procs.values():
@@ -163,6 +183,8 @@ class RankProcesses:
 
     def stop(self) -> None:
         """End every child: they were told STOP already when the engine shut down cleanly."""
+        import torch
+
         self._stopping = True
         torch.set_num_threads(self._threads_before)
         deadline = time.monotonic() + _STOP_WAIT_S

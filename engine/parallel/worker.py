@@ -2,6 +2,8 @@
 
 It joins rank 0's rendezvous, builds its shard of the model and KV cache through the ordinary ModelRunner,
 then follows rank 0's commands until STOP (engine/parallel/step_codec.py). It dies with its parent.
+Its torch threads and OpenMP wait come in its environment (`OMP_NUM_THREADS`, `GOMP_SPINCOUNT`), set by rank 0
+before this process started, so before its libgomp read them (launcher.py `threads_per_rank`).
 """
 from __future__ import annotations
 
