@@ -29,8 +29,9 @@ WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 _set_here: dict[str, str] = {}  # what prepare_openmp put into this process's environment
 
 
-def _cpus(n: float) -> str:
-    return f"{n:g} CPU" + ("" if n == 1 else "s")
+def _count(n: float, what: str = "CPU") -> str:
+    return f"{n:g} {what}" + ("" if n == 1 else "s")
+
 
 
 @dataclass(frozen=True)
@@ -54,10 +55,10 @@ class CpuBudget:
 
     @property
     def reason(self) -> str:
-        affinity = f"affinity {_cpus(self.affinity)}"
+        affinity = f"affinity {_count(self.affinity)}"
         if self.quota is None:
             return affinity
-        quota = f"{self.quota_source} = {_cpus(round(self.quota, 2))}"
+        quota = f"{self.quota_source} = {_count(round(self.quota, 2))}"
         return f"{quota}; {affinity}" if self.quota < self.affinity else f"{affinity}; {quota}"
 
 
@@ -167,7 +168,7 @@ class ThreadPlan:
     def line(self) -> str:
         """The start-up log line: the threads chosen and why, and how the OpenMP workers wait."""
         each = f" per rank x {self.ranks} ranks" if self.ranks > 1 else ""
-        return f"threads: {self.threads} torch threads{each} ({self.why}); {self._wait()}"
+        return f"threads: {_count(self.threads, 'torch thread')}{each} ({self.why}); {self._wait()}"
 
     def _wait(self) -> str:
         operator = operator_wait()
@@ -175,7 +176,8 @@ class ThreadPlan:
             return "OpenMP wait as set: " + ", ".join(f"{k}={v}" for k, v in operator.items())
         if not self.passive:
             return "OpenMP workers spin between parallel regions (the threads fit the CPUs)"
-        why = (f"{self.threads * self.ranks} threads on {_cpus(round(self.budget.limit, 2))}" if self.oversubscribed
+        threads, cpus = _count(self.threads * self.ranks, "thread"), _count(round(self.budget.limit, 2))
+        why = (f"{threads} on {cpus}" if self.oversubscribed
                else f"cores shared with other engines: {env.SHARED_CORES.name}")
         setting = ", ".join(f"{k}={v}" for k, v in PASSIVE_ENV.items())
         if all(os.environ.get(k) == v for k, v in PASSIVE_ENV.items()):
@@ -242,8 +244,8 @@ def split_cores(engines: int, budget: CpuBudget, cpu_ids: list[int] | None = Non
     if budget.cpus >= 2 * engines and len(cpu_ids) >= 2 * engines:
         width = len(cpu_ids) // engines
         shares = [EngineShare(threads, tuple(cpu_ids[i * width:(i + 1) * width])) for i in range(engines)]
-        return shares, (f"cores: {engines} engines on {_cpus(budget.cpus)} ({budget.reason}): each pinned to its "
-                        f"own {_cpus(width)}, {threads} torch threads each")
+        return shares, (f"cores: {engines} engines on {_count(budget.cpus)} ({budget.reason}): each pinned to its "
+                        f"own {_count(width)}, {_count(threads, 'torch thread')} each")
     return [EngineShare(threads) for _ in range(engines)], (
-        f"cores: {engines} engines on {_cpus(budget.cpus)} ({budget.reason}): too few to pin each to 2 or more, "
-        f"so they share them, {threads} torch threads each, OpenMP workers waiting passively")
+        f"cores: {engines} engines on {_count(budget.cpus)} ({budget.reason}): too few to pin each to 2 or more, "
+        f"so they share them, {_count(threads, 'torch thread')} each, OpenMP workers waiting passively")

@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                                            policy=args.policy, redis_maxmemory=args.redis_maxmemory,
                                            proxy_port=args.port, node_args=node_args))
         print(f"starting prefill, decode and proxy (store {cluster.kv_store}); logs in {log_dir}", flush=True)
+        print(cluster.cores_line, flush=True)  # how the nodes share this machine's CPUs
         cluster.start(args.timeout)
         print(ready_text(cluster, args, served_name or Path(model).name), flush=True)
         while all(c.alive for c in cluster.children):

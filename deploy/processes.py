@@ -21,6 +21,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.common import env
+from pdserve.common.cpu_budget import EngineShare, read_budget, split_cores
 from pdserve.deploy.listeners import owns_port
 from pdserve.proxy.router import DEFAULT_POLICY
 
@@ -214,20 +216,20 @@ NODE_ARGS = ["--dtype", "float32", "--kv-cache-memory", "32MiB", "--max-model-le
              "--chunk-size", str(CHUNK_SIZE), "--shutdown-timeout", "1"]
 
 
-# The nodes of one LocalCluster share this machine's cores, each engine with a thread per core. A
-# worker that spins after a parallel region (libgomp's default, right for an engine that owns its
-# cores) then burns a core the other engine needs: two engines decoding at once ran 2-4x slower
-# each than with a 100-iteration spin (docs/architecture.md, "One OpenMP team"). The operator's own
-# OpenMP wait settings win.
-SHARED_CORES_ENV = {"GOMP_SPINCOUNT": "100"}
-_WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+# The nodes of one LocalCluster run on this machine's CPUs together. Each sized as if alone (a thread per
+# CPU each, spinning after every parallel region: libgomp's default, right for an engine that owns its
+# cores) they burn the cores the other needs: two engines decoding at once ran 2-4x slower each than with
+# a 100-iteration spin (docs/architecture.md, "One OpenMP team"). So the cluster sizes them together
+# (common/cpu_budget.py split_cores): with 2 or more CPUs per engine each is pinned (taskset) to its own
+# slice of the affinity mask with that many threads; otherwise they share the cores with a share of the
+# threads each, and are told so (SHARED_CORES_ENV): their OpenMP workers then wait passively, unless the
+# operator set OMP_WAIT_POLICY or GOMP_SPINCOUNT (the engine decides, serving/server.py run_node).
+SHARED_CORES_ENV = {env.SHARED_CORES.name: "1"}
 
 
-def shared_cores_env(env: dict[str, str]) -> dict[str, str]:
-    """`env` for an engine that shares its cores with other engines: a short OpenMP spin unless set."""
-    if any(name in os.environ or name in env for name in _WAIT_SETTINGS):
-        return env
-    return {**SHARED_CORES_ENV, **env}
+def shared_cores_env(environ: dict[str, str]) -> dict[str, str]:
+    """`environ` for an engine that shares its cores with other engines."""
+    return {**SHARED_CORES_ENV, **environ}
 
 
 def python_module(module: str, *args: str) -> list[str]:
@@ -242,8 +244,9 @@ class LocalCluster:
         spec.log_dir.mkdir(parents=True, exist_ok=True)
         self.store_server: Child | None = None
         self.kv_store = spec.kv_store or self._store_server()
-        self.prefill = [self._node("prefill", i) for i in range(spec.num_prefill)]
-        self.decode = [self._node("decode", i) for i in range(spec.num_decode)]
+        self.cores, self.cores_line = self._split_cores(spec.num_prefill + spec.num_decode)
+        self.prefill = [self._node("prefill", i, self.cores[i]) for i in range(spec.num_prefill)]
+        self.decode = [self._node("decode", i, self.cores[spec.num_prefill + i]) for i in range(spec.num_decode)]
         self.proxy_port = spec.proxy_port or free_port()
         self.proxy = Child("proxy", python_module(
             "pdserve.proxy", "--host", HOST, "--port", str(self.proxy_port), "--policy", spec.policy,
@@ -268,13 +271,24 @@ class LocalCluster:
         store_dir = self.spec.log_dir / "kvstore"
         return store_dir.resolve().as_uri()
 
-    def _node(self, role: str, index: int) -> NodeProcess:
+    def _split_cores(self, engines: int) -> tuple[list[EngineShare | None], str]:
+        """Each node's threads and CPUs (None: node_args give --threads, the cores are shared), and a line that
+        says what was done. Without taskset nothing is pinned."""
+        budget = read_budget()
+        if "--threads" in self.spec.node_args:
+            return [None] * engines, (f"cores: {engines} engines share {budget.reason} with the --threads of their "
+                                      "options, OpenMP workers waiting passively")
+        return split_cores(engines, budget, None if shutil.which("taskset") else [])
+
+    def _node(self, role: str, index: int, share: EngineShare | None) -> NodeProcess:
         name = f"{role}{index}"
-        node = NodeProcess(name, [], self.spec.log_dir, shared_cores_env(self.spec.env), role=role,
-                           http_port=free_port(), grpc_port=free_port())
-        node.argv = python_module(f"pdserve.{role}_node", "--model", self.spec.model, "--kv-store", self.kv_store,
-                                  "--host", HOST, "--port", str(node.http_port), "--grpc-port", str(node.grpc_port),
-                                  "--log-file", str(node.log_file), *self.spec.node_args)
+        pinned = share is not None and share.cpus is not None
+        node = NodeProcess(name, [], self.spec.log_dir, self.spec.env if pinned else shared_cores_env(self.spec.env),
+                           role=role, http_port=free_port(), grpc_port=free_port())
+        node.argv = [*(["taskset", "-c", share.taskset] if pinned else []), *python_module(
+            f"pdserve.{role}_node", "--model", self.spec.model, "--kv-store", self.kv_store, "--host", HOST,
+            "--port", str(node.http_port), "--grpc-port", str(node.grpc_port), "--log-file", str(node.log_file),
+            *(["--threads", str(share.threads)] if share is not None else []), *self.spec.node_args)]
         return node
 
     @property

@@ -87,7 +87,7 @@ def test_threads_from_the_budget_the_flag_or_omp_num_threads(monkeypatch):
     one_cpu = CpuBudget(2, 1.0, "cgroup cpu.max 100000/100000")
     plan = plan_threads(None, 1, one_cpu)
     assert (plan.threads, plan.passive, plan.wait_env()) == (1, False, {})
-    assert plan.line() == ("threads: 1 torch threads (cgroup cpu.max 100000/100000 = 1 CPU; affinity 2 CPUs); "
+    assert plan.line() == ("threads: 1 torch thread (cgroup cpu.max 100000/100000 = 1 CPU; affinity 2 CPUs); "
                            "OpenMP workers spin between parallel regions (the threads fit the CPUs)")
     forced = plan_threads(3, 1, one_cpu)
     assert (forced.threads, forced.oversubscribed, forced.wait_env()) == (3, True, PASSIVE_ENV)
@@ -145,7 +145,7 @@ def test_engines_started_together_split_the_cores():
     assert [(s.threads, len(s.cpus)) for s in split_cores(2, quota, list(range(16)))[0]] == [(2, 8), (2, 8)]
     shares, line = split_cores(2, CpuBudget(2), [0, 1])
     assert [(s.threads, s.cpus) for s in shares] == [(1, None), (1, None)]
-    assert "share them, 1 torch threads each, OpenMP workers waiting passively" in line
+    assert "share them, 1 torch thread each, OpenMP workers waiting passively" in line
     assert [s.threads for s in split_cores(3, CpuBudget(4), [0, 1, 2, 3])[0]] == [1, 1, 1]
 
 
@@ -162,7 +162,7 @@ def _report(prefix: list[str]) -> tuple[int, float | None, int, str]:
 def test_a_real_affinity_mask():
     affinity, _, cpus, line = _report(["taskset", "-c", "0"])
     assert (affinity, cpus) == (1, 1)
-    assert line.startswith("threads: 1 torch threads (affinity 1 CPU")
+    assert line.startswith("threads: 1 torch thread (affinity 1 CPU")
 
 
 @pytest.mark.root("makes a cgroup with a CPU quota")
@@ -172,7 +172,7 @@ def test_a_real_cgroup_quota_and_affinity_mask():
     with cpu_quota(100_000, 100_000) as in_group:
         affinity, quota, cpus, line = _report(in_group)
         assert affinity == mine.affinity and quota == min(1.0, mine.quota or 1.0) and cpus == 1
-        assert "cgroup cpu" in line and "100000/100000 = 1 CPU" in line and line.startswith("threads: 1 torch threads")
+        assert "cgroup cpu" in line and "100000/100000 = 1 CPU" in line and line.startswith("threads: 1 torch thread")
         affinity, quota, cpus, _ = _report([*in_group, "taskset", "-c", "0"])
         assert (affinity, quota, cpus) == (1, 1.0, 1)
     with cpu_quota(50_000, 100_000) as in_group:

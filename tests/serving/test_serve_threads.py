@@ -84,24 +84,56 @@ def _environ(pid: int) -> dict[str, str]:
     return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
 
 
-def test_cluster_nodes_that_share_cores_wait_briefly(tiny_llama, tmp_path, monkeypatch):
-    """A LocalCluster's engines share the machine's cores, so their workers spin only briefly before
-    sleeping (deploy/processes.py SHARED_CORES_ENV); an operator's own OpenMP wait setting wins."""
-    from pdserve.deploy.processes import SHARED_CORES_ENV, shared_cores_env
+def test_cluster_nodes_are_sized_together(tiny_llama, tmp_path, monkeypatch):
+    """A LocalCluster sizes its engines together (issue 39, item 2; common/cpu_budget.py split_cores): on this
+    machine's CPUs, each node's threads and whether it is pinned or shares the cores (then told so, and its
+    OpenMP workers wait passively: the engine set GOMP_SPINCOUNT before torch loaded, its line says so)."""
+    from pdserve.deploy.processes import SHARED_CORES_ENV
     from tests.helpers.cluster import start_cluster
 
-    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
     cluster = start_cluster(tiny_llama, tmp_path)
     try:
-        for node in cluster.prefill + cluster.decode:
+        assert cluster.cores_line.startswith("cores: 2 engines on ")
+        for node, share in zip(cluster.prefill + cluster.decode, cluster.cores):
             env = _environ(node.proc.pid)
-            assert {k: env.get(k) for k in SHARED_CORES_ENV} == SHARED_CORES_ENV, node.name
-        assert "GOMP_SPINCOUNT" not in _environ(cluster.proxy.proc.pid)  # not an engine
+            lines = [line for line in node.log_file.read_text().splitlines() if "threads: " in line]
+            assert len(lines) == 1 and f"threads: {share.threads} torch thread" in lines[0], (node.name, lines)
+            assert f"(--threads {share.threads}; " in lines[0], lines
+            if share.cpus is None:
+                assert {k: env.get(k) for k in SHARED_CORES_ENV} == SHARED_CORES_ENV, node.name
+                assert lines[0].endswith("OpenMP workers wait passively (GOMP_SPINCOUNT=100; cores shared with "
+                                         "other engines: PDSERVE_SHARED_CORES)"), lines
+            else:
+                assert os.sched_getaffinity(node.proc.pid) == set(share.cpus)
+                assert "PDSERVE_SHARED_CORES" not in env
+        assert "PDSERVE_SHARED_CORES" not in _environ(cluster.proxy.proc.pid)  # not an engine
     finally:
         cluster.stop()
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert shared_cores_env({"X": "1"}) == {"X": "1"}
-    monkeypatch.delenv("OMP_WAIT_POLICY")
-    assert shared_cores_env({"GOMP_SPINCOUNT": "5000"}) == {"GOMP_SPINCOUNT": "5000"}
-    assert shared_cores_env({}) == SHARED_CORES_ENV
+
+
+def test_cluster_sizing_on_a_given_budget(tmp_path, monkeypatch):
+    """Eight CPUs: each of two nodes pinned to four with four threads; two CPUs: shared, one thread each;
+    --threads in the node options: the operator's, the cores shared; no taskset: nothing pinned."""
+    from pdserve.common.cpu_budget import CpuBudget
+    from pdserve.deploy import processes
+    from pdserve.deploy.processes import SHARED_CORES_ENV, ClusterSpec, LocalCluster
+
+    def nodes(cpus: int, node_args: tuple[str, ...] = ()) -> list[tuple[list[str], dict[str, str]]]:
+        monkeypatch.setattr(processes, "read_budget", lambda: CpuBudget(cpus))
+        monkeypatch.setattr(processes.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+        cluster = LocalCluster(ClusterSpec(model="m", log_dir=tmp_path, kv_store="file:///nowhere",
+                                           node_args=list(node_args)))
+        return [(n.argv, n.env) for n in cluster.prefill + cluster.decode]
+
+    (p_argv, p_env), (d_argv, d_env) = nodes(8)
+    assert p_argv[:3] == ["taskset", "-c", "0,1,2,3"] and d_argv[:3] == ["taskset", "-c", "4,5,6,7"]
+    assert p_argv[p_argv.index("--threads") + 1] == "4" and p_env == d_env == {}
+    for argv, env in nodes(2):
+        assert argv[0] != "taskset" and argv[argv.index("--threads") + 1] == "1" and env == SHARED_CORES_ENV
+    for argv, env in nodes(8, ("--threads", "3")):
+        assert argv[0] != "taskset" and argv.count("--threads") == 1 and env == SHARED_CORES_ENV
+    monkeypatch.setattr(processes.shutil, "which", lambda name: None)
+    for argv, env in nodes(8):
+        assert argv[0] != "taskset" and argv[argv.index("--threads") + 1] == "4" and env == SHARED_CORES_ENV

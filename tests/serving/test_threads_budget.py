@@ -62,7 +62,7 @@ def test_pd_serve_under_a_one_cpu_quota(tiny_llama):
     affinity = read_budget().affinity
     with cpu_quota(100_000, 100_000) as in_group:
         line = _threads_line(tiny_llama, exe=[*in_group, *PD_SERVE])
-        assert re.match(r"threads: 1 torch threads \(cgroup cpu[.\w/]* 100000/100000 = 1 CPU", line), line
+        assert re.match(r"threads: 1 torch thread \(cgroup cpu[.\w/]* 100000/100000 = 1 CPU", line), line
         assert f"affinity {affinity} CPU" in line
         line = _threads_line(tiny_llama, "--threads", "3", exe=[*in_group, *PD_SERVE])
     assert line.startswith("threads: 3 torch threads (--threads 3; "), line
@@ -72,7 +72,7 @@ def test_pd_serve_under_a_one_cpu_quota(tiny_llama):
 @pytest.mark.slow  # seconds: a server
 def test_pd_serve_pinned_to_one_cpu(tiny_llama):
     line = _threads_line(tiny_llama, exe=["taskset", "-c", "0", *PD_SERVE])
-    assert line.startswith("threads: 1 torch threads (affinity 1 CPU"), line
+    assert line.startswith("threads: 1 torch thread (affinity 1 CPU"), line
     assert "OpenMP workers spin between parallel regions" in line
 
 
