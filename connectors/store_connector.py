@@ -22,6 +22,7 @@ a chunk saved by another layout, or with a codec, is read by the `DecodedLoads` 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
     from pdserve.connectors.staging import ReadTarget
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.request import Request
+
+logger = logging.getLogger(__name__)
 
 _REASONS = ((StoreUnavailable, "unavailable"), (StoreTimeout, "timeout"), (CorruptObject, "corrupt"),
             (NotFound, "missing"))
@@ -78,6 +81,10 @@ class StoreConnector(ChunkedConnector):
         self.store = store or open_store(kt.kv_store, fingerprint=runner.fingerprint, num_layers=self.num_layers,
                                          dtype=runner.dtype, kv_shape=(self.num_kv_heads, runner.head_dim),
                                          timeout=min(kt.load_timeout_s, 5.0))
+        # a bound too small for this node's chunks (kvstore/fs_space.py): refused, or one warning saying what to set
+        if store is None and (small := self.store.capacity_warning(
+                self.chunk_size, getattr(runner, "max_model_len", None) or self.chunk_size)):
+            logger.warning(small)
         self.transfer = make_kv_transfer(runner.platform)
         # this rank's caches and where loads land in them; the loads of coded or other-layout chunks
         self.paged_caches = PagedCaches(self.transfer, self.block_size, runner.dtype,

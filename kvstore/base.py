@@ -43,7 +43,8 @@ waiting on a submitted call with a timeout.
 Bounds: `bounds_warning()` is one line when a shared store can grow without limit (redis with
 no ttl and no maxmemory, or a policy that never evicts our keys, or a file store opened with
 max_bytes=0), else None; `bounds_note()` says which bound a store got (a file store's default:
-kvstore/fs_space.py). Nodes log both at start-up.
+kvstore/fs_space.py). Nodes log both at start-up. `capacity_warning(chunk_tokens, prompt_tokens)` says
+when a bound is too small for the node's chunks (a ValueError when it cannot keep even one).
 
 Parallel layouts and codecs: put_layer(layer, chunks, heads=(lo, hi)) writes a TP rank's KV heads only,
 commit(keys, layout=..., part=i) commits one part of a multi-rank writer (kvstore/layout.py), and
@@ -300,6 +301,12 @@ class KVStore(ABC):
 
     def bounds_note(self) -> str | None:
         """One line saying how this store is bounded, where the store chose the bound itself."""
+        return None
+
+    def capacity_warning(self, chunk_tokens: int, prompt_tokens: int) -> str | None:
+        """For a store opened for a model, whose node saves chunks of `chunk_tokens` tokens of prompts up to
+        `prompt_tokens`: one line (what to set) when its bound keeps too few of them for a decode to find them,
+        ValueError when it cannot keep one chunk at all (the connector calls it when it opens the store)."""
         return None
 
     # ---- lifetime ----

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 import torch
 
-from pdserve.kvstore import fs_ledger, fs_space, object_format
+from pdserve.kvstore import fs_ledger, fs_space, object_format, payload_codecs
 from pdserve.kvstore.base import KVStore
 from pdserve.kvstore.errors import NotFound, StoreError, StoreTimeout, StoreUnavailable
 from pdserve.kvstore.fs_commit import MARKER_FORMAT, MARKER_MAX, FileCommits, parse_marker
@@ -90,6 +90,11 @@ class FileSystemStore(KVStore):
         if self.max_bytes:
             return None
         return f"KV store {self.root} is unbounded (max_bytes=0): it grows until its disk is full"
+
+    def capacity_warning(self, chunk_tokens: int, prompt_tokens: int) -> str | None:
+        return fs_space.capacity_warning(str(self.root), self.max_bytes, self.default_bound,
+                                         self._model.chunk_bytes(chunk_tokens, self.codec),
+                                         self.codec != payload_codecs.LOSSLESS, chunk_tokens, prompt_tokens)
 
     def bounds_note(self) -> str | None:
         if not self.max_bytes:
@@ -198,9 +203,10 @@ class FileSystemStore(KVStore):
             return None, []
         if not raw:
             return "empty commit marker", []
-        layout = parse_marker(raw)
-        if layout is None:
-            return "corrupted commit marker", []
+        layout = parse_marker(raw)  # a layout (WriterLayout) holds at most MAX_CHUNK_OBJECTS objects
+        reason = "corrupted commit marker" if layout is None else self._model.layout_damage(layout)
+        if reason is not None:
+            return reason, []
         names = layout.object_layers(layout.num_kv_heads)
         found = 0
         for name in names:

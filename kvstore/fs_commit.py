@@ -15,7 +15,7 @@ import struct
 from typing import Callable
 
 from pdserve.kvstore.binding import ModelBinding
-from pdserve.kvstore.errors import CorruptObject, NotFound, StoreUnavailable
+from pdserve.kvstore.errors import NotFound, StoreUnavailable
 from pdserve.kvstore.fs_ledger import Entry
 from pdserve.kvstore.fs_tree import MARKER, ChunkTree
 from pdserve.kvstore.layout import WriterLayout
@@ -40,7 +40,7 @@ class FileCommits:
         found: list[tuple[str, WriterLayout | None]] = []
         for key in keys:
             try:
-                layout = read_marker(f"{self._tree.chunk_dir(key)}/{MARKER}")
+                layout = self._model.admit(read_marker(f"{self._tree.chunk_dir(key)}/{MARKER}"))
             except FileNotFoundError:
                 if not os.path.isdir(self._tree.root):  # deleted or unmounted: an outage, not a miss
                     raise StoreUnavailable(f"{self._tree.root}: the store directory is gone") from None
@@ -56,9 +56,7 @@ class FileCommits:
                 layout = read_marker(path)
             except FileNotFoundError:
                 raise NotFound(f"{path}: chunk {key} is not committed") from None
-            if layout is None:
-                raise CorruptObject(f"{path}: corrupted commit marker")
-            layouts.append(layout)
+            layouts.append(self._model.trusted(layout, path))
         return layouts
 
     def commit(self, keys: list[str], layout: WriterLayout, part: int) -> None:

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CAP_BYTES = 20 * 2**30
 DEFAULT_FRACTION = 0.10
+FEW_PROMPTS = 4  # a bound holding fewer of a node's longest prompts evicts their chunks before decodes read them
 SWEEP_AFTER_S = 2.0  # a failed save's chunk quiet this long has no put of that save left in flight
 SWEEP_LIMIT_S = 60.0  # after this, a failed save's chunk is removed even if something still writes it
 WRITE_RESERVE_BYTES = 1 << 20  # free space kept beyond the object being written (directories, temp names)
@@ -52,6 +53,28 @@ def default_max_bytes(path: str) -> int:
     """The default bound of a file store at `path`: min(20 GiB, 10% of its filesystem)."""
     st = os.statvfs(path)
     return min(DEFAULT_CAP_BYTES, int(st.f_blocks * st.f_frsize * DEFAULT_FRACTION))
+
+
+def capacity_warning(root: str, max_bytes: int | None, default_bound: bool, chunk_bytes: int | None, exact: bool,
+                     chunk_tokens: int, prompt_tokens: int) -> str | None:
+    """Whether a bound of `max_bytes` keeps a node's chunks (`chunk_bytes` each, of `chunk_tokens` tokens; `exact`:
+    not an estimate) long enough to be read: ValueError when it cannot hold one chunk (every chunk would be
+    evicted as it is stored: 0 hits), one warning line when it holds fewer than FEW_PROMPTS prompts of
+    `prompt_tokens` tokens, else None. Each says what to set."""
+    if not max_bytes or not chunk_bytes:
+        return None
+    prompt = -(-prompt_tokens // chunk_tokens) * chunk_bytes
+    which = f"the default bound: {DEFAULT_FRACTION:.0%} of its {filesystem_bytes(root)}-byte filesystem" \
+        if default_bound else "its max_bytes"
+    advice = f"set ?max_bytes= in the store URL to at least {FEW_PROMPTS * prompt} (or 0: no bound)"
+    if max_bytes < chunk_bytes and exact:
+        raise ValueError(f"KV store {root}: {max_bytes} bytes ({which}) cannot hold one chunk of {chunk_tokens} "
+                         f"tokens ({chunk_bytes} bytes): every chunk would be evicted as it is stored; {advice}")
+    if max_bytes < FEW_PROMPTS * prompt:
+        return (f"KV store {root}: {max_bytes} bytes ({which}) hold {max_bytes // chunk_bytes} chunk(s) of "
+                f"{chunk_tokens} tokens, fewer than {FEW_PROMPTS} prompts of {prompt_tokens} tokens: chunks are "
+                f"evicted before a decode reads them; {advice}")
+    return None
 
 
 def filesystem_bytes(path: str) -> int:
@@ -216,10 +239,12 @@ class SpaceKeeper:
 
     def _marker_size(self, rel: str) -> int | None:
         fp, _, key = rel.partition("/")
+        chunk = self._tree.chunk_dir(key, fp)
         try:
-            return marker_bytes(f"{self._tree.chunk_dir(key, fp)}/{MARKER}")
+            recorded = marker_bytes(f"{chunk}/{MARKER}")
         except FileNotFoundError:
             return None
+        return min(recorded, dir_bytes(chunk))  # a damaged marker's number never counts more than the chunk holds
 
     def close(self) -> None:
         """After the store's I/O pool stopped (no put of a failed save is left): sweep now, wait for the

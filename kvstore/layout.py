@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 Heads = tuple[int, int]
+MAX_CHUNK_OBJECTS = 1 << 16  # layer objects a chunk may hold: a 126-layer model saved one object per head
+                             # of 128 KV heads holds 16128. A marker claiming more is damage, never a list
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,9 @@ class WriterLayout:
                 raise ValueError("heads per object needs the layout's KV head count")
             if all(hi - lo <= self.object_heads for lo, hi in self.head_groups(self.num_kv_heads)):
                 object.__setattr__(self, "object_heads", 0)  # splits nothing: the layout (and marker) of before
+        if self.num_objects() > MAX_CHUNK_OBJECTS:  # counted, not listed: a marker's numbers size nothing
+            raise ValueError(f"{self.num_layers} layers x {self.num_objects() // self.num_layers} objects: more "
+                             f"than the {MAX_CHUNK_OBJECTS} layer objects a chunk may hold")
 
     @property
     def single(self) -> bool:
@@ -189,6 +194,13 @@ class WriterLayout:
 
     def num_parts(self) -> int:
         return len(self.layer_starts) * len(self.head_starts)
+
+    def num_objects(self) -> int:
+        """How many layer objects a chunk of this layout holds (len(object_layers(...))), computed without
+        listing them."""
+        per_layer = sum(-(-(hi - lo) // self.object_heads) if self.object_heads else 1
+                        for lo, hi in self.head_groups(self.num_kv_heads))
+        return self.num_layers * per_layer
 
     def object_groups(self, num_kv_heads: int) -> list[Heads]:
         """The KV heads of each object of a layer, in head order: each head group split by object_heads."""

@@ -25,7 +25,7 @@ from redis.retry import Retry
 
 from pdserve.kvstore import object_format, resp
 from pdserve.kvstore.base import KVStore
-from pdserve.kvstore.errors import CorruptObject, NotFound, StoreError, StoreTimeout, StoreUnavailable
+from pdserve.kvstore.errors import NotFound, StoreError, StoreTimeout, StoreUnavailable
 from pdserve.kvstore.layout import WriterLayout, parse_object_layer
 from pdserve.kvstore.gate import NO_GATE, WriteGate
 from pdserve.kvstore.records import Buffer, ChunkInfo
@@ -118,7 +118,8 @@ class RedisStore(KVStore):
         for key, marker in zip(keys, pipe.execute()):
             if marker is None:
                 break
-            found.append((key, _layout(marker)))  # an unreadable one (None) still counts: the load fails, repair heals
+            # an unreadable one (None) still counts: the load fails, repair heals
+            found.append((key, self._model.admit(_layout(marker))))
         return found
 
     def _read_layouts(self, keys: list[str]) -> list[WriterLayout]:
@@ -129,10 +130,7 @@ class RedisStore(KVStore):
         for key, marker in zip(keys, pipe.execute()):
             if marker is None:
                 raise NotFound(f"{self._key(key, MARKER)}: chunk {key} is not committed")
-            layout = _layout(marker)
-            if layout is None:
-                raise CorruptObject(f"{self._key(key, MARKER)}: corrupted commit marker")
-            layouts.append(layout)
+            layouts.append(self._model.trusted(_layout(marker), self._key(key, MARKER)))
         return layouts
 
     def _put(self, layer: int | str, objects: list[tuple[str, bytes, list[memoryview]]]) -> None:
@@ -268,9 +266,9 @@ class RedisStore(KVStore):
         return layout.num_kv_heads or (self.kv_shape[0] if self.kv_shape else 0)
 
     def _names(self, key: str, marker: bytes | None, fingerprint: str | None = None) -> list[str]:
-        """Every key of a chunk as its marker (or, without one, the store's layer count) says: its layer
-        objects and its part markers."""
-        layout = _layout(marker) if marker is not None else None
+        """Every key of a chunk as its marker (or, without one this model's chunks can have, the store's layer
+        count) says: its layer objects and its part markers."""
+        layout = self._model.admit(_layout(marker))
         if layout is None:
             if not self.num_layers:
                 return []
@@ -334,9 +332,11 @@ class RedisStore(KVStore):
         marker = self._redis.get(self._key(key, MARKER, fingerprint))
         if marker is None:
             return None, []
-        layout = _layout(marker)
-        if layout is None:
-            return ("empty" if not marker else "corrupted") + " commit marker", []
+        layout = _layout(marker)  # a layout (WriterLayout) holds at most MAX_CHUNK_OBJECTS objects
+        reason = ("empty" if not marker else "corrupted") + " commit marker" if layout is None else \
+            self._model.layout_damage(layout)
+        if reason is not None:
+            return reason, []
         names = layout.object_layers(self._heads(layout))
         pipe = self._redis.pipeline(transaction=False)
         for name in names:
@@ -347,7 +347,7 @@ class RedisStore(KVStore):
     def _uncommit(self, fingerprint: str, key: str) -> bool:
         # the marker goes first (the chunk is invisible from then on), then the chunk's layer objects
         marker = self._redis.getdel(self._key(key, MARKER, fingerprint))
-        names = self._names(key, marker, fingerprint) if marker is not None and _layout(marker) else \
+        names = self._names(key, marker, fingerprint) if self._model.admit(_layout(marker)) else \
             list(self._redis.scan_iter(match=self._key(key, "*", fingerprint), count=_SCAN_BATCH))
         if names:
             self._redis.execute_command("UNLINK", *names)  # one chunk's keys share a slot

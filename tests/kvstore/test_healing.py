@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -17,8 +18,9 @@ import pytest
 import redis
 import torch
 
-from pdserve.deploy.processes import NODE_ARGS, ClusterSpec, LocalCluster
-from pdserve.kvstore import StoreUnavailable, open_store
+from pdserve.deploy.processes import NODE_ARGS, ClusterSpec, LocalCluster, console_script
+from pdserve.deploy.server_process import ServerProcess
+from pdserve.kvstore import CorruptObject, StoreUnavailable, open_store
 from pdserve.kvstore import fs_space
 from tests.helpers.cluster import client, log_lines, wait_until
 from tests.helpers.kvstore import FP
@@ -182,21 +184,59 @@ def test_the_default_store_is_bounded_by_the_smaller_of_20_gib_and_10_percent_of
         assert store.max_bytes is None and "unbounded" in store.bounds_warning()
 
 
+def _prefill_args(tiny_llama, store: Path, *args: str) -> list[str]:
+    return ["--model", str(tiny_llama), "--dtype", "float32", "--port", "0", "--grpc-port", "0", "--kv-cache-memory",
+            "16MiB", "--max-model-len", "2048", "--shutdown-timeout", "1", "--kv-store", store.as_uri(), *args]
+
+
+@MOUNTS
+@pytest.mark.slow  # seconds: outside make test-quick
+def test_a_default_bound_too_small_for_the_nodes_chunks_is_refused_or_named(disk, tiny_llama):
+    """On a real 20 MiB filesystem the default bound is 2 MiB. A node whose chunks take more (tiny llama, fp32,
+    2048-token chunks: 4 x 1 MiB) refuses to start, saying what to set; one whose chunks fit but not 4 prompts'
+    (256-token chunks, 512 KiB: 3 of them, prompts up to 2048 tokens) starts and warns, naming ?max_bytes=."""
+    done = subprocess.run([*console_script("pd-prefill"), *_prefill_args(tiny_llama, disk / "kv", "--chunk-size", "2048")],
+                          capture_output=True,
+                          text=True, timeout=HANG_S, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = [line for line in done.stderr.strip().splitlines() if " INFO " not in line]  # the log's lines go
+    assert done.returncode == 1 and len(lines) == 1 and lines[0].startswith("pd-prefill: error: "), lines
+    assert "Traceback" not in done.stderr
+    assert f"KV store {disk / 'kv'}: 2097152 bytes (the default bound: 10% of its 20971520-byte filesystem) " \
+           "cannot hold one chunk of 2048 tokens (4194560 bytes)" in lines[0], lines
+    assert "set ?max_bytes= in the store URL to at least 16778240 (or 0: no bound)" in lines[0], lines
+    with ServerProcess(*_prefill_args(tiny_llama, disk / "kv", "--chunk-size", "256"),
+                       exe=console_script("pd-prefill")) as node:
+        warning = [line for line in node.log.splitlines() if "fewer than 4 prompts" in line]
+        assert len(warning) == 1 and "WARNING" in warning[0], node.log
+        assert "2097152 bytes (the default bound: 10% of its 20971520-byte filesystem) hold 3 chunk(s) of 256 " \
+               "tokens, fewer than 4 prompts of 2048 tokens" in warning[0]
+        assert "set ?max_bytes= in the store URL to at least 16785408 (or 0: no bound)" in warning[0]
+
+
 # ---- damaged chunks heal through a real P/D pair behind the proxy ----
 
 PD_PROMPT = random_prompt(300, seed=830)  # 5 chunks of 64 tokens
 PD_MAX_TOKENS = 8
 
 
-def _damage_one_chunk(store: str, kv_store: str, root: Path) -> str:
-    """Delete layer 1 of one committed chunk of the store; returns that chunk's key."""
+def _damage_one_chunk(store: str, kv_store: str, root: Path, damage: str) -> str:
+    """Delete layer 1 of one committed chunk of the store (damage "layer"), or make its marker's layer count
+    4294967298 (damage "marker": byte 9 of a file marker flipped); returns that chunk's key."""
     if store == "file":
         victim = sorted(root.rglob("commit"))[2].parent
-        (victim / "1.kv").unlink()
+        if damage == "layer":
+            (victim / "1.kv").unlink()
+        else:
+            raw = bytearray((victim / "commit").read_bytes())
+            raw[9] ^= 0xFF
+            (victim / "commit").write_bytes(bytes(raw))
         return victim.name
     client = redis.Redis.from_url(kv_store)
     name = sorted(k for k in client.scan_iter(match="pdkv:*:1") if client.exists(k[:-1] + b"c"))[2]
-    client.delete(name)
+    if damage == "layer":
+        client.delete(name)
+    else:
+        client.set(name[:-1] + b"c", str(int(client.get(name[:-1] + b"c")) + (0xFF << 24)))
     return name.decode().split("{")[1].split("}")[0]
 
 
@@ -207,8 +247,9 @@ def _committed(store: str, kv_store: str, root: Path, key: str) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("damage", ["layer", "marker"])
 @pytest.mark.parametrize("store", ["file", "redis"])
-def test_a_damaged_chunk_is_healed_by_the_next_prefill(store, tiny_llama, tmp_path):
+def test_a_damaged_chunk_is_healed_by_the_next_prefill(store, damage, tiny_llama, tmp_path):
     ref = hf_greedy(tiny_llama, [PD_PROMPT], PD_MAX_TOKENS)[0]
     root = tmp_path / "kv"
     # three decode nodes taken in turn: each request meets a cold decode (no local prefix cache to hide the store)
@@ -230,7 +271,7 @@ def test_a_damaged_chunk_is_healed_by_the_next_prefill(store, tiny_llama, tmp_pa
             return [line for node in cluster.decode for line in log_lines(node.log_file, rid)]
 
         assert complete(f"heal-{store}-1") == (ref, len(PD_PROMPT))  # saved, then loaded (all of it: decode goes on from the first token)
-        key = _damage_one_chunk(store, cluster.kv_store, root)
+        key = _damage_one_chunk(store, cluster.kv_store, root, damage)
         ids, _ = complete(f"heal-{store}-2")  # the decode's load fails: it recomputes, exactly
         assert ids == ref
         assert any("KV load failed" in line for line in decode_lines(f"heal-{store}-2"))
@@ -288,6 +329,58 @@ def test_verify_reports_and_repairs_each_kind_of_damage_in_a_file_store(tmp_path
     assert _lookups(url) == [0, 0, 0, 0]
     _four_chunks(url)  # the next prefill rewrites them
     code, out = _verify(url)
+    assert code == 0 and "0 corrupt, 0 damaged chunk(s)" in out
+    assert _lookups(url) == [1, 1, 1, 1]
+
+
+VERIFY_DATA_BYTES = 4 * 2**30  # the verify process's heap: ~10x what it needs, far from a 4e9-name list
+
+
+def _verify_in_bounded_memory(url: str, *args: str) -> tuple[int, str, str]:
+    """pd-kvstore verify with its data segment limited (RLIMIT_DATA): a marker trusted for a list of its
+    layers fails at once with MemoryError instead of growing past the machine's memory."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_DATA, (VERIFY_DATA_BYTES, VERIFY_DATA_BYTES))
+    done = subprocess.run([sys.executable, "-m", "pdserve.kvstore.cli", url, "verify", *args], capture_output=True,
+                          text=True, timeout=60, preexec_fn=limit)
+    return done.returncode, done.stdout, done.stderr
+
+
+@pytest.mark.slow  # seconds: outside make test-quick
+@pytest.mark.parametrize("kind", ["file", "redis"])
+def test_a_marker_with_a_damaged_layer_count_is_damage_never_an_allocation(kind, tmp_path, request):
+    """Byte 9 of a file marker flipped (its layer count becomes 4294967298), or a redis marker saying so: the
+    chunk is no hit a load trusts, verify reports it without sizing anything by it, repair un-commits it. A
+    layer count that stays small (253: byte 6 flipped) is damage too: the model has 2 layers."""
+    url = f"file://{tmp_path}" if kind == "file" else request.getfixturevalue("redis_server").url
+    _four_chunks(url)
+    if kind == "file":
+        for i, byte in ((0, 9), (1, 6)):
+            marker = next(tmp_path.glob(f"{FP}/*/{_key(i)}")) / "commit"
+            raw = bytearray(marker.read_bytes())
+            raw[byte] ^= 0xFF
+            marker.write_bytes(bytes(raw))
+    else:
+        client = redis.Redis.from_url(url)
+        client.set(f"pdkv:{FP}:{{{_key(0)}}}:c", b"4294967298")
+        client.set(f"pdkv:{FP}:{{{_key(1)}}}:c", b"253")
+    code, out, err = _verify_in_bounded_memory(url)
+    assert (code, err) == (1, "")
+    assert f"DAMAGED {FP}/{_key(0)}: corrupted commit marker" in out
+    assert f"DAMAGED {FP}/{_key(1)}: layer 2 of 253 missing" in out
+    assert "0 corrupt, 2 damaged chunk(s)" in out
+    with open_store(url, fingerprint=FP, num_layers=LAYERS, dtype=torch.float32, kv_shape=(2, 8)) as store:
+        assert store.lookup([_key(0), _key(1), _key(2)]) == 3  # present: the load that follows finds the damage
+        with pytest.raises(CorruptObject, match="corrupted commit marker"):
+            store.layouts([_key(0)])
+        with pytest.raises(CorruptObject, match="commit marker records 253 layers, the model has 2"):
+            store.layouts([_key(1)])
+        assert store.layouts([_key(2)])[0].num_layers == LAYERS
+    with open_store(url, fingerprint=FP, num_layers=LAYERS, dtype=torch.float32, kv_shape=(2, 8)) as store:
+        assert store.repair([_key(0), _key(1), _key(2)]) == 2  # what a failed load calls
+    assert _lookups(url) == [0, 0, 1, 1]
+    _four_chunks(url)  # the next prefill rewrites them
+    code, out, _ = _verify_in_bounded_memory(url)
     assert code == 0 and "0 corrupt, 0 damaged chunk(s)" in out
     assert _lookups(url) == [1, 1, 1, 1]
 
