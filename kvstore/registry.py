@@ -71,6 +71,24 @@ def _without_query(parts: SplitResult, url: str) -> str:
     return parts._replace(query="").geturl()  # the options are parsed here, not by redis-py
 
 
+def port_of(parts: SplitResult, url: str) -> int | None:
+    """The URL's port (None: none given); ValueError naming the URL for one that is no number in 0..65535."""
+    try:
+        return parts.port
+    except ValueError as exc:  # urllib's own words ("Port out of range 0-65535") lack the URL
+        raise ValueError(f"bad port in {url!r}: {exc}") from None
+
+
+def _redis_target(parts: SplitResult, url: str) -> str:
+    """A redis URL whose path is a database number or nothing (db 0): redis-py reads any other path as db 0."""
+    port_of(parts, url)
+    db = unquote(parts.path).removeprefix("/")
+    if db and not (db.isascii() and db.isdigit()):
+        raise ValueError(f"redis URL path must be a database number (redis://host:port/0), got {parts.path!r} "
+                         f"in {url!r}")
+    return _without_query(parts, url)
+
+
 @dataclass(frozen=True)
 class StoreScheme:
     """One kind of store URL."""
@@ -97,7 +115,7 @@ class StoreScheme:
     def address(self, url: str) -> tuple[str, int]:
         """(host, port) of a server URL, the entry's defaults filling what the URL leaves out."""
         parts = urlsplit(url)
-        host, port = parts.hostname or self.default_host, parts.port or self.default_port
+        host, port = parts.hostname or self.default_host, port_of(parts, url) or self.default_port
         if host is None or port is None:
             raise ValueError(f"{url!r} names no server: use {self.url}")
         return host, port
@@ -109,7 +127,7 @@ ENTRIES: tuple[StoreScheme, ...] = (
     StoreScheme(("file",), "file:///path", ServedBy.STORE, "pdserve.kvstore.filesystem:FileSystemStore",
                 {"max_bytes": parse_bytes, "fsync": _bool}, target=_file_root),
     StoreScheme(("redis", "rediss"), "redis[s]://host:port/db", ServedBy.STORE,
-                "pdserve.kvstore.redis_store:RedisStore", _REDIS_OPTIONS),
+                "pdserve.kvstore.redis_store:RedisStore", _REDIS_OPTIONS, target=_redis_target),
     StoreScheme(("redis+cluster", "rediss+cluster"), "redis[s]+cluster://host:port[,host:port...]/", ServedBy.STORE,
                 "pdserve.kvstore.redis_cluster:RedisClusterStore", _REDIS_OPTIONS),
     # An lmcache_server (`lmcache_server HOST PORT cpu`); LMCache reads the URL itself (remote_url).

@@ -90,3 +90,26 @@ def test_unreachable_store_and_bad_url_are_one_line_errors(redis_server):
     assert done.stderr.startswith("pd-kvstore: error: redis") and "unreachable" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
     assert main(["ftp://host/x", "ls"]) == 2
+
+
+@pytest.mark.parametrize("path,fragment", [
+    ("/abc", "redis URL path must be a database number (redis://host:port/0), got '/abc'"),
+    ("/0/1", "redis URL path must be a database number (redis://host:port/0), got '/0/1'"),
+    ("/-1", "redis URL path must be a database number (redis://host:port/0), got '/-1'"),
+])
+def test_a_redis_url_whose_path_is_no_database_is_refused(redis_server, path, fragment):
+    """redis-py reads `redis://host/abc` as database 0: against a real server that answers, pd-kvstore refuses
+    the URL (one line, exit 2) instead of using db 0."""
+    url = redis_server.url.removesuffix("/0") + path
+    done = _cli(url, "stats")
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    assert done.stderr.strip().splitlines() == [f"pd-kvstore: error: {fragment} in {url!r}"]
+
+
+@pytest.mark.parametrize("port,reason", [("abc", "Port could not be cast to integer value as 'abc'"),
+                                         ("70000", "Port out of range 0-65535")])
+def test_a_redis_url_whose_port_is_no_port_names_the_url(port, reason):
+    url = f"redis://127.0.0.1:{port}/0"
+    done = _cli(url, "stats")
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"pd-kvstore: error: bad port in {url!r}: {reason}"]

@@ -16,6 +16,7 @@ from pdserve.deploy.processes import console_script, free_port
 from pdserve.deploy.server_process import PD_SERVE, ServerProcess
 from pdserve.prefill_node.__main__ import ROLE as PREFILL
 from pdserve.serving.node import node_main
+from tests.helpers.timing import HANG_S
 
 
 def _run(*args: str) -> tuple[int, list[str]]:
@@ -71,6 +72,38 @@ def test_port_in_use(tiny_llama):
         s.listen()
         rc, lines = _run("--model", str(tiny_llama), "--port", str(s.getsockname()[1]))
     assert rc == 1 and len(lines) == 1 and lines[0].startswith("pd-serve: error: cannot listen on 127.0.0.1:")
+
+
+@pytest.mark.parametrize("prog,args,value", [
+    ("pd-serve", ["--port"], "70000"),
+    ("pd-prefill", ["--port"], "70000"),
+    ("pd-prefill", ["--grpc-port"], "70000"),
+    ("pd-decode", ["--grpc-port"], "-1"),
+    ("pd-decode", ["--port"], "http"),
+    ("pd-proxy", ["--decode", "127.0.0.1:1", "--port"], "70000"),
+])
+def test_a_port_outside_0_to_65535_is_one_line_exit_2(tiny_llama, prog, args, value):
+    """Every port flag of every command is a port to argparse: a usage error, not a traceback from bind()
+    (nor a node that loads its model first: the model here is a real one)."""
+    model = [] if prog == "pd-proxy" else ["--model", str(tiny_llama)]
+    proc = subprocess.run([*console_script(prog), *model, *args, value], capture_output=True, text=True,
+                          timeout=HANG_S, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and lines == [f"{prog}: error: argument {args[-1]}: a port is 0..65535, got "
+                                              f"{value!r} (see --help)"], lines
+
+
+def test_a_redis_store_url_whose_path_is_no_database_stops_the_node(tiny_llama, redis_server):
+    """`--kv-store redis://host:port/abc` against a redis that answers: one line and exit 1 before the model
+    loads, not a node serving from database 0."""
+    url = redis_server.url.removesuffix("/0") + "/abc"
+    proc = subprocess.run([*console_script("pd-decode"), "--model", str(tiny_llama), "--port", "0", "--grpc-port",
+                           "0", "--kv-store", url], capture_output=True, text=True, timeout=HANG_S,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and lines == [
+        f"pd-decode: error: KV store {url} unusable: redis URL path must be a database number "
+        f"(redis://host:port/0), got '/abc' in {url!r}"], lines
 
 
 # ------------------------------------------------------------------ --kv-transfer-config on pd-prefill / pd-decode
