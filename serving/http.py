@@ -131,12 +131,14 @@ def _body_error(request: web.Request, e: Exception) -> APIError:
     return bad_request(f"the request body could not be read: {reason}", code="invalid_request_body")
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """Bind before anything slow happens, so a taken port fails start-up at once."""
+def listen_socket(host: str, port: int, what: str = "") -> socket.socket:
+    """Bind before anything slow happens, so a taken port fails start-up at once. Never SO_REUSEPORT: a port
+    another process holds, even with SO_REUSEPORT set (as grpc sets it by default), is refused."""
     try:
         sock = socket.create_server((host, port), reuse_port=False)
     except OSError as e:
-        raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        raise StartupError(f"cannot listen on {host}:{port}{f' ({what})' if what else ''}: "
+                           f"{e.strerror or e}") from None
     sock.setblocking(False)
     return sock
 

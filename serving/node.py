@@ -22,6 +22,7 @@ from pdserve.protos import pdserve_pb2_grpc as pb_grpc
 from pdserve.serving.auth import GrpcSecurity, add_node_security_args, http_api_key_middleware, node_interceptors, node_security
 from pdserve.serving.cli import ArgumentParser, add_engine_args, add_log_file, add_server_args, config_default
 from pdserve.serving.errors import StartupError
+from pdserve.serving.http import listen_socket
 from pdserve.serving.kv_transfer_flag import apply_kv_transfer_config, check_connector_store, parse_kv_transfer_config
 from pdserve.serving.node_grpc import NodeServicer
 from pdserve.serving.server import run_node, serve
@@ -103,7 +104,9 @@ def check_store(url: str, timeout_s: float = 3.0) -> None:
 async def serve_with_grpc(server: Any, servicer: NodeServicer, sock: socket.socket, grpc_host: str,
                           grpc_port: int, prog: str, shutdown_timeout: float,
                           security: GrpcSecurity = GrpcSecurity()) -> None:
-    grpc_server = grpc.aio.server(options=[*MESSAGE_LIMITS, *KEEPALIVE_SERVER_OPTIONS],
+    # No SO_REUSEPORT (grpc's default): with it a second node given a taken port binds it too, says ready,
+    # and the kernel splits the proxy's connections between the two processes.
+    grpc_server = grpc.aio.server(options=[*MESSAGE_LIMITS, *KEEPALIVE_SERVER_OPTIONS, ("grpc.so_reuseport", 0)],
                                   interceptors=node_interceptors(security))
     pb_grpc.add_PDNodeServicer_to_server(servicer, grpc_server)
     credentials = security.server_credentials()
@@ -111,7 +114,7 @@ async def serve_with_grpc(server: Any, servicer: NodeServicer, sock: socket.sock
         address = f"{grpc_host}:{grpc_port}"
         bound = grpc_server.add_insecure_port(address) if credentials is None else \
             grpc_server.add_secure_port(address, credentials)
-    except RuntimeError as e:
+    except RuntimeError as e:  # taken since the start-up check
         raise StartupError(f"cannot listen on {grpc_host}:{grpc_port} (gRPC): {e}") from None
     if security.api_key:
         server.app.middlewares.append(http_api_key_middleware(security.api_key))
@@ -155,6 +158,8 @@ def node_main(role: NodeRole, argv: list[str] | None = None) -> int:
                 raise StartupError(str(e)) from None
         if args.lmcache_config and not os.access(args.lmcache_config, os.R_OK):
             raise StartupError(f"cannot read LMCache config {args.lmcache_config}")
+        if args.grpc_port:  # a taken gRPC port fails here, before any weights load (the HTTP port's: run_node)
+            listen_socket(args.host, args.grpc_port, "gRPC").close()
         if args.kv_store:  # last: a usable store logs its bound, and a failed start-up says one line only
             check_store(args.kv_store)
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import socket
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
 from pdserve.deploy.processes import console_script, free_port
@@ -39,6 +41,27 @@ def test_launcher_errors_are_one_line(tmp_path, argv, code, needle):
     assert proc.returncode == code, proc
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith(f"{argv[0]}: error: "), proc.stderr
+
+
+@pytest.mark.parametrize("flag", ["--grpc-port", "--port"])
+@pytest.mark.slow  # seconds: outside make test-quick
+def test_a_port_a_running_node_holds_stops_a_second_node(tmp_path, tiny_llama, flag):
+    """A gRPC server's port as grpc binds it by default (SO_REUSEPORT, as a node's was): a second node given
+    that port as its gRPC or HTTP port stops with one line, where it used to share the port and say ready."""
+    holder = grpc.server(ThreadPoolExecutor(1))
+    port = holder.add_insecure_port("127.0.0.1:0")
+    holder.start()
+    try:
+        other = "--port" if flag == "--grpc-port" else "--grpc-port"
+        proc = _run("pd-decode", "--model", str(tiny_llama), flag, str(port), other, "0",
+                    "--kv-store", (tmp_path / "kv").as_uri())
+    finally:
+        holder.stop(None)
+    lines = [line for line in proc.stderr.strip().splitlines() if " INFO " not in line]  # the store's bound
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
+    what = " (gRPC)" if flag == "--grpc-port" else ""
+    assert lines[0].startswith(f"pd-decode: error: cannot listen on 127.0.0.1:{port}{what}: Address already in use"), \
+        lines
 
 
 def test_free_ports_stay_out_of_the_kernels_ephemeral_range():
