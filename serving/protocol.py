@@ -341,4 +341,4 @@ def check_model(model: str | None, served_names: list[str]) -> str:
     """The model name to answer with; 404 when the request names a model we do not serve."""
     if model is None or model in served_names:
         return model or served_names[0]
-    raise model_not_found(model)
+    raise model_not_found(model, served_names)

@@ -37,8 +37,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def model_not_found(name: str) -> APIError:
-    return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+def model_not_found(name: str, served_names: list[str]) -> APIError:
+    """vLLM's 404 (type NotFoundError, its message) followed by the names this server answers to."""
+    return APIError(404, f"The model `{name}` does not exist. Served model names: {', '.join(served_names)}",
+                    type="NotFoundError", param="model", code="model_not_found")
 
 
 def service_unavailable(message: str, code: str) -> APIError:
