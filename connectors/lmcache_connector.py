@@ -25,9 +25,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import yaml
-from lmcache.v1.cache_engine import LMCacheEngineBuilder
-from lmcache.v1.config import LMCacheEngineConfig
-from lmcache.v1.metadata import LMCacheMetadata
+
+from pdserve.kvstore.registry import LMCACHE_EXTRA
+
+try:  # an extra (pyproject.toml): a CPU install without it pulls none of LMCache's CUDA packages
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.metadata import LMCacheMetadata
+except ModuleNotFoundError as exc:
+    if not (exc.name or "").startswith("lmcache"):
+        raise
+    raise ModuleNotFoundError(f"the LMCache connector (lm:// stores, LMCache configs) needs LMCache, which is not "
+                              f"installed: {LMCACHE_EXTRA}", name=exc.name) from None
 
 from pdserve.common.hashing import digest, token_bytes
 from pdserve.connectors.chunked import ChunkedConnector, ChunkedConnectorMetadata, InFlightLoad, LoadSpec, PendingSave, SaveSpec

@@ -23,6 +23,7 @@ from pdserve.common.units import parse_bytes
 if TYPE_CHECKING:
     from pdserve.kvstore.base import KVStore
 
+LMCACHE_EXTRA = "pip install 'pdserve[lmcache]'"  # what installs LMCache, which serves the lm:// scheme
 Parser = Callable[[str], Any]  # a query option's text -> its value; ValueError says what is wrong
 
 

@@ -4,7 +4,8 @@ The wheel is built from a copy of what pyproject.toml packages (`pip wheel --no-
 venv's setuptools) and installed with `pip --python <new venv> install --no-deps --no-index`. The new
 venv gets its dependencies without a download: a .pth line names this venv's site-packages as a plain
 path, which Python appends to sys.path without running the .pth files there (the editable pdserve's
-finder among them). Every command runs from a temporary directory with PYTHONPATH unset and its own
+finder among them); LMCache, found there too, is kept unimportable, as in an install without the `lmcache`
+extra (the wheel's metadata makes it an extra, and an lm:// store then stops a node with what to install). Every command runs from a temporary directory with PYTHONPATH unset and its own
 PDSERVE_CACHE_DIR, so `import pdserve` can only find the installed copy, and the C kernels are built
 from the installed sources. What is checked: site-packages gained `pdserve` alone (and its
 dist-info); `pd-serve` answers a completion; `pd-prefill` + `pd-decode` + `pd-proxy` over a file store
@@ -19,11 +20,13 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
 import time
 import tomllib
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,9 +107,13 @@ def _build_wheel(work: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    work = tmp_path_factory.mktemp("wheel")
-    wheel = _build_wheel(work)
+def wheel(tmp_path_factory) -> Path:
+    return _build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="module")
+def installed(wheel):
+    work = wheel.parent.parent
     venv = work / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], work)
     python = str(venv / "bin" / "python")
@@ -118,6 +125,8 @@ def installed(tmp_path_factory):
     gained = set(os.listdir(site)) - before
     deps = dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
     (Path(site) / "_test_dependencies.pth").write_text("".join(f"{path}\n" for path in deps))
+    # The wheel without its `lmcache` extra: LMCache (in this venv's site-packages) cannot be imported there.
+    (Path(site) / "_without_lmcache.pth").write_text("import sys; sys.modules['lmcache'] = None\n")
     root = work / "run"
     root.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in _DROPPED_ENV}
@@ -160,6 +169,31 @@ def _compiled_and_no_fallback(log: str, *libraries: str) -> None:
         assert re.search(rf"compiled {name}: (built from \S+/site-packages/pdserve/\S+\.c with \S+ in [\d.]+ s"
                          rf"|cached build): \S+/cache/kernels/{name}-", log), f"{name} not loaded:\n{log[-3000:]}"
     assert "unavailable (" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_lmcache_is_an_extra_of_the_wheel_not_a_dependency(wheel):
+    """A CPU install of the wheel pulls none of the CUDA packages LMCache brings (cupy-cuda13x, cuda-bindings):
+    LMCache is the `lmcache` extra (docs/configuration.md, Installing the wheel)."""
+    with zipfile.ZipFile(wheel) as archive:
+        meta = archive.read("pdserve-0.1.0.dist-info/METADATA").decode()
+    requires = [line.partition(":")[2].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")]
+    assert [r for r in requires if r.startswith("lmcache")] == ['lmcache==0.5.6; extra == "lmcache"'], requires
+    assert "Provides-Extra: lmcache" in meta.splitlines()
+
+
+def test_without_lmcache_an_lm_store_stops_the_node_with_what_to_install(installed):
+    """The installed wheel without LMCache importable: an lm:// store (its server's port answers) stops pd-decode
+    with one line naming the extra, no traceback."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        proc = subprocess.run([installed.bin("pd-decode"), "--kv-store", f"lm://127.0.0.1:{server.getsockname()[1]}",
+                               "--port", "0", "--grpc-port", "0", "--kv-cache-memory", "64MiB"], cwd=installed.root,
+                              env=installed.env, capture_output=True, text=True, timeout=STARTUP_S)
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1 and errors[0].startswith("pd-decode: error: ") and \
+        "needs LMCache, which is not installed: pip install 'pdserve[lmcache]'" in errors[0], proc.stderr[-3000:]
 
 
 def test_site_packages_gains_pdserve_alone_and_imports_come_from_it(installed):
