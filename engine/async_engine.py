@@ -58,6 +58,14 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if not future.done():  # (its awaiter may have gone)
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+
 class AsyncLLMEngine:
     """Per-request async output streams over one LLMEngine stepping in its own thread."""
 
@@ -174,6 +182,13 @@ class AsyncLLMEngine:
             self._forget(stream)
             if not finished:
                 self.abort(request_id)
+
+    async def reset_prefix_cache(self) -> bool:
+        """The engine's reset_prefix_cache, run on the step thread between two steps (the engine is not
+        thread-safe); its answer."""
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(("call", self.engine.reset_prefix_cache, done))
+        return await done
 
     def abort(self, request_id: str) -> None:
         """Abort a request (client gone): the step thread frees its blocks before the next step."""
@@ -300,6 +315,15 @@ class AsyncLLMEngine:
                     logger.exception("Reqid: %s, add_request failed", rid)
                     self._post(self._fail, rid, RequestAbortedError(f"could not add the request: {e}"),
                                self.engine.get_stats())
+            elif cmd[0] == "call":  # a function of the engine, between steps; its result to the awaiting future
+                _, fn, done = cmd
+                try:
+                    result = fn()
+                except Exception as e:
+                    logger.exception("%s failed", getattr(fn, "__name__", fn))
+                    self._post(_settle, done, None, e)
+                else:
+                    self._post(_settle, done, result, None)
             elif cmd[0] == "abort" and cmd[1] in live:
                 live.discard(cmd[1])
                 self._abort_in_engine([cmd[1]])

@@ -73,6 +73,14 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block's hash (free ones and those requests still hold): later lookups miss.
+        The KV stays where it is, for the requests that hold it; the number of blocks forgotten."""
+        for block in self.cached.values():
+            block.block_hash = None
+        forgotten, self.cached = len(self.cached), {}
+        return forgotten
+
     def register(self, block: KVCacheBlock, block_hash: bytes) -> None:
         """Index a full block with valid KV; an equal block already indexed keeps its place."""
         if block.block_hash is None and block_hash not in self.cached:

@@ -100,6 +100,11 @@ class KVCacheManager:
         ids.extend(new_ids)
         return new_ids
 
+    def reset_prefix_cache(self) -> int:
+        """Empty the prefix cache (vLLM's reset_prefix_cache); the blocks forgotten. Requests in flight keep
+        their blocks; their blocks already indexed stay unindexed (the next ones are indexed as usual)."""
+        return self.pool.reset_prefix_cache()
+
     def cache_blocks(self, request: Request, num_valid_tokens: int) -> None:
         """Index the request's full blocks among its first `num_valid_tokens` (their KV is written)."""
         if not self.enable_prefix_caching:

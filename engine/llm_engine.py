@@ -220,6 +220,13 @@ class LLMEngine:
         done = self.scheduler.finish_requests(choice_ids, RequestStatus.FINISHED_ABORTED)
         return [self._make_output(r) for r in done]
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's LLMEngine.reset_prefix_cache: later requests find nothing of earlier ones in this engine's
+        paged KV (a KV store keeps its chunks). Between steps only: AsyncLLMEngine runs it on its step thread."""
+        forgotten = self.kv_cache_manager.reset_prefix_cache()
+        logger.info("prefix cache reset: %d cached blocks forgotten", forgotten)
+        return True
+
     def has_request(self, request_id: str) -> bool:
         """Whether some choice of `request_id` is still queued or running."""
         return request_id in self._groups

@@ -66,6 +66,7 @@ class OpenAIServer:
             web.post("/tokenize", self.tokenize),
             web.post("/detokenize", self.detokenize),
             web.get("/version", self.version),
+            web.post("/reset_prefix_cache", self.reset_prefix_cache),
         ])
 
     @property
@@ -222,6 +223,13 @@ class OpenAIServer:
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's POST /reset_prefix_cache: 200 once the engine forgot its cached blocks, between two steps."""
+        if not self.async_engine.accepting:
+            raise oai.service_unavailable("the server is shutting down", "shutting_down")
+        await self.async_engine.reset_prefix_cache()
+        return web.Response(status=200)
 
 
 # ---------------------------------------------------------------- process entry points

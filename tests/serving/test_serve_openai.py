@@ -294,3 +294,21 @@ def test_cache_salt_isolates_prefix_cache(client, model_name):
     assert cached("tenant-a") == 48  # 3 full blocks of 16; the last prompt token is always computed
     assert cached("tenant-b") == 0
     assert cached(None) == 0
+
+
+def test_reset_prefix_cache_forgets_earlier_prompts(server, client, model_name):
+    """vLLM's POST /reset_prefix_cache (aiperf's --reset-kv-cache): 200, and the next request finds nothing of
+    the earlier ones in the prefix cache, while a request in flight finishes unharmed."""
+    prompt = random_prompt(100, seed=4040)
+
+    def cached() -> int:
+        return _complete_ids(client, model_name, prompt)[1].usage.prompt_tokens_details.cached_tokens
+
+    assert cached() == 0 and cached() == 96  # 6 full blocks of 16, the last token always computed
+    stream = open_stream(server, {"model": model_name, "prompt": random_prompt(50, seed=4041), "max_tokens": 32,
+                                  "ignore_eos": True, "stream": True}, "reset-meanwhile")
+    status, _, body = server.request("POST", "/reset_prefix_cache")
+    assert status == 200 and body == b""
+    events = sse_events(stream)
+    assert events[-1] == "[DONE]" and sum(len(e["choices"][0]["text"]) > 0 for e in events[:-1]) > 0
+    assert cached() == 0 and cached() == 96  # cached again from the request after the reset
