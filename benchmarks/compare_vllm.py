@@ -116,7 +116,8 @@ def bench_vllm(python: str, model: Path, w: Workload, repeats: int, max_num_batc
         job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job.write_text(json.dumps({"model": str(model), "dtype": dtype, "prompts": w.batch(),
                                    "output_len": w.output_len, "threads": torch.get_num_threads(),
-                                   "repeats": repeats, "max_num_batched_tokens": max_num_batched_tokens}))
+                                   "repeats": repeats, "max_num_batched_tokens": max_num_batched_tokens,
+                                   "cpu_level": cpu_isa.level()}))
         proc = subprocess.run([python, str(WORKER), str(job), str(result)], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0:

@@ -9,26 +9,21 @@ JSON result: wall seconds (best of the repeats) and the generated token ids.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
 import time
-from pathlib import Path
 
 
-def _emulated_level() -> str:
-    """Under an emulated CPU kind (PDSERVE_CPU_ISA, else ONEDNN_MAX_CPU_ISA: pdserve's common/cpu_isa.py,
-    loaded by path since this venv has no pdserve), make torch's CPU checks say what that kind has: vLLM
-    picks its kernel library from them (`_C` with AVX512_BF16, `_C_AVX512`, `_C_AVX2`) and no variable
-    caps them. oneDNN follows ONEDNN_MAX_CPU_ISA by itself. Returns the level vLLM runs at."""
+def _emulated_level(level: str | None) -> str:
+    """Under an emulated CPU kind (the job's `cpu_level`: pdserve's common/cpu_isa.level() in the parent,
+    since this venv has no pdserve), make torch's CPU checks say what that kind has: vLLM picks its kernel
+    library from them (`_C` with AVX512_BF16, `_C_AVX512`, `_C_AVX2`) and no variable caps them. oneDNN
+    follows ONEDNN_MAX_CPU_ISA by itself. Returns the level vLLM runs at."""
     import torch
 
-    path = Path(__file__).resolve().parents[1] / "common" / "cpu_isa.py"
-    spec = importlib.util.spec_from_file_location("pd_cpu_isa", path)
-    cpu_isa = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cpu_isa)
-    level = cpu_isa.level()
+    if level is None:
+        return "native"
     if level != "avx512_bf16":
         torch.cpu._is_avx512_bf16_supported = lambda: False
     if level not in ("avx512", "avx512_bf16"):
@@ -48,7 +43,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     import torch
 
-    level = _emulated_level()
+    level = _emulated_level(job.get("cpu_level"))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
