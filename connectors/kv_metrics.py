@@ -9,6 +9,7 @@ saves go to a `sink` instead, and rank 0 writes one line per event with every ra
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -18,6 +19,7 @@ from pdserve.connectors.chunk_math import LoadPlan
 from pdserve.connectors.kv_log import fallback_line, load_line, logger, lookup_line, parts_note, save_line
 from pdserve.engine.parallel.kv_events import LOAD, SAVE, KVTransfer
 
+_KEPT_SAVE_FAILURES = 1024  # requests whose save failure waits to be asked about (take_save_failure)
 _SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -53,6 +55,10 @@ class KVTransferMetrics:
         # Set on every rank of a parallel engine: a load or save is handed to it instead of being written
         # (its line and counters), and rank 0 writes the ranks' joined parts (engine/parallel/kv_ranks.py).
         self.sink: Callable[[KVTransfer], None] | None = None
+        # Request id -> why its save failed, until the server asks (a prefill node's "prefill done" line must
+        # not say the KV is committed): written on the step thread, taken on the event loop.
+        self._save_failures: dict[str, str] = {}
+        self._save_failures_lock = threading.Lock()
 
     def collect(self) -> Iterable[Metric]:
         """Lets a server do `registry.register(connector.metrics)`."""
@@ -114,6 +120,15 @@ class KVTransferMetrics:
         self.save_failures.labels(reason=_reason_label(reason)).inc()
         logger.warning(f"Reqid: {request_id}, KV save failed ({reason}); the request continues, "
                        "a consumer will recompute")
+        with self._save_failures_lock:
+            self._save_failures.setdefault(request_id, reason)  # the first reason: what went wrong first
+            while len(self._save_failures) > _KEPT_SAVE_FAILURES:  # never asked about: the oldest go
+                del self._save_failures[next(iter(self._save_failures))]
+
+    def take_save_failure(self, request_id: str) -> str | None:
+        """Why a save of `request_id` failed (None: none did), forgotten once asked."""
+        with self._save_failures_lock:
+            return self._save_failures.pop(request_id, None)
 
     def on_fallback(self, request_id: str, reason: str, num_tokens: int) -> None:
         self.fallbacks.labels(reason=_reason_label(reason)).inc()

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+import aiohttp
 import grpc
 from aiohttp import web
 
@@ -30,7 +31,7 @@ from pdserve.serving.auth import GrpcSecurity
 from pdserve.serving.choices import Assembler, ChoiceOutput, merge, sub_request_id
 from pdserve.serving.http import api_middleware
 from pdserve.serving.limits import MAX_BODY_BYTES
-from pdserve.serving.metrics import CONTENT_TYPE, ProxyMetrics
+from pdserve.serving.metrics import CONTENT_TYPE, ProxyMetrics, RequestMetrics
 from pdserve.serving.responses import ResponseBuilder, models_list
 from pdserve.serving.sse import SSEStream
 from pdserve.serving.wire import (delta_from_pb, positions_from_pb, prompt_to_pb, sampling_to_pb, token_ids_to_pb,
@@ -57,6 +58,34 @@ def _client_error(e: grpc.aio.AioRpcError) -> oai.APIError | None:
     """A 4xx the node raised: the request itself is bad, so no other node will take it either."""
     err = errors.from_rpc_error(e)
     return err if err is not None and err.status < 500 else None
+
+
+class _Meter:
+    """One request's latencies and token counts as its client sees them, on the proxy's /metrics (pd-serve's
+    families: serving/metrics.py RequestMetrics)."""
+
+    def __init__(self, metrics: RequestMetrics, model: str, t0: float) -> None:
+        self.metrics = metrics
+        self.model = model
+        self.t0 = t0
+        self._last: dict[tuple[int, int], float] = {}  # (prompt, choice): when its last tokens came
+
+    async def deltas(self, outputs: AsyncIterator[tuple[int, pb.GenerateDelta]]
+                     ) -> AsyncIterator[tuple[int, pb.GenerateDelta]]:
+        async with contextlib.aclosing(outputs):
+            async for p, d in outputs:
+                if d.token_ids:
+                    now = time.perf_counter()
+                    last = self._last.get((p, d.index))
+                    self.metrics.observe_tokens(self.model, now - (self.t0 if last is None else last),
+                                                len(d.token_ids), last is None)
+                    self._last[(p, d.index)] = now
+                yield p, d
+
+    def finished(self, usage: dict, outcome: str) -> None:
+        self.metrics.observe_finished(self.model, time.perf_counter() - self.t0, usage["prompt_tokens"],
+                                      usage["completion_tokens"])
+        self.metrics.record_outcome(self.model, outcome)
 
 
 def prompt_size_bound(req: oai.GenerationRequest) -> int:
@@ -89,7 +118,8 @@ class Proxy:
             await node.close()
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[api_middleware(api_key=self.config.api_key)], client_max_size=MAX_BODY_BYTES)
+        app = web.Application(middlewares=[api_middleware(self._count, api_key=self.config.api_key)],
+                              client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -100,9 +130,19 @@ class Proxy:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/version", self.version)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.on_startup.append(self.start)
         app.on_cleanup.append(self.stop)
         return app
+
+    def _count(self, request: web.Request, outcome: str) -> None:
+        """A generation request that failed (the middleware saw it): counted by outcome, as pd-serve counts it."""
+        if request.path in ("/v1/completions", "/v1/chat/completions"):
+            self.metrics.requests.record_outcome(request.get("model") or self._known_model(), outcome)
+
+    def _known_model(self) -> str:
+        """The served name the nodes reported last (a request that failed before naming its model)."""
+        return next((n.model_names[0] for n in self.decode.nodes + self.prefill.nodes if n.model_names), "")
 
     # ------------------------------------------------------------ simple endpoints
     def _model_names(self) -> tuple[list[str], int]:
@@ -116,7 +156,10 @@ class Proxy:
         return web.json_response(models_list(names, max_len, self.created))
 
     async def health(self, request: web.Request) -> web.Response:
-        ok = bool(self.decode.healthy())
+        """200 once a decode node and, where prefill nodes are configured, a prefill node are in rotation (vLLM's
+        P/D router); 503 before, and while either role has none (requests then still run: a decode node
+        prefills itself)."""
+        ok = bool(self.decode.healthy()) and (not self.prefill.nodes or bool(self.prefill.healthy()))
         return web.json_response({"status": "ok" if ok else "unavailable",
                                   "prefill": len(self.prefill.healthy()), "decode": len(self.decode.healthy())},
                                  status=200 if ok else 503)
@@ -146,6 +189,29 @@ class Proxy:
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response(tokenize_api.version_response())
 
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """vLLM's POST /reset_prefix_cache, on every node (its HTTP port): 200 once all of them did, else a 503
+        naming those that did not."""
+        nodes = self.prefill.nodes + self.decode.nodes
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+            failures = await asyncio.gather(*(self._reset_node(http, node) for node in nodes))
+        failed = [f"{node.role} {node.address}: {why}" for node, why in zip(nodes, failures) if why]
+        if failed:
+            raise oai.service_unavailable(f"prefix cache not reset on {len(failed)} of {len(nodes)} nodes: "
+                                          + "; ".join(failed), "reset_failed")
+        return web.Response(status=200)
+
+    @staticmethod
+    async def _reset_node(http: aiohttp.ClientSession, node: Node) -> str | None:
+        """Why `node` did not reset its prefix cache; None when it did."""
+        if not node.http_url:
+            return "its HTTP port is not known yet (never in rotation)"
+        try:
+            async with http.post(node.http_url + "/reset_prefix_cache") as resp:
+                return None if resp.status == 200 else f"HTTP {resp.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return str(e) or type(e).__name__
+
     async def _ask_node(self, method: str, call: object, timeout_s: float = 30.0) -> object:
         """A unary call on the first healthy node that answers (decode nodes first): the tokenizer's endpoints."""
         for node in self.decode.healthy() + self.prefill.healthy():
@@ -171,21 +237,23 @@ class Proxy:
         rid = request["request_id"] = oai.request_id_of(req, request.headers.get("X-Request-Id"),
                                                         request["request_id"])
         names, max_model_len = self._model_names()
-        model = oai.check_model(req.model, names)
+        model = request["model"] = oai.check_model(req.model, names)
         oai.check_prompt_size(req, max_model_len)  # before any node tokenizes a hopeless prompt
         subs = req.per_prompt()  # each prompt of a batch: its own Prefill + Generate, all at once
         streams = [self._one_prompt(sub_request_id(rid, p, len(subs)), sub, max_model_len)
                    for p, sub in enumerate(subs)]
         builder = ResponseBuilder(req, rid, model)
         assembler = Assembler(req, len(subs))
-        async with contextlib.aclosing(merge(streams)) as outputs:  # closing cancels every RPC
+        meter = _Meter(self.metrics.requests, model, t0)
+        async with contextlib.aclosing(meter.deltas(merge(streams))) as outputs:  # closing cancels every RPC
             first = await anext(outputs)  # errors before the first token are still plain HTTP errors
             if req.stream:
-                return await self._stream(request, builder, assembler, subs, first, outputs, t0)
+                return await self._stream(request, builder, assembler, subs, first, outputs, meter)
             assembler.add(self._choice_output(subs, *first))
             async for p, d in outputs:
                 assembler.add(self._choice_output(subs, p, d))
         usage = assembler.usage()
+        meter.finished(usage, assembler.finish_reason or "abort")
         response = web.json_response(builder.response(assembler.all(), usage), headers={"X-Request-Id": rid})
         with contextlib.suppress(ConnectionResetError):  # a client gone meanwhile (aiohttp ignores it too)
             await response.prepare(request)  # sent before the log line: the client need not wait for it
@@ -205,7 +273,7 @@ class Proxy:
 
     async def _stream(self, request: web.Request, builder: ResponseBuilder, assembler: Assembler,
                       subs: list[oai.GenerationRequest], first: tuple[int, pb.GenerateDelta],
-                      outputs: AsyncIterator[tuple[int, pb.GenerateDelta]], t0: float) -> web.StreamResponse:
+                      outputs: AsyncIterator[tuple[int, pb.GenerateDelta]], meter: _Meter) -> web.StreamResponse:
         rid = request["request_id"]
         sse = SSEStream(builder, assembler.choice_usage)
         d = assembler.delta(self._choice_output(subs, *first))  # before start: the prompt's counts
@@ -218,12 +286,14 @@ class Proxy:
                 await sse.delta(assembler.delta(self._choice_output(subs, p, d)))
         except oai.APIError as e:  # the decode node died mid-stream: tell the client in-band
             logger.warning("Reqid: %s, stream failed after %d tokens: %s", rid, n, e.message)
+            meter.metrics.record_outcome(meter.model, errors.outcome(e))
             await sse.error(e)
             return await sse.finish(None)
         usage = assembler.usage()
         response = await sse.finish(usage)
+        meter.finished(usage, assembler.finish_reason or "abort")
         logger.info("Reqid: %s, done: %d tokens, finish %s, %.1f ms", rid, usage["completion_tokens"],
-                    assembler.finish_reason, (time.perf_counter() - t0) * 1e3)
+                    assembler.finish_reason, (time.perf_counter() - meter.t0) * 1e3)
         return response
 
     async def _one_prompt(self, rid: str, req: oai.GenerationRequest,
@@ -231,7 +301,7 @@ class Proxy:
         """One prompt's deltas: Prefill on a prefill node (or not), then Generate on a decode node."""
         prompt = prompt_to_pb(req)
         reply = await self._prefill(rid, req, prompt)
-        first = None
+        first = cached = None
         if reply is not None:  # the same 400 as pd-serve before any decoding starts
             token_ids = list(reply.prompt_token_ids)
             req.sampling_params(len(token_ids), max_model_len)
@@ -240,8 +310,13 @@ class Proxy:
             # position is computed once, there, as monolithic serving computes it (docs/architecture.md).
             if reply.HasField("first_token") and req.n == 1 and not req.sampling.get("use_beam_search"):
                 first = reply.first_token
+            # Cached means served from an earlier request's KV: the prefill node's hits, as pd-serve would count
+            # them. The decode node's count adds what it loaded of this request's own prefill (all of it).
+            cached = reply.num_cached_tokens
         async with contextlib.aclosing(self._decode(rid, req, prompt, first)) as deltas:
             async for d in deltas:
+                if cached is not None and d.HasField("usage"):
+                    d.usage.cached_tokens = min(cached, d.usage.prompt_tokens)
                 yield d
 
     async def _prefill(self, rid: str, req: oai.GenerationRequest, prompt: pb.Prompt) -> pb.PrefillResponse | None:

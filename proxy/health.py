@@ -87,8 +87,13 @@ class Node:
         self.figures = NodeFigures()
 
     @property
+    def http_url(self) -> str | None:
+        """The node's HTTP base URL, once a Health answer told its port."""
+        return _http_base(self.address, self.http_port) if self.http_port else None
+
+    @property
     def metrics_url(self) -> str | None:
-        return _http_base(self.address, self.http_port) + "/metrics" if self.http_port else None
+        return self.http_url + "/metrics" if self.http_port else None
 
     def connect(self) -> None:
         """Open the channel; inside the running event loop, which grpc.aio binds it to."""

@@ -53,53 +53,81 @@ class _EngineStatsCollector(Collector):
                            s.num_prompt_tokens_computed)
 
 
+class RequestMetrics:
+    """Finished requests by outcome, TTFT / inter-token / end-to-end latencies and token counts, per model:
+    the families pd-serve, every node and pd-proxy export alike, so a client scraping any of them sees the same
+    names. Observed on the event loop."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["model_name"]
+        self._requests = Counter("pdserve_requests", "Finished generation requests (HTTP or gRPC) by outcome.",
+                                 [*labels, "outcome"], registry=registry)
+        self._ttft = Histogram("pdserve_time_to_first_token_seconds", "Arrival to first output token.", labels,
+                               buckets=_TTFT_BUCKETS, registry=registry)
+        self._itl = Histogram("pdserve_inter_token_latency_seconds", "Time between consecutive output tokens.",
+                              labels, buckets=_ITL_BUCKETS, registry=registry)
+        self._e2e = Histogram("pdserve_e2e_request_latency_seconds", "Arrival to the last output token.", labels,
+                              buckets=_E2E_BUCKETS, registry=registry)
+        self._prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests.", labels,
+                                      registry=registry)
+        self._generation_tokens = Counter("pdserve_generation_tokens", "Output tokens of finished requests.", labels,
+                                          registry=registry)
+        self._models: set[str] = set()
+
+    def add_model(self, model: str) -> None:
+        """Every outcome's series of `model`, at 0 until counted (a rate over them then starts at once)."""
+        if model not in self._models:
+            self._models.add(model)
+            for outcome in OUTCOMES:
+                self._requests.labels(model, outcome)
+
+    def record_outcome(self, model: str, outcome: str) -> None:
+        self.add_model(model)
+        self._requests.labels(model, outcome).inc()
+
+    def observe_tokens(self, model: str, since_last: float, num_tokens: int, first: bool) -> None:
+        """One output delta: `since_last` is from arrival (first delta) or from the previous delta."""
+        if first:
+            self._ttft.labels(model).observe(since_last)
+            num_tokens -= 1
+            since_last = 0.0
+        itl = self._itl.labels(model)
+        for _ in range(num_tokens):  # a delta with k tokens: k inter-token gaps of equal share
+            itl.observe(since_last / num_tokens)
+
+    def observe_finished(self, model: str, e2e_s: float, prompt_tokens: int, output_tokens: int) -> None:
+        self._e2e.labels(model).observe(e2e_s)
+        self._prompt_tokens.labels(model).inc(prompt_tokens)
+        self._generation_tokens.labels(model).inc(output_tokens)
+
+
 class EngineMetrics:
-    """Request outcome counters and latency histograms, plus the engine stats collector."""
+    """One engine's RequestMetrics under its served name, plus the engine stats collector."""
 
     def __init__(self, model_name: str, get_stats: Callable[[], Any] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        labels = {"model_name": model_name}
         self._model = model_name
-        self.requests = Counter("pdserve_requests", "Finished generation requests (HTTP or gRPC) by outcome.",
-                                ["model_name", "outcome"], registry=self.registry)
-        for outcome in OUTCOMES:
-            self.requests.labels(model_name, outcome)
-        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Arrival to first output token.",
-                              ["model_name"], buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)
-        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Time between consecutive output tokens.",
-                             ["model_name"], buckets=_ITL_BUCKETS, registry=self.registry).labels(model_name)
-        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Arrival to the last output token.",
-                             ["model_name"], buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
-        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of finished requests.",
-                                     ["model_name"], registry=self.registry).labels(model_name)
-        self.generation_tokens = Counter("pdserve_generation_tokens", "Output tokens of finished requests.",
-                                         ["model_name"], registry=self.registry).labels(model_name)
+        self.requests = RequestMetrics(self.registry)
+        self.requests.add_model(model_name)
         if get_stats is not None:
-            self.registry.register(_EngineStatsCollector(get_stats, labels))
+            self.registry.register(_EngineStatsCollector(get_stats, {"model_name": model_name}))
 
     def record_outcome(self, outcome: str) -> None:
-        self.requests.labels(self._model, outcome).inc()
+        self.requests.record_outcome(self._model, outcome)
 
     def observe_tokens(self, since_last: float, num_tokens: int, first: bool) -> None:
-        """One output delta: `since_last` is from arrival (first delta) or from the previous delta."""
-        if first:
-            self.ttft.observe(since_last)
-            num_tokens -= 1
-            since_last = 0.0
-        for _ in range(num_tokens):  # a delta with k tokens: k inter-token gaps of equal share
-            self.itl.observe(since_last / num_tokens)
+        self.requests.observe_tokens(self._model, since_last, num_tokens, first)
 
     def observe_finished(self, e2e_s: float, prompt_tokens: int, output_tokens: int) -> None:
-        self.e2e.observe(e2e_s)
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(output_tokens)
+        self.requests.observe_finished(self._model, e2e_s, prompt_tokens, output_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class ProxyMetrics(Collector):
-    """The proxy's per-node routing state, read from its node handles at scrape time.
+    """The proxy's own requests (`requests`: pd-serve's families, as its clients saw them) and its per-node
+    routing state, read from its node handles at scrape time.
 
     `get_nodes` returns objects with `role`, `address`, `routed`, `healthy` and `load.in_flight`
     (proxy/health.py's Node); the request path keeps counting on them and never touches Prometheus.
@@ -108,6 +136,7 @@ class ProxyMetrics(Collector):
     def __init__(self, get_nodes: Callable[[], Iterable[Any]]) -> None:
         self._get_nodes = get_nodes
         self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = RequestMetrics(self.registry)
         self.registry.register(self)
 
     def collect(self) -> Iterator:

@@ -103,10 +103,17 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         except CallFailed as e:
             await context.abort(e.code, e.details)
         ms = (time.perf_counter() - t0) * 1e3
-        logger.info("Reqid: %s, prefill done: %d prompt tokens, %d cached, KV committed, %.1f ms",
-                    request.request_id, len(ids), last.num_cached_tokens, ms)
+        logger.info("Reqid: %s, prefill done: %d prompt tokens, %d cached, %s, %.1f ms",
+                    request.request_id, len(ids), last.num_cached_tokens, self._kv_outcome(request.request_id), ms)
         return pb.PrefillResponse(prompt_token_ids=ids, num_cached_tokens=last.num_cached_tokens,
                                   prefill_ms=ms, first_token=wire.first_token_to_pb(last))
+
+    def _kv_outcome(self, request_id: str) -> str:
+        """What became of a finished prefill's KV: its final output waited for the commit or the failure of
+        every save (engine/scheduler.py), and a failure was reported before it (connectors/kv_metrics.py)."""
+        metrics = getattr(self.engine.connector, "metrics", None)
+        failure = metrics.take_save_failure(request_id) if metrics is not None else None
+        return "KV committed" if failure is None else f"KV not saved ({failure})"
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateDelta]:
