@@ -54,6 +54,7 @@ class LLMEngine:
         self.model_name = config.model.model
         self.threads = engine_threads(config)  # torch threads before the first parallel op, on the step thread
         self.model_runner = ModelRunner(config, connector_factory=connector_factory)  # first: explains a bad path
+        logger.info("%s", self.threads.line())  # once the model loaded: a start-up failure stays one line
         self.tokenizer = load_tokenizer(config.model.model)
         runner = self.model_runner
         connector = None

@@ -38,9 +38,9 @@ def engine_threads(config: EngineConfig) -> ThreadPlan:
     """An engine's threads, at its start: `config.device.threads` (`--threads`), else the CPUs the process may
     use (cgroup quota, affinity), split over its ranks (common/cpu_budget.py); logged once. A single-rank
     engine sets torch's threads here (on the thread that runs its steps); ranks get theirs from
-    RankProcesses. Torch is not imported before: a server decides its OpenMP wait first (serving/server.py)."""
+    RankProcesses. Torch is not imported before: a server decides its OpenMP wait first (serving/server.py).
+    The engine logs `plan.line()` once its model has loaded."""
     plan = plan_threads(config.device.threads, config.parallel.world_size)
-    logger.info("%s", plan.line())
     if plan.ranks == 1:
         import torch
 
