@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from pdserve.common.paths import cache_dir, kvstore_dir
+from pdserve.common.cli_types import port_number
 from pdserve.common.units import parse_bytes
 from pdserve.deploy.listeners import port_in_use
 from pdserve.deploy.parent_watch import ParentWatch
@@ -34,16 +35,6 @@ from pdserve.proxy.router import DEFAULT_POLICY, POLICIES
 
 DEFAULT_MODEL = "smollm2"
 KEEP_RUN_LOGS = 5  # `serve-*` log directories under $PDSERVE_CACHE_DIR/logs, this run's included
-
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {text!r}")
-    return port
 
 
 def _byte_size(text: str) -> str:
@@ -68,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"a model directory, or a preset made on first use: {', '.join(PRESET_NAMES)} "
                         f"(default {DEFAULT_MODEL}: SmolLM2-135M-Instruct)")
-    p.add_argument("--port", type=_port, default=8000, help="proxy port (default 8000; 0: any free port)")
+    p.add_argument("--port", type=port_number, default=8000, help="proxy port (default 8000; 0: any free port)")
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=POLICIES)
     p.add_argument("--log-dir", default=None,
                    help=f"where logs go (default: a new directory under $PDSERVE_CACHE_DIR/logs; the last "

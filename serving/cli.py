@@ -13,6 +13,7 @@ import logging
 import sys
 from typing import Any, NoReturn
 
+from pdserve.common.cli_types import port_number
 from pdserve.common.units import format_bytes
 from pdserve.engine.config import (ATTENTION_BACKENDS, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_MEMORY,
                                    DEVICE_RE, DTYPES, CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
@@ -21,20 +22,6 @@ from pdserve.serving.limits import add_http_timeout_args
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-
-
-def port_number(text: str) -> int:
-    """An argparse type: a TCP port, 0..65535 (0: the system picks a free one)."""
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {text!r}")
-    return port
-
-
-port_number.__name__ = "port"
 
 
 class ArgumentParser(argparse.ArgumentParser):
