@@ -143,7 +143,8 @@ def throughput_series(requests: list[dict[str, Any]], bin_s: float | None = None
 # Where prompt tokens came from. From pdserve's counters, summed over the nodes scraped, the three are disjoint
 # per node: its local prefix-cache hits, what it loaded from the KV store, what it ran through the model. On P/D
 # each prompt is served twice (by its prefill node, then by its decode node), so the three add up to about twice
-# the prompt tokens; the decode node's share is why the per-request `cached_tokens` is ~100% there.
+# the prompt tokens. Usage's `cached_tokens` counts only KV from earlier requests (a P/D proxy reports its
+# prefill node's hits, not the hand-off to decode), as pd-serve's does (docs/vllm-compat.md).
 LOCAL, STORE, COMPUTED = "local prefix cache", "KV store", "computed"
 # Without counters (another server), the client's view: usage's cached_tokens and the rest.
 CACHED_USAGE, COMPUTED_USAGE = "cached (usage)", "computed (prompt - cached)"
