@@ -17,6 +17,10 @@ from pathlib import Path
 
 DASHBOARD_PATH = Path(__file__).resolve().parent / "grafana" / "pdserve.json"
 NODE = '{instance=~"$instance"}'
+# The node variable lists the instances that export an engine's gauge, and "All" is those (no catch-all
+# regex): pd-proxy exports the same request families (serving/metrics.py RequestMetrics) as the client saw
+# them, and the node panels must not mix its figures into the nodes'.
+ENGINE_ONLY = "pdserve_num_requests_running"
 RATE = "$__rate_interval"
 _METRIC = re.compile(r"\bpdserve_[a-z0-9_]+")
 
@@ -142,10 +146,10 @@ def build() -> dict:
         "templating": {"list": [
             {"name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus"},
             {"name": "instance", "label": "node", "type": "query", "multi": True, "includeAll": True,
-             "allValue": ".*", "refresh": 2, "current": {"text": "All", "value": "$__all"},
+             "refresh": 2, "current": {"text": "All", "value": "$__all"},
              "datasource": {"type": "prometheus", "uid": "${datasource}"},
-             "query": {"query": "label_values(pdserve_requests_total, instance)", "refId": "instance"},
-             "definition": "label_values(pdserve_requests_total, instance)"},
+             "query": {"query": f"label_values({ENGINE_ONLY}, instance)", "refId": "instance"},
+             "definition": f"label_values({ENGINE_ONLY}, instance)"},
         ]},
         "annotations": {"list": []},
         "panels": panels,
