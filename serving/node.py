@@ -83,7 +83,11 @@ def check_store(url: str, timeout_s: float = 3.0) -> None:
     entry = registry.lookup(url)
     if entry is not None and entry.served_by is ServedBy.LMCACHE:  # LMCache's protocol: a TCP connect is our check
         try:
-            socket.create_connection(entry.address(url), timeout=timeout_s).close()
+            address = entry.address(url)
+        except ValueError as e:  # a port that is no number, a URL naming no server
+            raise StartupError(f"KV store {url} unusable: {e}") from None
+        try:
+            socket.create_connection(address, timeout=timeout_s).close()
         except OSError as e:
             raise StartupError(f"LMCache server {urlsplit(url).netloc} unreachable: {e.strerror or e}") from None
         return

@@ -106,6 +106,18 @@ def test_a_redis_store_url_whose_path_is_no_database_stops_the_node(tiny_llama, 
         f"(redis://host:port/0), got '/abc' in {url!r}"], lines
 
 
+
+def test_an_lmcache_store_url_whose_port_is_no_number_stops_the_node_with_one_line():
+    """`--kv-store lm://host:abc`: one line and exit 1 at start-up (the LMCache branch of the store check),
+    not a traceback; nothing loads before it."""
+    url = "lm://127.0.0.1:abc"
+    proc = subprocess.run([*console_script("pd-decode"), "--port", "0", "--grpc-port", "0", "--kv-store", url],
+                          capture_output=True, text=True, timeout=HANG_S, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"pd-decode: error: KV store {url} unusable: bad port in '{url}'"), lines
+
+
 # ------------------------------------------------------------------ --kv-transfer-config on pd-prefill / pd-decode
 
 def _node(prog: str, *args: str, env: dict[str, str] | None = None) -> tuple[int, list[str]]:
