@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import os
 import socket
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import grpc
@@ -19,6 +19,7 @@ from pdserve.kvstore import registry
 from pdserve.kvstore.registry import ServedBy
 from pdserve.protos import KEEPALIVE_SERVER_OPTIONS, MESSAGE_LIMITS
 from pdserve.protos import pdserve_pb2_grpc as pb_grpc
+from pdserve.serving.announce import Announcer, add_fleet_args, advertised_host, check_registry, node_announcer
 from pdserve.serving.auth import GrpcSecurity, add_node_security_args, http_api_key_middleware, node_interceptors, node_security
 from pdserve.serving.cli import ArgumentParser, add_engine_args, add_log_file, add_server_args, config_default
 from pdserve.serving.errors import StartupError
@@ -74,6 +75,7 @@ def build_parser(role: NodeRole) -> ArgumentParser:
                    "SharedStorageConnector, LMCacheConnectorV1; docs/configuration.md)")
     g.add_argument("--log-file", default=None, help="also write the log here (for pd-kv-hits)")
     add_node_security_args(parser)
+    add_fleet_args(parser)
     add_engine_args(parser)
     return parser
 
@@ -107,7 +109,9 @@ def check_store(url: str, timeout_s: float = 3.0) -> None:
 
 async def serve_with_grpc(server: Any, servicer: NodeServicer, sock: socket.socket, grpc_host: str,
                           grpc_port: int, prog: str, shutdown_timeout: float,
-                          security: GrpcSecurity = GrpcSecurity()) -> None:
+                          security: GrpcSecurity = GrpcSecurity(),
+                          announce: Callable[[int], Announcer] | None = None) -> None:
+    """`announce`: given the bound gRPC port, the node's fleet announcer (serving/announce.py), if it has one."""
     # No SO_REUSEPORT (grpc's default): with it a second node given a taken port binds it too, says ready,
     # and the kernel splits the proxy's connections between the two processes.
     grpc_server = grpc.aio.server(options=[*MESSAGE_LIMITS, *KEEPALIVE_SERVER_OPTIONS, ("grpc.so_reuseport", 0)],
@@ -124,9 +128,14 @@ async def serve_with_grpc(server: Any, servicer: NodeServicer, sock: socket.sock
         server.app.middlewares.append(http_api_key_middleware(security.api_key))
     logger.log(*security.describe_server(f"{grpc_host}:{bound}"))
     await grpc_server.start()
+    announcer = announce(bound) if announce is not None else None
+    if announcer is not None:
+        announcer.start()  # announces once the engine accepts; withdraws as the drain begins
     try:
         await serve(server, sock, f"{prog} [gRPC {grpc_host}:{bound}]", shutdown_timeout)
     finally:
+        if announcer is not None:
+            await announcer.stop()
         await grpc_server.stop(grace=1.0)
         # The connector's threads and connections (LMCache's especially) would keep the process alive.
         await asyncio.to_thread(server.engine.shutdown)
@@ -162,6 +171,12 @@ def node_main(role: NodeRole, argv: list[str] | None = None) -> int:
                 raise StartupError(str(e)) from None
         if args.lmcache_config and not os.access(args.lmcache_config, os.R_OK):
             raise StartupError(f"cannot read LMCache config {args.lmcache_config}")
+        if args.fleet_registry:
+            try:
+                advertised_host(args)
+                check_registry(args.fleet_registry)
+            except ValueError as e:
+                raise StartupError(str(e)) from None
         if args.grpc_port:  # a taken gRPC port fails here, before any weights load (the HTTP port's: run_node)
             listen_socket(args.host, args.grpc_port, "gRPC").close()
         if args.kv_store:  # last: a usable store logs its bound, and a failed start-up says one line only
@@ -170,6 +185,6 @@ def node_main(role: NodeRole, argv: list[str] | None = None) -> int:
     async def run(server: Any, sock: socket.socket) -> None:
         servicer = NodeServicer(server, role.name, http_port=sock.getsockname()[1])
         await serve_with_grpc(server, servicer, sock, args.host, args.grpc_port, parser.prog, args.shutdown_timeout,
-                              security)
+                              security, node_announcer(args, server, role.name, sock.getsockname()[1]))
 
     return run_node(args, parser.prog, preflight=preflight, run=run)
