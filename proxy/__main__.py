@@ -7,6 +7,7 @@ import sys
 from pdserve.common import eventloop
 from pdserve.proxy.app import Proxy, ProxyConfig
 from pdserve.proxy.decode_stream import Deadlines
+from pdserve.proxy.fleet_sources import DNS_POLL_S, REGISTRY_POLL_S
 from pdserve.proxy.router import POLICIES
 from pdserve.serving.auth import add_proxy_security_args, proxy_security
 from pdserve.serving.cli import (LOG_LEVELS, ArgumentParser, add_log_file, add_response_args, config_default,
@@ -27,13 +28,29 @@ def _addresses(text: str) -> list[str]:
     return out
 
 
+def _name_port(text: str) -> str:
+    name, sep, port = text.rpartition(":")
+    if not sep or not name or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected NAME:PORT, got {text!r}")
+    return text
+
+
 def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="pd-proxy", description="Routing proxy: OpenAI API in front of prefill and decode "
                        "nodes (gRPC)")
     p.add_argument("--prefill", type=_addresses, default=[], metavar="HOST:PORT[,...]",
-                   help="gRPC addresses of the prefill nodes (none: decode nodes prefill locally)")
-    p.add_argument("--decode", type=_addresses, required=True, metavar="HOST:PORT[,...]",
-                   help="gRPC addresses of the decode nodes")
+                   help="gRPC addresses of the prefill nodes (none from any source: decode nodes prefill locally)")
+    p.add_argument("--decode", type=_addresses, default=[], metavar="HOST:PORT[,...]",
+                   help="gRPC addresses of the decode nodes (this, --decode-dns or --fleet-registry is required)")
+    fleet = p.add_argument_group("fleet", "nodes that come and go (docs/operations.md, \"A fleet\")")
+    fleet.add_argument("--fleet-registry", default=None, metavar="redis://HOST:PORT/DB",
+                       help=f"also route to the nodes announced in this Redis registry (their --fleet-registry), "
+                            f"read every {REGISTRY_POLL_S:g} s")
+    fleet.add_argument("--prefill-dns", type=_name_port, default=None, metavar="NAME:PORT",
+                       help=f"also route to a prefill node at each A record of NAME (a Kubernetes headless Service), "
+                            f"resolved every {DNS_POLL_S:g} s")
+    fleet.add_argument("--decode-dns", type=_name_port, default=None, metavar="NAME:PORT",
+                       help="the same for decode nodes")
     # Defaults the proxy's dataclasses own (ProxyConfig, Deadlines) are read from them; the help quotes each.
     host, port, level = "127.0.0.1", 8000, "INFO"
     p.add_argument("--host", default=host, help=f"address to listen on (default {host})")
@@ -69,7 +86,10 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not (args.decode or args.decode_dns or args.fleet_registry):
+        parser.error("no decode nodes: give --decode, --decode-dns or --fleet-registry")
     setup_logging(args.log_level)
     if args.log_file:
         try:
@@ -89,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"pd-proxy: error: {e}", file=sys.stderr)
         return 1
-    config = ProxyConfig(prefill=args.prefill, decode=args.decode, policy=args.policy,
+    config = ProxyConfig(prefill=args.prefill, decode=args.decode, fleet_registry=args.fleet_registry,
+                         prefill_dns=args.prefill_dns, decode_dns=args.decode_dns, policy=args.policy,
                          local_prefill_threshold=args.local_prefill_threshold, api_key=args.api_key,
                          health_interval_s=args.health_interval, grpc_security=security,
                          deadlines=deadlines, prefill_timeout_s=args.prefill_timeout,
@@ -104,10 +125,18 @@ def main(argv: list[str] | None = None) -> int:
     except StartupError as e:
         print(f"pd-proxy: error: {e}", file=sys.stderr)
         return 1
-    eventloop.run(serve_app(Proxy(config).app(), sock, "pd-proxy", lambda: (
-        f"(policy {config.policy}, prefill {','.join(config.prefill) or '- (decode nodes prefill every prompt)'}, "
-        f"decode {','.join(config.decode)})"), timeouts=timeouts))
+    proxy = Proxy(config)
+    eventloop.run(serve_app(proxy.app(), sock, "pd-proxy", lambda: f"(policy {config.policy}, {_fleet_line(proxy)})",
+                            timeouts=timeouts))
     return 0
+
+
+def _fleet_line(proxy: Proxy) -> str:
+    """The nodes known at start and where more come from, for the ready line."""
+    prefill, decode = (",".join(n.address for n in r.nodes) for r in (proxy.prefill, proxy.decode))
+    dynamic = [f"{s.kind} {s.where}" for s in proxy.fleet.sources if s.interval_s is not None]
+    return (f"prefill {prefill or '- (decode nodes prefill every prompt)'}, decode {decode or '-'}"
+            + (f", fleet from {'; '.join(dynamic)}" if dynamic else ""))
 
 
 if __name__ == "__main__":

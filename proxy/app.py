@@ -23,6 +23,8 @@ from aiohttp import web
 from pdserve.protos import pdserve_pb2 as pb
 from pdserve.proxy import dashboard
 from pdserve.proxy.decode_stream import Deadlines, DecodeStream
+from pdserve.proxy.fleet import Fleet
+from pdserve.proxy.fleet_sources import fleet_sources
 from pdserve.proxy.health import HealthMonitor, Node
 from pdserve.proxy.router import DEFAULT_POLICY, Router
 from pdserve.serving import errors, tokenize_api
@@ -42,8 +44,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ProxyConfig:
-    prefill: list[str]
+    prefill: list[str]  # static gRPC addresses; the fleet's other sources add nodes as they come and go
     decode: list[str]
+    fleet_registry: str | None = None  # redis:// URL of the fleet registry nodes announce in (serving/announce.py)
+    prefill_dns: str | None = None  # NAME:PORT whose A records are prefill nodes (a headless Service)
+    decode_dns: str | None = None
     policy: str = DEFAULT_POLICY
     local_prefill_threshold: int = 0  # prompts shorter than this many tokens skip the prefill node
     api_key: str | None = None
@@ -99,23 +104,24 @@ def prompt_size_bound(req: oai.GenerationRequest) -> int:
 class Proxy:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.prefill = Router([Node(a, "prefill", config.grpc_security) for a in config.prefill], config.policy)
-        self.decode = Router([Node(a, "decode", config.grpc_security) for a in config.decode], config.policy)
+        self.prefill = Router([], config.policy)  # the fleet fills both, and keeps them current
+        self.decode = Router([], config.policy)
         self.metrics = ProxyMetrics(lambda: self.prefill.nodes + self.decode.nodes)
-        self.monitor = HealthMonitor(self.prefill.nodes + self.decode.nodes, config.health_interval_s)
+        self.monitor = HealthMonitor(lambda: self.prefill.nodes + self.decode.nodes, config.health_interval_s)
+        self.fleet = Fleet({"prefill": self.prefill, "decode": self.decode}, fleet_sources(
+            config.prefill, config.decode, config.fleet_registry, config.prefill_dns, config.decode_dns),
+            config.grpc_security, self.monitor.check)
         self.created = int(time.time())
 
     # ------------------------------------------------------------ lifecycle
     async def start(self, app: web.Application) -> None:
-        for node in self.monitor.nodes:
-            node.connect()
+        await self.fleet.start()  # every source once: the nodes known at start are checked before the ready line
         await self.monitor.check_all()
         self.monitor.start()
 
     async def stop(self, app: web.Application) -> None:
         await self.monitor.stop()
-        for node in self.prefill.nodes + self.decode.nodes:
-            await node.close()
+        await self.fleet.stop()
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[api_middleware(self._count, api_key=self.config.api_key)],
@@ -125,6 +131,7 @@ class Proxy:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/status", self.status)
+        self.fleet.add_routes(app)
         app.router.add_get("/metrics", self.prometheus)
         dashboard.add_routes(app)
         app.router.add_post("/tokenize", self.tokenize)

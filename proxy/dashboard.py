@@ -70,13 +70,14 @@ PAGE = """<!doctype html>
 <p class="note">In flight and routed: this proxy's counts. KV usage and prefix-cache hit rate: the node's last
 health probe. KV-store columns: the node's own counters since it started (its /metrics, read by this proxy every
 few seconds). TTFT and ITL: measured by the node over the last minute, from a request's arrival at that node (a
-decode node's TTFT leaves out the prefill).</p>
+decode node's TTFT leaves out the prefill). Found by: how this proxy learned of the node (static flags, the
+fleet registry, DNS; <code>/fleet</code> lists each with what it announced).</p>
 <script>
 "use strict";
 const REFRESH_MS = __REFRESH_MS__;
 const COLUMNS = ["node", "health", "in flight", "routed", "running", "waiting", "KV usage", "prefix-cache hit rate",
                  "KV-store hit rate", "store loads", "fallbacks", "save failures", "TTFT p50 / p99 (ms)",
-                 "ITL p50 / p99 (ms)"];
+                 "ITL p50 / p99 (ms)", "found by"];
 const WINDOW_S = 60, HISTORY_S = 600;
 const missing = (x) => x === null || x === undefined;
 const pct = (x) => missing(x) ? "-" : (100 * x).toFixed(1) + "%";
@@ -132,6 +133,7 @@ function drawRole(role, nodes) {
     for (const key of ["loads", "fallbacks", "save_failures"]) cell(row, count(store, key));
     cell(row, m ? pair(m.latency.ttft_ms) : "-");
     cell(row, m ? pair(m.latency.itl_ms) : "-");
+    cell(row, n.source || "-");  // static, redis or dns: GET /fleet has the rest of what the node announced
   }
   document.getElementById(role + "-healthy").textContent =
     nodes.filter((n) => n.healthy).length + " / " + nodes.length;

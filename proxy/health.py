@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import aiohttp
 import grpc
@@ -85,6 +86,9 @@ class Node:
         self.max_model_len = 0
         self.http_port = 0  # where the node serves HTTP (/metrics), from its Health answer
         self.figures = NodeFigures()
+        self.source = "static"  # how the proxy found it (proxy/fleet_sources.py), since when (Unix time)
+        self.since = time.time()
+        self.announcement: Any = None  # serving.announce.Announcement of a node found in the fleet registry
 
     @property
     def http_url(self) -> str | None:
@@ -156,7 +160,7 @@ class Node:
                 "waiting": self.load.num_waiting, "free_blocks": self.load.num_free_blocks,
                 "total_blocks": self.load.num_total_blocks, "kv_usage": round(self.load.kv_usage, 4),
                 "prefix_cache_hit_rate": _round(self.load.prefix_cache_hit_rate), "last_error": self.last_error,
-                "metrics_url": self.metrics_url,
+                "metrics_url": self.metrics_url, "source": self.source,
                 "metrics": self.figures.status()}
 
     async def sample_metrics(self, http: aiohttp.ClientSession, tick: float, timeout_s: float) -> None:
@@ -183,9 +187,9 @@ class Node:
 
 class HealthMonitor:
     """Probes every node each `interval_s` in the background, and samples the healthy nodes' /metrics each
-    `sample_s` for the status page."""
+    `sample_s` for the status page. `nodes()` says which nodes there are now (the fleet changes them)."""
 
-    def __init__(self, nodes: list[Node], interval_s: float = 1.0, timeout_s: float = 1.0,
+    def __init__(self, nodes: Callable[[], list[Node]], interval_s: float = 1.0, timeout_s: float = 1.0,
                  sample_s: float = SAMPLE_S) -> None:
         self.nodes = nodes
         self.interval_s = interval_s
@@ -195,9 +199,9 @@ class HealthMonitor:
         self._sampler: asyncio.Task | None = None
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self._check(node) for node in self.nodes))
+        await asyncio.gather(*(self.check(node) for node in self.nodes()))
 
-    async def _check(self, node: Node) -> None:
+    async def check(self, node: Node) -> None:
         try:
             await node.probe(self.timeout_s)
         except grpc.aio.AioRpcError as e:
@@ -217,7 +221,7 @@ class HealthMonitor:
             while True:
                 tick = time.time()  # one time for every node of the tick: the page sums them per tick
                 await asyncio.gather(*(n.sample_metrics(http, tick, self.sample_s / 2)
-                                       for n in self.nodes if n.healthy))
+                                       for n in self.nodes() if n.healthy))
                 next_tick += self.sample_s
                 await asyncio.sleep(max(0.0, next_tick - loop.time()))
 
