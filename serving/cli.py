@@ -129,8 +129,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None,
                    help=f"default sampling seed of the engine (default {d(ModelConfig, 'seed')})")
     g.add_argument("-tp", "--tensor-parallel-size", type=_positive_int, default=None,
-                   help="ranks that split each layer's heads and MLP (one process each; "
-                        f"default {d(ParallelConfig, 'tensor_parallel_size')})")
+                   help="ranks that split each layer's heads and MLP (one process each; it must divide the model's "
+                        "attention heads: SmolLM2-135M, make serve's default, has 9 and takes 1 or 3; a value the "
+                        f"model does not take stops start-up naming those it does; default "
+                        f"{d(ParallelConfig, 'tensor_parallel_size')})")
     g.add_argument("-pp", "--pipeline-parallel-size", type=_positive_int, default=None,
                    help="ranks that split the layers into stages (one process each; "
                         f"default {d(ParallelConfig, 'pipeline_parallel_size')})")

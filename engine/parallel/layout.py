@@ -41,6 +41,25 @@ class ModelDims:
                    getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, cfg.intermediate_size, cfg.vocab_size)
 
 
+def tp_problem(d: ModelDims, tp: int) -> str | None:
+    """Why `tp` ranks cannot split this model's heads and MLP; None when they can."""
+    if d.num_heads % tp:
+        return f"tensor_parallel_size={tp} must divide the model's {d.num_heads} attention heads"
+    if d.num_kv_heads >= tp and d.num_kv_heads % tp:
+        return f"tensor_parallel_size={tp} must divide the model's {d.num_kv_heads} KV heads"
+    if d.num_kv_heads < tp and tp % d.num_kv_heads:
+        return (f"tensor_parallel_size={tp} must be a multiple of the model's {d.num_kv_heads} KV heads to "
+                "replicate them")
+    if d.intermediate_size % tp:
+        return f"tensor_parallel_size={tp} must divide the MLP's {d.intermediate_size} units"
+    return None
+
+
+def valid_tp_sizes(d: ModelDims) -> list[int]:
+    """Every tensor_parallel_size this model takes (each divides its attention heads, so none exceeds them)."""
+    return [tp for tp in range(1, d.num_heads + 1) if tp_problem(d, tp) is None]
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     tp: int
@@ -49,17 +68,11 @@ class ParallelLayout:
     dims: ModelDims
 
     def __post_init__(self) -> None:
-        d, tp = self.dims, self.tp
-        if d.num_heads % tp:
-            raise ValueError(f"tensor_parallel_size={tp} must divide the model's {d.num_heads} attention heads")
-        if d.num_kv_heads >= tp and d.num_kv_heads % tp:
-            raise ValueError(f"tensor_parallel_size={tp} must divide the model's {d.num_kv_heads} KV heads")
-        if d.num_kv_heads < tp and tp % d.num_kv_heads:
-            raise ValueError(f"tensor_parallel_size={tp} must be a multiple of the model's {d.num_kv_heads} KV "
-                             "heads to replicate them")
-        if d.intermediate_size % tp:
-            raise ValueError(f"tensor_parallel_size={tp} must divide the MLP's {d.intermediate_size} units")
-        pp_layer_ranges(d.num_layers, self.pp)  # raises when pp exceeds the layer count
+        problem = tp_problem(self.dims, self.tp)
+        if problem is not None:  # says which sizes would do: SmolLM2's 9 heads take 1 and 3 only
+            raise ValueError(f"{problem}; this model takes tensor_parallel_size (-tp) "
+                             f"{' or '.join(map(str, valid_tp_sizes(self.dims)))}")
+        pp_layer_ranges(self.dims.num_layers, self.pp)  # raises when pp exceeds the layer count
 
     @property
     def world_size(self) -> int:

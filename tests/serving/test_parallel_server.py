@@ -9,11 +9,12 @@ import http.client
 import json
 import os
 import signal
+import subprocess
 from urllib.parse import urlparse
 
 import pytest
 
-from pdserve.deploy.server_process import ServerProcess
+from pdserve.deploy.server_process import PD_SERVE, ServerProcess
 from pdserve.serving import LLM, SamplingParams
 from tests.helpers.parallel import child_pids, wait_gone
 from tests.helpers.timing import HANG_S
@@ -82,3 +83,18 @@ def test_make_serve_passes_the_layout_flags_to_both_nodes():
     assert parallel_args(build_parser().parse_args([])) == []
     with pytest.raises(SystemExit):
         build_parser().parse_args(["-tp", "0"])
+
+
+def test_a_tp_the_model_does_not_take_stops_start_up_naming_the_values_it_takes(tmp_path):
+    """Issue 40 item 7d: SmolLM2-135M (make serve's default) has 9 attention heads and 3 KV heads; -tp 2 stops
+    pd-serve with one line that says which values it takes (1 or 3), here on a random model of that head layout."""
+    from pdserve.engine.builtin_model import make_model
+
+    model = make_model(tmp_path / "nine-heads", preset="tiny", num_kv_heads=3, num_attention_heads=9, hidden_size=144,
+                       head_dim=16, intermediate_size=192)
+    proc = subprocess.run([*PD_SERVE, "--port", "0", "--model", str(model), "--kv-cache-memory", "16MiB", "-tp", "2"],
+                          capture_output=True, text=True, timeout=HANG_S, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].endswith("tensor_parallel_size=2 must divide the model's 9 attention heads; this model takes "
+                             "tensor_parallel_size (-tp) 1 or 3"), lines
