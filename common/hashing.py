@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 DIGEST_BYTES = 16
 
@@ -45,9 +45,31 @@ def model_fingerprint(model_config: dict[str, Any], dtype: str, num_layers: int,
     return digest(b"pdserve-model", blob).hex()
 
 
-def chain_seed(fingerprint: str, cache_salt: str | None) -> bytes:
-    """h_{-1} = H(model fingerprint || cache salt): the root of every hash chain of one tenant."""
-    return digest(b"pdserve-seed", fingerprint.encode(), (cache_salt or "").encode())
+def adapter_fingerprint(config: dict[str, Any], tensors: Iterable[tuple[str, bytes]]) -> str:
+    """Hex digest of a LoRA adapter's content (its math-relevant config and every tensor's name and bytes,
+    in the given order): KV computed under one adapter is named apart from any other's, whatever its name."""
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    h.update(digest(b"pdserve-lora", json.dumps(config, sort_keys=True, default=str).encode()))
+    for name, data in tensors:
+        h.update(digest(name.encode(), data))
+    return h.hexdigest()
+
+
+def chain_seed(fingerprint: str, cache_salt: str | None, lora_fingerprint: str | None = None) -> bytes:
+    """h_{-1} = H(model fingerprint || cache salt [|| adapter fingerprint]): the root of every hash chain of
+    one tenant and adapter. Without an adapter the parts (and so every base-model key) are what they were."""
+    parts = [fingerprint.encode(), (cache_salt or "").encode()]
+    if lora_fingerprint:
+        parts.append(b"lora:" + lora_fingerprint.encode())
+    return digest(b"pdserve-seed", *parts)
+
+
+def salt_tag(cache_salt: str | None, lora_fingerprint: str | None = None) -> str | None:
+    """The tag a store keyed by its own token hashes (LMCache) gets for a tenant and adapter; None for neither."""
+    if not cache_salt and not lora_fingerprint:
+        return None
+    parts = [(cache_salt or "").encode()] + ([b"lora:" + lora_fingerprint.encode()] if lora_fingerprint else [])
+    return digest(b"pdserve-salt", *parts).hex()[:16]
 
 
 def hash_chain(seed: bytes, token_ids: Sequence[int], unit: int, include_partial: bool) -> list[bytes]:
@@ -68,6 +90,7 @@ def hash_chain(seed: bytes, token_ids: Sequence[int], unit: int, include_partial
 
 
 def chunk_keys(fingerprint: str, token_ids: Sequence[int], chunk_size: int,
-               cache_salt: str | None = None) -> list[str]:
+               cache_salt: str | None = None, lora_fingerprint: str | None = None) -> list[str]:
     """Store keys of the chunks of `token_ids`; the last chunk may be partial and covers exactly its tokens."""
-    return [h.hex() for h in hash_chain(chain_seed(fingerprint, cache_salt), token_ids, chunk_size, True)]
+    seed = chain_seed(fingerprint, cache_salt, lora_fingerprint)
+    return [h.hex() for h in hash_chain(seed, token_ids, chunk_size, True)]

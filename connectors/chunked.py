@@ -41,6 +41,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def lora_label(request: Request) -> str | None:
+    """The adapter a request's KV was computed under, as the KV lines name it (None: the base model)."""
+    return request.lora.label if request.lora is not None else None
+
+
 @dataclass
 class LoadSpec:
     """Load tokens plan.write_range of one request; `slots` are their paged-KV slots (new blocks only)."""
@@ -51,6 +56,8 @@ class LoadSpec:
     plan: LoadPlan
     slots: torch.Tensor
     background: bool = False  # the request waits parked across steps; not waited for in the forward pass
+    lora_fingerprint: str | None = None  # its LoRA adapter's: part of every chunk key (common/hashing.py)
+    lora_label: str | None = None  # how the KV lines name that adapter
 
 
 @dataclass
@@ -64,6 +71,8 @@ class SaveSpec:
     end: int
     skip_leading_tokens: int
     slots: torch.Tensor  # slots of tokens [start, end)
+    lora_fingerprint: str | None = None
+    lora_label: str | None = None
 
 
 @dataclass
@@ -175,7 +184,7 @@ class ChunkedConnector(KVConnectorBase):
             return 0, False
         if plan != state.plan:  # a request retried for lack of blocks is logged once, not every step
             state.plan = plan
-            self.metrics.on_lookup(request.request_id, plan)
+            self.metrics.on_lookup(request.request_id, plan, lora_label(request))
         return plan.need_to_load, True
 
     def _lookup_answer(self, request: Request, state: _RequestState, num_computed_tokens: int) -> int | None:
@@ -217,7 +226,8 @@ class ChunkedConnector(KVConnectorBase):
         start, end = plan.write_range
         state.pending_load = LoadSpec(request.request_id, list(request.prompt_token_ids), request.cache_salt,
                                       plan, slots_for(block_ids, start, end, self.block_size),
-                                      background=request.waiting_for_remote_kvs)
+                                      background=request.waiting_for_remote_kvs,
+                                      lora_fingerprint=request.lora_fingerprint, lora_label=lora_label(request))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ChunkedConnectorMetadata:
         meta = ChunkedConnectorMetadata()
@@ -245,7 +255,7 @@ class ChunkedConnector(KVConnectorBase):
         state.saved_end = end
         slots = slots_for(scheduler_output.block_tables[request.request_id], start, end, self.block_size)
         return SaveSpec(request.request_id, list(request.prompt_token_ids), request.cache_salt, start, end,
-                        state.skip_leading_tokens, slots)
+                        state.skip_leading_tokens, slots, request.lora_fingerprint, lora_label(request))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Cancels a background load (its blocks are about to be freed); delays the free while saves run."""
@@ -299,7 +309,7 @@ class ChunkedConnector(KVConnectorBase):
                 return False
         load.num_bytes = sum(future.result() or 0 for future in load.futures.values())
         self.metrics.on_load(load.spec.request_id, load.spec.plan, load.num_bytes, load.io_seconds,
-                             self._load_codec(load))
+                             self._load_codec(load), load.spec.lora_label)
         return True
 
     def _load_codec(self, load: InFlightLoad) -> str | None:
@@ -356,7 +366,8 @@ class ChunkedConnector(KVConnectorBase):
                     else:
                         num_chunks, num_bytes, seconds = save.done.result()
                         self.metrics.on_save(rid, spec.start, spec.end, len(spec.token_ids),
-                                             spec.skip_leading_tokens, num_chunks, num_bytes, seconds)
+                                             spec.skip_leading_tokens, num_chunks, num_bytes, seconds,
+                                             spec.lora_label)
                 elif now >= save.deadline:
                     save.abandoned = True
                     self.metrics.on_save_failure(rid, f"timeout: not committed within {self.save_timeout_s:g}s")

@@ -46,3 +46,9 @@ def parts_note(arrived: int, expected: int) -> str:
     """Appended to a parallel engine's load or save line that some ranks' parts never reached
     (engine/parallel/kv_events.py): its sizes are those parts'."""
     return f", from {arrived} of {expected} ranks"
+
+
+def adapter_note(adapter: str | None) -> str:
+    """Appended to a lookup, load or save line of a request under a LoRA adapter (its name and the start of
+    its fingerprint: names can be reused, KV of other weights never is); nothing for the base model."""
+    return f", LoRA adapter: {adapter}" if adapter else ""

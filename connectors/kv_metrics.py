@@ -16,7 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.metrics_core import Metric
 
 from pdserve.connectors.chunk_math import LoadPlan
-from pdserve.connectors.kv_log import fallback_line, load_line, logger, lookup_line, parts_note, save_line
+from pdserve.connectors.kv_log import (adapter_note, fallback_line, load_line, logger, lookup_line, parts_note,
+                                       save_line)
 from pdserve.engine.parallel.kv_events import LOAD, SAVE, KVTransfer
 
 _KEPT_SAVE_FAILURES = 1024  # requests whose save failure waits to be asked about (take_save_failure)
@@ -70,21 +71,22 @@ class KVTransferMetrics:
         return got or 0.0
 
     # ---- events: one log line and the matching counters each ----
-    def on_lookup(self, request_id: str, plan: LoadPlan) -> None:
+    def on_lookup(self, request_id: str, plan: LoadPlan, adapter: str | None = None) -> None:
         self.lookups.inc()
         self.lookup_tokens.inc(plan.num_tokens)
         self.hit_tokens.inc(plan.hit)
-        logger.info(lookup_line(request_id, plan))
+        logger.info(lookup_line(request_id, plan) + adapter_note(adapter))
 
     def on_load(self, request_id: str, plan: LoadPlan, num_bytes: int, seconds: float,
-                codec: str | None = None) -> None:
+                codec: str | None = None, adapter: str | None = None) -> None:
         self._report(KVTransfer(LOAD, request_id, num_bytes, seconds, codec=codec,
-                                plan=(plan.num_tokens, plan.num_local, plan.hit, plan.chunk_size, plan.num_outputs)))
+                                plan=(plan.num_tokens, plan.num_local, plan.hit, plan.chunk_size, plan.num_outputs),
+                                adapter=adapter))
 
     def on_save(self, request_id: str, start: int, end: int, num_tokens: int, skip_leading_tokens: int,
-                num_chunks: int, num_bytes: int, seconds: float) -> None:
+                num_chunks: int, num_bytes: int, seconds: float, adapter: str | None = None) -> None:
         self._report(KVTransfer(SAVE, request_id, num_bytes, seconds, start=start, end=end, num_tokens=num_tokens,
-                                skip_leading_tokens=skip_leading_tokens, num_chunks=num_chunks))
+                                skip_leading_tokens=skip_leading_tokens, num_chunks=num_chunks, adapter=adapter))
 
     def _report(self, event: KVTransfer) -> None:
         if self.sink is not None:
@@ -103,7 +105,8 @@ class KVTransferMetrics:
             self.retrieved_tokens.inc(plan.retrieved)
             self.load_bytes.inc(event.num_bytes)
             self.load_seconds.observe(event.seconds)
-            logger.info(load_line(event.request_id, plan, event.num_bytes, event.seconds, event.codec) + note)
+            logger.info(load_line(event.request_id, plan, event.num_bytes, event.seconds, event.codec)
+                        + adapter_note(event.adapter) + note)
             return
         if parts:  # a writing rank's part never came: its objects are missing, so the chunks stay uncommitted
             self.on_save_failure(event.request_id, f"incomplete: tokens [{event.start}, {event.end}) written by "
@@ -114,7 +117,7 @@ class KVTransferMetrics:
         self.save_bytes.inc(event.num_bytes)
         self.save_seconds.observe(event.seconds)
         logger.info(save_line(event.request_id, event.start, event.end, event.num_tokens, event.skip_leading_tokens,
-                              event.num_bytes, event.seconds))
+                              event.num_bytes, event.seconds) + adapter_note(event.adapter))
 
     def on_save_failure(self, request_id: str, reason: str) -> None:
         self.save_failures.labels(reason=_reason_label(reason)).inc()

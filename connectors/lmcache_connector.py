@@ -38,7 +38,7 @@ except ModuleNotFoundError as exc:
     raise ModuleNotFoundError(f"the LMCache connector (lm:// stores, LMCache configs) needs LMCache, which is not "
                               f"installed: {LMCACHE_EXTRA}", name=exc.name) from None
 
-from pdserve.common.hashing import digest, token_bytes
+from pdserve.common.hashing import digest, salt_tag, token_bytes
 from pdserve.connectors.chunked import ChunkedConnector, ChunkedConnectorMetadata, InFlightLoad, LoadSpec, PendingSave, SaveSpec
 from pdserve.connectors.lmcache_cpu import PagedKVCPUConnector
 from pdserve import kernels
@@ -97,11 +97,11 @@ def refuse_parallel_layout(shard: KVShard | None) -> None:
                          "any other there)")
 
 
-def salt_configs(cache_salt: str | None) -> dict[str, str] | None:
-    """Cache salt as an LMCache key tag: different salts never share a chunk."""
-    if not cache_salt:
-        return None
-    return {"lmcache.tag.salt": digest(b"pdserve-salt", cache_salt.encode()).hex()[:16]}
+def salt_configs(cache_salt: str | None, lora_fingerprint: str | None = None) -> dict[str, str] | None:
+    """Cache salt and LoRA adapter as an LMCache key tag: different salts or adapters never share a chunk
+    (LMCache hashes the tokens alone: vLLM #44250)."""
+    tag = salt_tag(cache_salt, lora_fingerprint)
+    return None if tag is None else {"lmcache.tag.salt": tag}
 
 
 class LMCacheConnector(ChunkedConnector):
@@ -151,7 +151,7 @@ class LMCacheConnector(ChunkedConnector):
     # ---- scheduler side ----
     def start_lookup(self, request: Request) -> concurrent.futures.Future:
         return self._io.submit(self.engine.lookup, tokens=list(request.prompt_token_ids),
-                               request_configs=salt_configs(request.cache_salt))
+                               request_configs=salt_configs(request.cache_salt, request.lora_fingerprint))
 
     # ---- worker side ----
     def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
@@ -173,9 +173,10 @@ class LMCacheConnector(ChunkedConnector):
         slot_mapping = torch.full((plan.hit,), -1, dtype=torch.long)
         start, end = plan.write_range
         slot_mapping[start:end] = load.spec.slots
+        configs = salt_configs(load.spec.cache_salt, load.spec.lora_fingerprint)
         got = int(self.engine.retrieve(load.spec.token_ids[:plan.hit], mask=mask, kvcaches=self.kv_caches,
                                        slot_mapping=slot_mapping, load_guard=load, req_id=load.spec.request_id,
-                                       request_configs=salt_configs(load.spec.cache_salt)).sum())
+                                       request_configs=configs).sum())
         if got < plan.retrieved:
             raise LookupError(f"partial: retrieved {got} of {plan.retrieved} tokens")
         load.finished = time.perf_counter()
@@ -226,11 +227,11 @@ class LMCacheConnector(ChunkedConnector):
         slot_mapping[spec.start:spec.end] = torch.arange(spec.end - spec.start)
         self.engine.store(spec.token_ids[:spec.end], mask=mask, kvcaches=[layer.unsqueeze(2) for layer in kv],
                           slot_mapping=slot_mapping, req_id=spec.request_id,
-                          request_configs=salt_configs(spec.cache_salt))
+                          request_configs=salt_configs(spec.cache_salt, spec.lora_fingerprint))
 
     def _wait_committed(self, spec: SaveSpec, pending: PendingSave) -> None:
         """LMCache puts to the remote asynchronously: the save is done once a lookup sees every chunk."""
-        configs = salt_configs(spec.cache_salt)
+        configs = salt_configs(spec.cache_salt, spec.lora_fingerprint)
         target = spec.end if self.lmcache_config.save_unfull_chunk else spec.end // self.chunk_size * self.chunk_size
         while True:
             found = self._call(self.engine.lookup, tokens=spec.token_ids[:spec.end], request_configs=configs,

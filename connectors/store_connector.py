@@ -98,25 +98,30 @@ class StoreConnector(ChunkedConnector):
         """The registered caches, by the model's layer index (None before this rank's first layer)."""
         return self.paged_caches.kv_caches
 
-    def keys_for(self, token_ids: list[int], cache_salt: str | None) -> list[str]:
-        return chunk_keys(self.fingerprint, token_ids, self.chunk_size, cache_salt)
+    def keys_for(self, token_ids: list[int], cache_salt: str | None,
+                 lora_fingerprint: str | None = None) -> list[str]:
+        """The chain of the model, tenant and LoRA adapter: KV of one adapter is never another's hit."""
+        return chunk_keys(self.fingerprint, token_ids, self.chunk_size, cache_salt, lora_fingerprint)
 
-    def _prompt_keys(self, request_id: str, token_ids: list[int], cache_salt: str | None) -> list[str]:
+    def _prompt_keys(self, request_id: str, token_ids: list[int], cache_salt: str | None,
+                     lora_fingerprint: str | None) -> list[str]:
         """Keys of every chunk of a prompt, hashed once per request: the lookup, the load and each
         chunked-prefill save take slices (a chain's prefix keys do not depend on the tokens after them)."""
         keys = self._keys.get(request_id)
         if keys is None:
-            keys = self._keys[request_id] = self.keys_for(token_ids, cache_salt)
+            keys = self._keys[request_id] = self.keys_for(token_ids, cache_salt, lora_fingerprint)
         return keys
 
     # ---- scheduler side ----
     def start_lookup(self, request: Request) -> concurrent.futures.Future:
-        return self.store.submit(self._hit, list(request.prompt_token_ids), request.cache_salt)
+        return self.store.submit(self._hit, list(request.prompt_token_ids), request.cache_salt,
+                                 request.lora_fingerprint)
 
-    def _hit(self, token_ids: list[int], cache_salt: str | None) -> int:
+    def _hit(self, token_ids: list[int], cache_salt: str | None, lora_fingerprint: str | None = None) -> int:
         """Hash the prompt's chunk keys and ask the store (on an I/O thread: both take time; the keys are
         not cached, a routing probe's lookup has no request to forget them with)."""
-        return hit_tokens(self.store.lookup(self.keys_for(token_ids, cache_salt)), len(token_ids), self.chunk_size)
+        return hit_tokens(self.store.lookup(self.keys_for(token_ids, cache_salt, lora_fingerprint)), len(token_ids),
+                          self.chunk_size)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._keys.pop(request.request_id, None)
@@ -140,7 +145,7 @@ class StoreConnector(ChunkedConnector):
     def _start_loads(self, specs: list[LoadSpec]) -> list[InFlightLoad]:
         loads = []
         for spec in specs:
-            keys = self._prompt_keys(spec.request_id, spec.token_ids, spec.cache_salt)
+            keys = self._prompt_keys(spec.request_id, spec.token_ids, spec.cache_salt, spec.lora_fingerprint)
             plan = spec.plan
             bounds = [chunk_bounds(idx, plan.num_tokens, self.chunk_size) for idx in plan.chunk_range]
             load = StoreLoad(spec, keys=keys[plan.chunk_range.start:plan.chunk_range.stop],
@@ -267,7 +272,7 @@ class StoreConnector(ChunkedConnector):
             started = time.perf_counter()
             save = self._saves.get(spec.request_id)
             if save is None:
-                keys = self._prompt_keys(spec.request_id, spec.token_ids, spec.cache_salt)
+                keys = self._prompt_keys(spec.request_id, spec.token_ids, spec.cache_salt, spec.lora_fingerprint)
                 first = spec.start // self.chunk_size
                 save = self._saves[spec.request_id] = _Save(spec, keys[first:-(-spec.end // self.chunk_size)],
                                                             self.transfer.device_slots(spec.slots))

@@ -185,6 +185,31 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (docs/lora.md), vLLM's bounds: `max_loras` adapters in one batch (resident in the
+    batch's slots), ranks up to `max_lora_rank`, `max_cpu_loras` adapters kept loaded (LRU; None: max_loras)."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if value is None and name == "max_cpu_loras":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -192,8 +217,13 @@ class EngineConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
+        if self.lora.enable_lora and self.parallel.world_size > 1:
+            # Each rank would need its shard of every adapter's B (and A for o/down): not built yet.
+            raise ValueError("LoRA adapters are not supported with tensor or pipeline parallelism yet "
+                             "(-tp/-pp must be 1 with enable_lora)")
         if self.kv_transfer.enabled and self.kv_transfer.chunk_size % self.cache.block_size:
             raise ValueError(f"chunk_size ({self.kv_transfer.chunk_size}) must be a multiple of "
                              f"block_size ({self.cache.block_size})")
@@ -202,9 +232,10 @@ class EngineConfig:
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineConfig:
         """Build from flat keyword options (LLM(...) and the CLIs); unknown names are an error."""
         parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "kv_transfer": {},
-                                            "device": {}, "parallel": {}}
+                                            "device": {}, "parallel": {}, "lora": {}}
         classes = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                   "kv_transfer": KVTransferConfig, "device": DeviceConfig, "parallel": ParallelConfig}
+                   "kv_transfer": KVTransferConfig, "device": DeviceConfig, "parallel": ParallelConfig,
+                   "lora": LoRAConfig}
         for key, value in kwargs.items():
             for part, klass in classes.items():
                 if key in {f.name for f in dataclasses.fields(klass)}:
@@ -215,4 +246,4 @@ class EngineConfig:
         return cls(model=ModelConfig(model=str(model), **parts["model"]), cache=CacheConfig(**parts["cache"]),
                    scheduler=SchedulerConfig(**parts["scheduler"]),
                    kv_transfer=KVTransferConfig(**parts["kv_transfer"]), device=DeviceConfig(**parts["device"]),
-                   parallel=ParallelConfig(**parts["parallel"]))
+                   parallel=ParallelConfig(**parts["parallel"]), lora=LoRAConfig(**parts["lora"]))

@@ -1,10 +1,11 @@
 """KVCacheManager: which paged-KV blocks each request owns, and prefix caching over them.
 
 Prefix caching works on full blocks only. Block i of a request is named by the hash chain
-h_i = H(h_{i-1} || tokens of block i) with h_{-1} = H(model fingerprint || cache salt)
-(common/hashing.py), so equal prefixes of the same model and tenant get equal names in every
-process. A block is indexed only after the step that wrote its KV has finished
-(`cache_blocks`), never at allocation time: external loads may still fail and be rewound.
+h_i = H(h_{i-1} || tokens of block i) with h_{-1} = H(model fingerprint || cache salt [|| LoRA
+adapter fingerprint]) (common/hashing.py), so equal prefixes of the same model, tenant and adapter
+get equal names in every process, and no other adapter (nor the base model) finds them. A block is
+indexed only after the step that wrote its KV has finished (`cache_blocks`), never at allocation
+time: external loads may still fail and be rewound.
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ class KVCacheManager:
         hashes = request.block_hashes
         done = len(hashes) * self.block_size
         if request.num_tokens - done >= self.block_size:
-            seed = hashes[-1] if hashes else chain_seed(self.fingerprint, request.cache_salt)
+            seed = hashes[-1] if hashes else chain_seed(self.fingerprint, request.cache_salt,
+                                                       request.lora_fingerprint)
             hashes.extend(hash_chain(seed, request.all_token_ids[done:], self.block_size, include_partial=False))
         return hashes
 

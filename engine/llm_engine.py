@@ -14,18 +14,21 @@ from typing import TYPE_CHECKING, Any
 from pdserve.engine.beam_search import BeamSearch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.lora.manager import resolve_lora
+from pdserve.engine.lora.request import LoRARequest
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.output_state import OutputState, cut_at_stop_string, stop_holdback
+from pdserve.engine.output_state import OutputState, cut_at_stop_string, replay, stop_holdback
 from pdserve.engine.outputs import EngineStats, FirstToken, Logprob, Resume, StepOutput
 from pdserve.engine.parallel.launcher import engine_threads
 from pdserve.engine.prompt_logprobs import prompt_logprobs_output
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request_checks import check_new_request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import ModelRunnerOutput
 from pdserve.engine.structured_output import StructuredOutputManager
 from pdserve.engine.token_masks import bad_words_token_ids
-from pdserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from pdserve.engine.tokenizer import IncrementalDetokenizer, eos_token_id, load_tokenizer
 
 if TYPE_CHECKING:
     from pdserve.engine.kv_connector import ConnectorFactory
@@ -33,14 +36,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_S = 0.001  # a step with nothing schedulable waits this long before polling the store I/O again
-
-
-def _eos_token_id(tokenizer: Any, hf_config: Any) -> int | None:
-    """The tokenizer's EOS, else the config's (the first one when it lists several)."""
-    if tokenizer.eos_token_id is not None:
-        return tokenizer.eos_token_id
-    eos = getattr(hf_config, "eos_token_id", None)
-    return eos[0] if isinstance(eos, (list, tuple)) and eos else eos
 
 
 class LLMEngine:
@@ -76,7 +71,7 @@ class LLMEngine:
                            "(raise kv_cache_memory for longer sequences)", capacity, runner.max_model_len, capacity)
         self.scheduler = Scheduler(config, self.kv_cache_manager, connector, max_model_len=self.max_model_len)
         self.vocab_size = runner.vocab_size
-        self.eos_token_id = _eos_token_id(self.tokenizer, runner.hf_config)
+        self.eos_token_id = eos_token_id(self.tokenizer, runner.hf_config)
         self.structured_output = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_id)
         self._states: dict[str, OutputState] = {}  # engine request id (one per choice) -> output state
         self._groups: dict[str, list[str]] = {}  # the caller's request id -> its choices' engine ids
@@ -104,8 +99,11 @@ class LLMEngine:
     # ---- requests ----
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     cache_salt: str | None = None, arrival_time: float | None = None,
-                    resume: Resume | None = None, first_token: FirstToken | None = None) -> None:
+                    resume: Resume | None = None, first_token: FirstToken | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request; ValueError with a clear message when it can never run.
+
+        `lora_request` runs it under that LoRA adapter (loaded on first use; needs enable_lora).
 
         With n > 1 it becomes n engine requests (choice 0 keeps `request_id`, choice i is
         `{i}_{request_id}` as in vLLM); their outputs carry `request_id` and their `index`.
@@ -125,26 +123,9 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = list(prompt_token_ids)
-        if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
         done = list(resume.output_token_ids) if resume is not None else []
-        if len(ids) + len(done) > self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}"
-                             if not done else f"the prompt ({len(ids)} tokens) and the resumed output "
-                             f"({len(done)} tokens) exceed max_model_len={self.max_model_len}")
-        for name, tokens in (("prompt", ids), ("resumed output", done)):
-            bad = [t for t in tokens if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"{name} token ids must be integers in [0, {self.vocab_size}); got {bad[0]!r}")
-        if resume is not None and (params.n > 1 or params.use_beam_search or len(done) >= params.max_tokens):
-            raise ValueError("nothing to resume: " + (f"{len(done)} output tokens already reach max_tokens="
-                                                      f"{params.max_tokens}" if params.n == 1 else "n > 1"))
-        if first_token is not None:
-            if resume is not None or params.n > 1 or params.use_beam_search or params.prompt_logprobs is not None:
-                raise ValueError("a given first token needs n = 1, no beam search, no prompt_logprobs and no resume")
-            if not 0 <= first_token.token_id < self.vocab_size:
-                raise ValueError(f"the first token id must be in [0, {self.vocab_size}); got {first_token.token_id}")
-        params.check_token_ids(self.vocab_size)
+        check_new_request(ids, done, params, resume is not None, first_token, self.max_model_len, self.vocab_size)
+        lora = resolve_lora(self.model_runner.lora, lora_request)  # ValueError for an adapter it cannot serve
         if params.bad_words and params.bad_words_token_ids is None:  # once, with this engine's tokenizer
             params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(
                 self.tokenizer, params.bad_words, self.vocab_size))
@@ -155,18 +136,18 @@ class LLMEngine:
         if params.use_beam_search:  # one sequence: its beams fork from it (engine/beam_search.py)
             beam = dataclasses.replace(params, n=1, temperature=0.0)
             choices = [Request(request_id, ids, beam, eos_token_id=self.eos_token_id, cache_salt=cache_salt,
-                               arrival_time=arrival)]
+                               arrival_time=arrival, lora=lora)]
             max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
             BeamSearch(request_id, params.n, params.length_penalty, max_tokens,
                        None if params.ignore_eos else self.eos_token_id).start(choices[0])
         else:
             choices = [Request(request_id if i == 0 else f"{i}_{request_id}", ids, params if params.n == 1 else
                                params.for_choice(i), eos_token_id=self.eos_token_id, cache_salt=cache_salt,
-                               parent_id=request_id, index=i, arrival_time=arrival) for i in range(params.n)]
+                               parent_id=request_id, index=i, arrival_time=arrival, lora=lora) for i in range(params.n)]
         states = [OutputState(c, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
                   for c in choices]
         if resume is not None:
-            self._replay(states[0], done, resume.num_sent_chars)
+            replay(states[0], done, resume.num_sent_chars)
         for choice in choices:
             choice.grammar = self.structured_output.request_grammar(grammar)
             # Everything the step will need from this request's parameters is derived here, once: a
@@ -184,8 +165,8 @@ class LLMEngine:
         choices_note = f", n {params.n} (the prompt is computed once)" if params.n > 1 else ""
         if params.use_beam_search:
             choices_note = f", beam search width {params.n} (length_penalty {params.length_penalty:g})"
-        logger.info("Reqid: %s, added: prompt %d tokens, max_tokens %d%s%s", request_id, len(ids), params.max_tokens,
-                    choices_note,
+        logger.info("Reqid: %s, added: prompt %d tokens, max_tokens %d%s%s%s", request_id, len(ids), params.max_tokens,
+                    choices_note, f", LoRA adapter {lora.label}" if lora is not None else "",
                     f", resuming after {len(done)} output tokens" if resume is not None else
                     f", first token {first_token.token_id} given" if first_token is not None else "")
 
@@ -200,20 +181,6 @@ class LLMEngine:
             self.scheduler.add_request(request)  # before its output: a stop string there ends it in the scheduler
         self._ready.append(self._make_output(request))
 
-    @staticmethod
-    def _replay(state: OutputState, token_ids: list[int], num_sent_chars: int) -> None:
-        """Make `token_ids` already-sent outputs: detokenized one at a time as they were produced, so
-        the text (and the stop-string and hold-back logic after it) matches the original stream."""
-        request = state.request
-        params = request.sampling_params
-        for token in token_ids:
-            # placeholders keep the per-token lists aligned; these entries are never sent again
-            request.append_output_token(token, 0.0 if params.logprobs else None,
-                                        [] if params.top_logprobs or params.logprob_token_ids else None)
-            state.text += state.detokenizer.add_tokens([token])
-        state.num_sent_tokens = len(token_ids)
-        state.num_sent_chars = min(num_sent_chars, len(state.text))
-
     def abort_request(self, request_ids: str | list[str]) -> list[StepOutput]:
         """Abort running or waiting requests, all their choices (unknown ids are ignored); their final outputs."""
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
@@ -227,6 +194,17 @@ class LLMEngine:
         forgotten = self.kv_cache_manager.reset_prefix_cache()
         logger.info("prefix cache reset: %d cached blocks forgotten", forgotten)
         return True
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ----
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now (LoRAError, a ValueError, when it cannot be served)."""
+        return resolve_lora(self.model_runner.lora, lora_request) is not None
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.model_runner.lora is not None and self.model_runner.lora.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self.model_runner.lora.list_ids()) if self.model_runner.lora is not None else set()
 
     def has_request(self, request_id: str) -> bool:
         """Whether some choice of `request_id` is still queued or running."""

@@ -19,6 +19,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.device import Platform, resolve_device
 from pdserve.engine.input_batch import InputBatchBuilder, StepInputs
 from pdserve.engine.loader import iterate_weights
+from pdserve.engine.lora.manager import LoRAManager
 from pdserve.engine.models import build_model
 from pdserve.engine.parallel import setup as parallel_setup
 from pdserve.engine.prompt_logprobs import compute_prompt_logprobs
@@ -88,6 +89,9 @@ class ModelRunner:
                                          shard=shard.model_shard)
             self.model.load_weights(shard.weights(iterate_weights(model_dir, device)))
             self.model.eval()
+            # LoRA wraps the linear layers once the base weights are packed (EngineConfig refuses it with -tp/-pp)
+            self.lora = LoRAManager(config.lora, self.model, cfg.hidden_size, device) if config.lora.enable_lora \
+                else None
             self.driver = shard.driver(self.model, self.dtype, self)
             self.attn_backend = select_attention_backend(device, config.device.attention_backend)
             self.sampler = Sampler(config.model.seed, device)
@@ -211,6 +215,8 @@ class ModelRunner:
                 self._finish_connector_step(so, output)
             return output
         inputs = self.inputs.prepare(so)
+        if self.lora is not None:
+            self.lora.prepare(inputs)
         if connector is not None:
             connector.start_load_kv(so.kv_connector_metadata)
         # Only the sampled rows go past the last layer's attention (docs/architecture.md, "Last-layer

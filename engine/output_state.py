@@ -51,3 +51,17 @@ def cut_at_stop_string(state: OutputState, checked: int) -> str | None:
     idx, stop = min(hits)
     state.text = state.text[:idx + len(stop) if params.include_stop_str_in_output else idx]
     return stop
+
+
+def replay(state: OutputState, token_ids: list[int], num_sent_chars: int) -> None:
+    """Make `token_ids` already-sent outputs: detokenized one at a time as they were produced, so
+    the text (and the stop-string and hold-back logic after it) matches the original stream."""
+    request = state.request
+    params = request.sampling_params
+    for token in token_ids:
+        # placeholders keep the per-token lists aligned; these entries are never sent again
+        request.append_output_token(token, 0.0 if params.logprobs else None,
+                                    [] if params.top_logprobs or params.logprob_token_ids else None)
+        state.text += state.detokenizer.add_tokens([token])
+    state.num_sent_tokens = len(token_ids)
+    state.num_sent_chars = min(num_sent_chars, len(state.text))

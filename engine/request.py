@@ -11,6 +11,7 @@ from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.engine.beam_search import BeamSearch
+    from pdserve.engine.lora.adapter import LoRAAdapter
     from pdserve.engine.structured_output import RequestGrammar
 
 logger = logging.getLogger(__name__)
@@ -83,11 +84,18 @@ class Request:
     # a prompt it must compute after all (a store miss, a preemption) is computed up to its end, and
     # that token's row afterwards as a decode row, as monolithic serving computes them.
     first_token_given: bool = False
+    # The LoRA adapter it runs under (None: the base model); its fingerprint names its KV apart.
+    lora: LoRAAdapter | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         if self.parent_id is None:
             self.parent_id = self.request_id
+
+    @property
+    def lora_fingerprint(self) -> str | None:
+        """What its KV's hash chains start from besides the model and the cache salt (common/hashing.py)."""
+        return self.lora.fingerprint if self.lora is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -44,6 +44,8 @@ class Scheduler:
         self.connector = connector
         self.kv_load_mode = config.kv_transfer.kv_load_mode
         self.save_timeout_s = config.kv_transfer.save_timeout_s
+        # At most this many LoRA adapters in one step (vLLM's max_loras; 0: LoRA off)
+        self.max_loras = config.lora.max_loras if config.lora.enable_lora else 0
         # LLMEngine.max_model_len, the one effective limit (None: none, for model-less tests).
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
@@ -144,10 +146,14 @@ class Scheduler:
             i += 1
 
         # A step that had to preempt is short of blocks: admitting anyone would just thrash.
-        skipped: list[Request] = []  # waiting on store I/O: keep their place, look further
+        skipped: list[Request] = []  # waiting on store I/O or a LoRA slot: keep their place, look further
+        loras = {r.lora for r in self.running if r.lora is not None} if self.max_loras else set()
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            if request.lora is not None and request.lora not in loras and len(loras) >= self.max_loras:
+                skipped.append(self.waiting.popleft())  # every slot holds another adapter this step
+                continue
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 n = self._resume_after_load(request, budget)
             else:
@@ -159,6 +165,8 @@ class Scheduler:
                 skipped.append(request)
                 continue
             self.running.append(request)
+            if request.lora is not None:
+                loras.add(request.lora)
             request.status = RequestStatus.RUNNING
             scheduled.append(request)
             num_scheduled[request.request_id] = n

@@ -112,7 +112,7 @@ class SequenceForks:
     def fork_sequence(self, parent: Request, request_id: str, token: int) -> Request:
         """A new beam: `parent`'s tokens and `token`, from the parent's KV (`_place_fork`)."""
         child = Request(request_id, parent.prompt_token_ids, parent.sampling_params, parent.eos_token_id,
-                        parent.cache_salt, parent.arrival_time, parent_id=parent.parent_id)
+                        parent.cache_salt, parent.arrival_time, parent_id=parent.parent_id, lora=parent.lora)
         child.beam, child.num_cached_tokens = parent.beam, parent.num_cached_tokens
         for t in [*parent.output_token_ids, token]:
             child.append_output_token(t)

@@ -21,6 +21,14 @@ def _special_ids(tokenizer: Any) -> frozenset[int]:
     return ids
 
 
+def eos_token_id(tokenizer: Any, hf_config: Any) -> int | None:
+    """The tokenizer's EOS, else the config's (the first one when it lists several)."""
+    if tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    eos = getattr(hf_config, "eos_token_id", None)
+    return eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+
+
 def load_tokenizer(path: str | os.PathLike) -> Any:
     """The model directory's own tokenizer (local files only: serving never downloads).
 

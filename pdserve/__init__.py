@@ -21,7 +21,7 @@ _CHECKOUT = Path(__file__).resolve().parent.parent
 if (_CHECKOUT / "pyproject.toml").is_file() and (_CHECKOUT / "engine" / "__init__.py").is_file():
     __path__.append(str(_CHECKOUT))  # type: ignore[name-defined]  # noqa: F821 (a package's own __path__)
 
-_OFFLINE_API = ("LLM", "SamplingParams")  # where each lives: pdserve.serving's own lazy exports
+_OFFLINE_API = ("LLM", "SamplingParams", "LoRARequest")  # where each lives: pdserve.serving's own lazy exports
 __all__ = [*_OFFLINE_API, "__version__"]
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS = {"LLM": "pdserve.serving.llm", "SamplingParams": "pdserve.engine.sampling_params"}
+_EXPORTS = {"LLM": "pdserve.serving.llm", "SamplingParams": "pdserve.engine.sampling_params",
+            "LoRARequest": "pdserve.engine.lora.request"}
 __all__ = list(_EXPORTS)
 
 

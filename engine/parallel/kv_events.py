@@ -37,6 +37,7 @@ class KVTransfer:
     num_tokens: int = 0
     skip_leading_tokens: int = 0
     num_chunks: int = 0
+    adapter: str | None = None  # the LoRA adapter's label (engine/lora/adapter.py) the KV was computed under
 
     @property
     def key(self) -> tuple[Any, ...]:
