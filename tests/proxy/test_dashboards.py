@@ -295,7 +295,8 @@ def test_status_page_panels_show_the_live_nodes_numbers(redis_cluster):
     header, rows, cards, errors = asyncio.run(_panels(c.url))
     assert errors == [], errors
     assert header[8:] == ["KV-store hit rate", "store loads", "fallbacks", "save failures", "TTFT p50 / p99 (ms)",
-                          "ITL p50 / p99 (ms)"]
+                          "ITL p50 / p99 (ms)", "found by"]
+    assert {row[14] for role in rows for row in rows[role]} == {"static"}  # the cluster's --prefill/--decode lists
     for role, nodes in (("prefill", c.prefill), ("decode", c.decode)):
         for row, node in zip(rows[role], nodes, strict=True):
             want, shown = _node_numbers(node.http_url), dict(zip(_NEW_COLUMNS, row[8:]))
