@@ -11,22 +11,8 @@ import subprocess
 import sys
 
 from pdserve.deploy.processes import REPO
+from tests.helpers.package_table import ALLOWED
 
-# package -> the first-party packages it may import (docs/architecture.md, "Packages and imports")
-ALLOWED = {
-    "common": set(),
-    "kernels": {"common"},
-    "protos": set(),
-    "kvstore": {"common"},
-    "engine": {"common", "kernels"},
-    "connectors": {"common", "engine", "kernels", "kvstore"},
-    "serving": {"common", "connectors", "engine", "kvstore", "protos"},
-    "proxy": {"common", "protos", "serving"},
-    "prefill_node": {"serving"},
-    "decode_node": {"serving"},
-    "deploy": {"common", "engine", "proxy"},
-    "bench": {"deploy", "engine"},
-}
 PACKAGES = set(ALLOWED) | {"tests", "benchmarks"}
 
 

@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from pdserve.bench.chaos import Outcome, Tally, client_session, request_bodies, run_load, send
-from pdserve.deploy.chaos import (LOAD_TIMEOUT_S, STALL_S, ChaosCluster, frozen_decode, frozen_redis, killed_decode,
+from pdserve.deploy.chaos import (LOAD_TIMEOUT_S, STALL_S, ChaosCluster, frozen_decode, killed_decode,
                                   send_malformed, slow_store, stopped, wait_tokens)
 from tests.helpers.cluster import log_lines, status
 from tests.helpers.timing import HANG_S

@@ -12,7 +12,8 @@ import openai
 import pytest
 
 from tests.helpers.cluster import client, extra_proxy, log_lines, routed, start_cluster, status, wait_until
-from tests.engine.test_generate import hf_greedy, random_prompt
+from tests.helpers.oracles import hf_greedy
+from tests.helpers.prompts import random_prompt
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,9 @@ import pytest
 from pdserve.deploy.processes import CHUNK_SIZE, NODE_ARGS
 from pdserve.deploy.server_process import ServerProcess
 from tests.helpers.cluster import client, kv_hits, log_lines, post, start_cluster
-from tests.engine.test_generate import hf_greedy, random_prompt
-from tests.serving.test_serve_errors import BAD_CHATS, BAD_COMPLETIONS
+from tests.helpers.oracles import hf_greedy
+from tests.helpers.prompts import random_prompt
+from tests.helpers.bad_requests import BAD_CHATS, BAD_COMPLETIONS
 
 pytestmark = pytest.mark.slow
 

@@ -40,7 +40,8 @@ print(json.dumps({"level": cpu_isa.level(), "bf16": cpu_isa.has("avx512_bf16"), 
 CHECKS = """
 import sys, tempfile
 from pathlib import Path
-from tests.engine.test_models import check_against_hf, test_bf16_logits_within_tolerance_of_hf
+from tests.engine.test_models import test_bf16_logits_within_tolerance_of_hf
+from tests.helpers.model_steps import check_against_hf
 from pdserve.engine.builtin_model import make_model
 with tempfile.TemporaryDirectory() as tmp:
     check_against_hf(make_model(Path(tmp) / "fp32", arch="llama", num_kv_heads=2))

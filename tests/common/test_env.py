@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pdserve.common import env
 from pdserve.deploy.processes import REPO
-from tests.test_package_graph import ALLOWED
+from tests.helpers.package_table import ALLOWED
 
 NAME = re.compile(r"PDSERVE_[A-Z0-9_]+")
 

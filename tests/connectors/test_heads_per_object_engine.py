@@ -13,8 +13,8 @@ from pdserve.connectors import decoded_loads
 from pdserve.kvstore.object_format import HEADER_SIZE
 from pdserve.serving import SamplingParams
 from tests.helpers.parallel import parallel_llm
-from tests.engine.test_generate import hf_greedy
-from tests.engine.parallel.test_handoff import PROMPTS, prefill
+from tests.helpers.oracles import hf_greedy
+from tests.helpers.parallel import HANDOFF_PROMPTS as PROMPTS, handoff_prefill as prefill
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pdserve.serving import LLM, SamplingParams
-from tests.engine.test_generate import random_prompt
+from tests.helpers.prompts import random_prompt
+from tests.helpers.oracles import hf_beams
 
 CASES = [(2, 1.0, 6), (3, 0.5, 10), (4, 2.0, 12), (1, 1.0, 5)]  # (width, length_penalty, max_tokens)
 PROMPTS = [random_prompt(5 + 9 * i, seed=400 + i) for i in range(4)]
@@ -23,17 +24,6 @@ def hf_model(tiny_llama):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
-
-
-def hf_beams(model, prompt: list[int], width: int, length_penalty: float, max_tokens: int,
-             eos_token_id: int = 1) -> list[list[int]]:
-    """HF's beam search (early_stopping False, its default): the width best sequences, each cut after its EOS."""
-    with torch.inference_mode():
-        seq = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             num_beams=width, num_return_sequences=width, max_new_tokens=max_tokens, do_sample=False,
-                             length_penalty=length_penalty, early_stopping=False, pad_token_id=eos_token_id)
-    rows = seq[:, len(prompt):].tolist()
-    return [row[:row.index(eos_token_id) + 1] if eos_token_id in row else row for row in rows]
 
 
 @pytest.mark.parametrize("width,length_penalty,max_tokens", CASES)

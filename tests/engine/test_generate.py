@@ -5,40 +5,20 @@ HF's tokens; the engine's counters prove the regime really happened.
 """
 from __future__ import annotations
 
-import random
-
 import pytest
-import torch
 
 from pdserve.serving import LLM, SamplingParams
+from tests.helpers.model_steps import BLOCK_BYTES_TINY
+from tests.helpers.oracles import hf_greedy
+from tests.helpers.prompts import random_prompt
 
 LENGTHS = [1, 15, 16, 17, 100, 255, 256, 257, 600]
 MAX_TOKENS = 12
-BLOCK_BYTES_TINY = 4 * 2 * 16 * 2 * 32 * 4  # layers x K/V x block x kv heads x head dim x fp32
-
-
-def random_prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 259) for _ in range(n)]  # byte tokens of the ByT5 vocabulary
 
 
 PROMPTS = [random_prompt(n, seed=n) for n in LENGTHS]
 # Wave 2 of the prefix-caching test: the same prompts again plus new suffixes on shared prefixes.
 WAVE2 = PROMPTS + [PROMPTS[-1][:300] + random_prompt(20, 1), PROMPTS[7][:200] + random_prompt(7, 2)]
-
-
-def hf_greedy(model_path, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    """HF generate one prompt at a time (no padding), stopping at EOS like our engine."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
-    outs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            seq = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
-                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-            outs.append(seq[0, len(ids):].tolist())
-    return outs
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,70 +10,14 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.engine.attention import ForwardContext, set_forward_context
 from pdserve.engine.builtin_model import make_model
-from pdserve.engine.config import EngineConfig, KVRole
+from pdserve.engine.config import KVRole
 from pdserve.engine.kv_connector import KVConnectorBase
-from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler_output import SchedulerOutput
 from pdserve import kernels
-ATOL = 1e-4
-BLOCK = 16
-
-
-def hf_logits(path: Path, token_ids: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    with torch.no_grad():
-        return model(torch.tensor([token_ids])).logits[0].float()
-
-
-def make_runner(path: Path, connector: KVConnectorBase | None = None) -> ModelRunner:
-    return ModelRunner(EngineConfig.from_kwargs(str(path), kv_cache_memory="2MiB", block_size=BLOCK), connector)
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 259, (n,), generator=g).tolist()
-
-
-def step(runner: ModelRunner, plan: list[tuple[Request, int]], tables: dict[str, list[int]],
-         meta=None) -> dict[str, torch.Tensor]:
-    """Logits of every scheduled token of one step per request, through the runner's own batch preparation."""
-    so = SchedulerOutput(scheduled_requests=[r for r, _ in plan],
-                         num_scheduled_tokens={r.request_id: n for r, n in plan},
-                         block_tables={r.request_id: tables[r.request_id] for r, _ in plan},
-                         total_num_scheduled_tokens=sum(n for _, n in plan), kv_connector_metadata=meta)
-    inputs = runner.inputs.prepare(so)
-    ctx = ForwardContext(inputs.attn_metadata, runner.kv_caches, runner.attn_backend)
-    with torch.inference_mode(), set_forward_context(ctx):
-        logits = runner.model.compute_logits(runner.model(inputs.input_ids, inputs.positions))
-    starts = inputs.attn_metadata.query_start_loc_cpu  # batch order: single-token requests first
-    return {r.request_id: logits[starts[b]:starts[b + 1]] for b, r in enumerate(inputs.requests)}
-
-
-def check_against_hf(path: Path) -> None:
-    """Chunked prefill over paged history, a full prefill and decode steps, all in mixed batches."""
-    runner = make_runner(path)
-    a = Request("a", prompt(37, 1), SamplingParams(temperature=0))
-    b = Request("b", prompt(20, 2), SamplingParams(temperature=0))
-    tables = {"a": [9, 3, 7], "b": [5, 2]}  # scattered, non-contiguous blocks
-    got = {"a": [], "b": []}
-    plans = [[(a, 18), (b, 20)], [(b, 1), (a, 19)], [(a, 1), (b, 1)], [(a, 1), (b, 1)]]
-    for plan in plans:
-        logits = step(runner, plan, tables)
-        for req, _ in plan:
-            got[req.request_id].append(logits[req.request_id])
-        for req, n in plan:  # what the scheduler does after the step: advance, append the greedy token
-            req.num_computed_tokens += n
-            if req.num_computed_tokens == req.num_tokens:
-                req.append_output_token(int(got[req.request_id][-1][-1].argmax()))
-    for req in (a, b):
-        ours = torch.cat(got[req.request_id])
-        ref = hf_logits(path, req.all_token_ids)[:ours.shape[0]]
-        assert ours.shape == ref.shape
-        torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
+from tests.helpers.model_steps import ATOL, BLOCK, check_against_hf, make_runner, prompt, step
+from tests.helpers.oracles import hf_logits
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])

@@ -6,7 +6,9 @@ import logging
 import pytest
 
 from pdserve.serving import LLM, SamplingParams
-from tests.engine.test_generate import BLOCK_BYTES_TINY, hf_greedy, random_prompt
+from tests.helpers.model_steps import BLOCK_BYTES_TINY
+from tests.helpers.oracles import hf_greedy
+from tests.helpers.prompts import random_prompt
 
 # Around block boundaries: the partial last block is copied per choice, full blocks are shared.
 PROMPTS = [random_prompt(n, seed=100 + n) for n in (1, 15, 16, 17, 40)]

@@ -11,22 +11,9 @@ from pdserve.engine.penalties import apply_penalties
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import BOUNDS, SamplingParams, SamplingParamsError
+from tests.helpers.oracles import reference_penalties
 
 VOCAB = 50
-
-
-def reference_penalties(logits: torch.Tensor, prompt: list[int], output: list[int], presence: float,
-                        frequency: float, repetition: float) -> torch.Tensor:
-    """vLLM's documented formulas, one token at a time."""
-    out = logits.clone()
-    for t in range(out.shape[0]):
-        if t in prompt or t in output:
-            out[t] = out[t] / repetition if out[t] > 0 else out[t] * repetition
-        count = output.count(t)
-        out[t] -= frequency * count
-        if count:
-            out[t] -= presence
-    return out
 
 
 def request(rid: str, prompt: list[int], output: list[int], **params) -> Request:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pdserve.serving import LLM, SamplingParams
-from tests.engine.test_generate import random_prompt
+from tests.helpers.prompts import random_prompt
 
 PROMPT = random_prompt(40, seed=7)
 K = 3

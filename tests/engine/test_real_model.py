@@ -17,7 +17,8 @@ from pdserve.engine.real_model import SMOLLM2, real_model_path
 from pdserve.engine.request import Request
 from pdserve.engine.tokenizer import load_tokenizer
 from tests.helpers.real_model import CONVERSATIONS, MAX_TOKENS, chat_ids, near_ties
-from tests.engine.test_models import hf_logits, step
+from tests.helpers.model_steps import step
+from tests.helpers.oracles import hf_logits
 
 pytestmark = pytest.mark.slow  # makes the real model once per machine, then runs it in fp32
 

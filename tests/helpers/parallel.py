@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,3 +62,18 @@ def parallel_llm(path: Path, tp: int = 1, pp: int = 1, **kwargs) -> Iterator[LLM
 
 def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+_rng = random.Random(0)
+# The hand-off tests' prompts: the first and last span several chunks (each prefill TP/PP saves, each decode loads)
+HANDOFF_PROMPTS = [[_rng.randrange(3, 259) for _ in range(n)] for n in (300, 40, 600)]
+
+
+def handoff_prefill(path: Path, store: str, layout: tuple[int, int]) -> None:
+    with parallel_llm(path, *layout, kv_store=store, kv_role="kv_producer") as llm:
+        llm.generate(HANDOFF_PROMPTS, SamplingParams(max_tokens=1, temperature=0))
+
+
+def handoff_decode(path: Path, store: str, layout: tuple[int, int]) -> list:
+    with parallel_llm(path, *layout, kv_store=store, kv_role="kv_consumer") as llm:
+        return llm.generate(HANDOFF_PROMPTS, SamplingParams(max_tokens=8, temperature=0))

@@ -25,7 +25,8 @@ from pdserve.kvstore import fs_space
 from tests.helpers.cluster import client, log_lines, wait_until
 from tests.helpers.connector import LOAD_RE
 from tests.helpers.kvstore import FP
-from tests.engine.test_generate import hf_greedy, random_prompt
+from tests.helpers.oracles import hf_greedy
+from tests.helpers.prompts import random_prompt
 from tests.helpers.timing import HANG_S
 
 KV_SHAPE = (8, 128)

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.deploy.processes import HOST, Child, free_port, python_module
-from tests.engine.test_generate import random_prompt
+from tests.helpers.prompts import random_prompt
 from tests.helpers.cluster import client, log_lines, start_cluster, status, wait_until
 
 pytestmark = pytest.mark.slow

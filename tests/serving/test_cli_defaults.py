@@ -12,7 +12,7 @@ import pytest
 from pdserve.common import env
 from pdserve.common.units import format_bytes
 from pdserve.engine.config import (DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_MEMORY, CacheConfig, DeviceConfig,
-                                   KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig)
+                                   KVTransferConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig)
 from pdserve.proxy.__main__ import build_parser as proxy_parser
 from pdserve.proxy.app import ProxyConfig
 from pdserve.proxy.decode_stream import Deadlines
@@ -21,13 +21,13 @@ from pdserve.serving.limits import HttpTimeouts
 from pdserve.serving.node import build_parser as node_parser
 from pdserve.serving.server import build_parser as serve_parser
 
-ENGINE = (ModelConfig, CacheConfig, SchedulerConfig, KVTransferConfig, DeviceConfig, ParallelConfig)
+ENGINE = (ModelConfig, CacheConfig, SchedulerConfig, KVTransferConfig, DeviceConfig, ParallelConfig, LoRAConfig)
 # flag dest -> (dataclass, field) where the names differ from the field's
 OWNERS: dict[str, tuple[type, str]] = {
     "policy": (ProxyConfig, "policy"), "local_prefill_threshold": (ProxyConfig, "local_prefill_threshold"),
     "health_interval": (ProxyConfig, "health_interval_s"), "prefill_timeout": (ProxyConfig, "prefill_timeout_s"),
     "connect_timeout": (Deadlines, "connect_s"), "first_token_timeout": (Deadlines, "first_token_s"),
-    "token_timeout": (Deadlines, "token_s"),
+    "token_timeout": (Deadlines, "token_s"), "decode_recovery_timeout": (Deadlines, "recovery_s"),
     "stall_timeout": (Deadlines, "stall_s"), "timeout_request_header": (HttpTimeouts, "header_s"),
     "timeout_request_body": (HttpTimeouts, "body_s"), "timeout_keep_alive": (HttpTimeouts, "keep_alive_s"),
 }

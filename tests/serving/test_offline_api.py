@@ -9,6 +9,7 @@ import pytest
 
 from pdserve.engine.tokenizer import apply_chat_template
 from pdserve.serving import LLM, SamplingParams
+from tests.helpers.prompts import adjacent_letters
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 
@@ -126,9 +127,3 @@ def test_bad_words_and_allowed_token_ids(llm):
         llm.generate(["x"], SamplingParams(allowed_token_ids=[10**6]))
     with pytest.raises(ValueError, match="bad_words"):
         SamplingParams(bad_words=[""])
-
-
-def adjacent_letters(token_ids: list[int]) -> int:
-    """Where two byte tokens of visible ASCII characters follow each other (a two-character word of the ByT5
-    vocabulary)."""
-    return next(i for i in range(len(token_ids) - 1) if all(36 <= t < 130 for t in token_ids[i:i + 2]))

@@ -25,9 +25,10 @@ from pdserve.deploy.server_process import ServerProcess
 from pdserve.serving import LLM, SamplingParams
 from pdserve.serving.protocol import CHAT, COMPLETION, NEUTRAL_PARAMETERS, SUPPORTED_PARAMETERS
 from tests.helpers.cluster import client, extra_proxy, log_lines, start_cluster
-from tests.engine.test_generate import hf_greedy, random_prompt
-from tests.serving.test_offline_api import adjacent_letters
-from tests.engine.test_penalties import reference_penalties
+from tests.helpers.oracles import hf_greedy
+from tests.helpers.prompts import random_prompt
+from tests.helpers.prompts import adjacent_letters
+from tests.helpers.oracles import reference_penalties
 
 pytestmark = pytest.mark.slow
 
@@ -571,7 +572,7 @@ def test_return_tokens_as_token_ids_flag(cluster):
 def test_beam_search_equals_hf(api, hf_model):
     """use_beam_search with n as the width and length_penalty, completions and chat: the n choices are HF's
     num_beams=n sequences, best first (on P/D decode runs the search on the prompt loaded from the store)."""
-    from tests.engine.test_beam_search import hf_beams
+    from tests.helpers.oracles import hf_beams
 
     prompt = PROMPTS[1]
     extra = {"use_beam_search": True, "length_penalty": 0.7, "return_token_ids": True}

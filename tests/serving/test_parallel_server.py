@@ -5,6 +5,7 @@ another node) and leaves no process behind.
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -98,3 +99,84 @@ def test_a_tp_the_model_does_not_take_stops_start_up_naming_the_values_it_takes(
     assert proc.returncode == 1 and len(lines) == 1, proc.stderr[-3000:]
     assert lines[0].endswith("tensor_parallel_size=2 must divide the model's 9 attention heads; this model takes "
                              "tensor_parallel_size (-tp) 1 or 3"), lines
+
+
+@pytest.fixture(scope="module")
+def six_heads(tmp_path_factory):
+    """A random model whose 6 heads (and KV heads) and 192 MLP units split over -tp 2 and -tp 3."""
+    from pdserve.engine.builtin_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("six-heads"), preset="tiny", num_kv_heads=6, num_attention_heads=6,
+                      hidden_size=96, intermediate_size=192)
+
+
+def _decode_node(model, tmp_path, tp: int, shutdown_s: float) -> ServerProcess:
+    """A real pd-decode with `tp` ranks and a file store."""
+    from pdserve.deploy.processes import console_script
+
+    return ServerProcess("--model", str(model), "--dtype", "float32", "--kv-cache-memory", "16MiB", "-tp", str(tp),
+                         "--grpc-port", "0", "--kv-store", f"file://{tmp_path / 'kv'}", "--shutdown-timeout",
+                         str(shutdown_s), exe=console_script("pd-decode")).start(timeout=HANG_S)
+
+
+def _open_stream(server: ServerProcess, max_tokens: int) -> http.client.HTTPResponse:
+    url = urlparse(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=HANG_S)
+    conn.request("POST", "/v1/completions", json.dumps({
+        "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}),
+        {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data: ")  # tokens are flowing
+    return resp
+
+
+@pytest.mark.slow  # seconds: outside make test-quick
+@pytest.mark.parametrize("tp", [2, 3])
+def test_sigterm_stops_a_tp_node_within_the_documented_bound_even_with_a_rank_that_does_not_answer(
+        six_heads, tmp_path, tp):
+    """Issue 40 item 7c: SIGTERM to a -tp node is obeyed within --shutdown-timeout + STOP_GRACE_S
+    (docs/operations.md), ranks included, even while a step waits on a rank that does not answer (here a
+    SIGSTOPped one, mid-stream): without that bound the node waits out the collective's deadline
+    (distributed_timeout_s, 60 s) and longer."""
+    from pdserve.engine.config import ParallelConfig
+    from pdserve.serving.http import STOP_GRACE_S
+
+    shutdown_s = 1.0
+    server = _decode_node(six_heads, tmp_path, tp, shutdown_s)
+    ranks = child_pids(server.proc.pid)
+    assert len(ranks) == tp - 1
+    frozen = min(ranks)
+    try:
+        _open_stream(server, 100_000 // 16)
+        os.kill(frozen, signal.SIGSTOP)
+        server.proc.send_signal(signal.SIGTERM)
+        # Told apart from the collective's deadline, which the node would otherwise wait out: half of it.
+        code = server.proc.wait(timeout=ParallelConfig().distributed_timeout_s / 2)
+        assert code is not None
+        assert not wait_gone(ranks), "rank processes left behind"
+        assert f"did not stop within {shutdown_s + STOP_GRACE_S:g} s of the signal" in server.log
+    finally:
+        for pid in ranks:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+        server.stop(signal.SIGKILL)
+
+
+@pytest.mark.slow  # seconds: outside make test-quick
+def test_sigterm_to_the_whole_process_group_of_a_tp_node_drains_its_streams(six_heads, tmp_path):
+    """SIGTERM to every process of a -tp 3 node (a process group's signal: Ctrl-C, systemd, `kill -- -PGID`): the
+    ranks leave it to rank 0, which lets the running stream finish (drain) and exits 0 with its ranks."""
+    server = _decode_node(six_heads, tmp_path, 3, HANG_S)
+    ranks = child_pids(server.proc.pid)
+    try:
+        resp = _open_stream(server, 64)
+        for pid in [server.proc.pid, *ranks]:
+            os.kill(pid, signal.SIGTERM)
+        body = resp.read().decode()
+        assert '"finish_reason":"length"' in body.replace(" ", ""), body[-2000:]
+        assert server.proc.wait(timeout=HANG_S) == 0
+        assert not wait_gone(ranks), "rank processes left behind"
+        assert "lost a rank" not in server.log
+    finally:
+        server.stop(signal.SIGKILL)

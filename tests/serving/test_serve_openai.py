@@ -18,7 +18,8 @@ from pdserve.deploy.server_process import ServerProcess
 from pdserve.serving.responses import top_by_text
 from tests.helpers.cluster import wait_until
 from tests.helpers.serve import open_stream, sse_events
-from tests.engine.test_generate import hf_greedy, random_prompt
+from tests.helpers.oracles import hf_greedy
+from tests.helpers.prompts import random_prompt
 
 MAX_TOKENS = 12
 # How long /health may take where it matters: the readiness probe of the Kubernetes deployment.

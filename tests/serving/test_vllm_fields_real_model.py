@@ -100,7 +100,7 @@ def test_chat_template_kwargs_and_truncation_shape_the_prompt_alike(urls, model_
 def test_beam_search_equals_hf_with_beams_ending_at_eos(urls, model_dir):
     """Beams that end at <|im_end|> are finished hypotheses ranked by HF's length-normalised score."""
     from tests.helpers.real_model import _hf_model
-    from tests.engine.test_beam_search import hf_beams
+    from tests.helpers.oracles import hf_beams
 
     tokenizer = load_tokenizer(model_dir)
     prompt = apply_chat_template(tokenizer, [PREFILL[0]])

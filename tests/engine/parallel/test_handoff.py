@@ -7,18 +7,13 @@ all-reduce rounding) and every prompt token but the last is loaded, not recomput
 """
 from __future__ import annotations
 
-import random
 import re
-from pathlib import Path
 
 import pytest
 
-from pdserve.serving import SamplingParams
-from tests.helpers.parallel import parallel_llm
-from tests.engine.test_generate import hf_greedy
+from tests.helpers.oracles import hf_greedy
+from tests.helpers.parallel import HANDOFF_PROMPTS as PROMPTS, handoff_decode as decode, handoff_prefill as prefill
 
-rng = random.Random(0)
-PROMPTS = [[rng.randrange(3, 259) for _ in range(n)] for n in (300, 40, 600)]
 PAIRS = {"prefill TP=2 -> decode TP=1": ((2, 1), (1, 1)), "prefill TP=1 -> decode PP=2": ((1, 1), (1, 2)),
          "prefill PP=2 -> decode TP=2": ((1, 2), (2, 1))}
 
@@ -26,16 +21,6 @@ PAIRS = {"prefill TP=2 -> decode TP=1": ((2, 1), (1, 1)), "prefill TP=1 -> decod
 @pytest.fixture(scope="module")
 def refs(tiny_llama):
     return hf_greedy(tiny_llama, PROMPTS, max_tokens=8)
-
-
-def prefill(path: Path, store: str, layout: tuple[int, int]) -> None:
-    with parallel_llm(path, *layout, kv_store=store, kv_role="kv_producer") as llm:
-        llm.generate(PROMPTS, SamplingParams(max_tokens=1, temperature=0))
-
-
-def decode(path: Path, store: str, layout: tuple[int, int]) -> list:
-    with parallel_llm(path, *layout, kv_store=store, kv_role="kv_consumer") as llm:
-        return llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0))
 
 
 def kv_lines(text: str, what: str) -> dict[str, int]:

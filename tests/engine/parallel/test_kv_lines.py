@@ -17,8 +17,8 @@ from pdserve.connectors.kv_hits import parse_line
 from pdserve.engine.builtin_model import make_model
 from pdserve.serving import SamplingParams
 from tests.helpers.parallel import parallel_llm
-from tests.engine.test_generate import hf_greedy
-from tests.engine.parallel.test_handoff import PROMPTS, decode, prefill
+from tests.helpers.oracles import hf_greedy
+from tests.helpers.parallel import HANDOFF_PROMPTS as PROMPTS, handoff_prefill as prefill
 
 PAIRS = {"TP=1 -> TP=1": ((1, 1), (1, 1)), "TP=2 -> TP=2": ((2, 1), (2, 1)), "PP=2 -> PP=2": ((1, 2), (1, 2))}
 PARTIAL = re.compile(r"from \d+ of \d+ ranks")  # a line written with some ranks' parts missing

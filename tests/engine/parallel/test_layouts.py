@@ -20,7 +20,8 @@ from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.serving import LLM, SamplingParams
 from tests.helpers.parallel import generate, parallel_llm
 from tests.helpers.real_model import CONVERSATIONS, chat_ids, near_ties
-from tests.engine.test_generate import hf_greedy, random_prompt
+from tests.helpers.oracles import hf_greedy
+from tests.helpers.prompts import random_prompt
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 8

@@ -11,7 +11,8 @@ from pdserve.engine.builtin_model import make_model
 from pdserve.engine.parallel.layout import pp_layer_ranges
 from pdserve.serving import SamplingParams
 from tests.helpers.parallel import GREEDY, generate, parallel_llm
-from tests.engine.test_generate import hf_greedy, random_prompt
+from tests.helpers.oracles import hf_greedy
+from tests.helpers.prompts import random_prompt
 
 LENGTHS = [1, 17, 100, 257]
 PROMPTS = [random_prompt(n, seed=n) for n in LENGTHS]

@@ -19,7 +19,8 @@ from pdserve.engine.builtin_model import make_model
 from pdserve.engine.parallel.launcher import RankFailure
 from pdserve.serving import LLM, SamplingParams
 from tests.helpers.parallel import GREEDY, child_pids, generate, parallel_llm, wait_gone
-from tests.engine.test_generate import hf_greedy, random_prompt
+from tests.helpers.oracles import hf_greedy
+from tests.helpers.prompts import random_prompt
 from tests.helpers.timing import HANG_S
 
 # The collective (and join) deadline of the tests that kill a rank: far beyond HANG_S, so that a death
