@@ -83,6 +83,19 @@ def test_benchmarks_and_tests_stay_apart():
     assert not wrong, wrong
 
 
+def test_tests_share_helpers_only_through_tests_helpers():
+    """What several test modules use lives in tests/helpers/ (or the package), never in one of them: a test
+    module may import another only to re-run one of its tests (a name starting with `test_`)."""
+    wrong = []
+    for path in (REPO / "tests").rglob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tests.") \
+                    and node.module.rsplit(".", 1)[-1].startswith("test_"):
+                wrong += [f"{path.relative_to(REPO)}:{node.lineno} {node.module}.{a.name}" for a in node.names
+                          if not a.name.startswith("test_")]
+    assert not wrong, wrong
+
+
 def test_the_package_graph_is_acyclic():
     graph = package_graph()
     done: set[str] = set()
