@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 
 from aiohttp import web
 
-from pdserve.proxy.fleet_sources import REDIS, RedisRegistrySource, Sighting, Source, SourceError
+from pdserve.proxy.fleet_sources import RedisRegistrySource, Sighting, Source, SourceError
 from pdserve.proxy.health import Node
 from pdserve.proxy.router import Router
 from pdserve.serving.auth import GrpcSecurity

@@ -18,7 +18,8 @@ from pdserve.serving.announce import INDEX_KEY, TTL_S, Announcement, host_port, 
 logger = logging.getLogger(__name__)
 
 STATIC, REDIS, DNS = "static", "redis", "dns"  # how a node was found (/fleet's `source`)
-REGISTRY_POLL_S = 0.5  # a node announced joins within this (plus one health probe); a dead one leaves within TTL_S + this
+# A node announced joins within this (plus one health probe); a dead one leaves within TTL_S + this.
+REGISTRY_POLL_S = 0.5
 DNS_POLL_S = 2.0  # a headless Service's records change with pod readiness: seconds are soon enough
 
 # Every live announcement, and the index cleaned of expired keys, in one atomic step (no node can refresh in

@@ -206,7 +206,8 @@ def announcement_of(server: Any, role: str, host: str, grpc_port: int, http_port
                         kv_store=without_credentials(kv_store or args.lmcache_config or ""), started_at=time.time())
 
 
-def node_announcer(args: argparse.Namespace, server: Any, role: str, http_port: int) -> Callable[[int], Announcer] | None:
+def node_announcer(args: argparse.Namespace, server: Any, role: str,
+                   http_port: int) -> Callable[[int], Announcer] | None:
     """What serve_with_grpc calls with its bound gRPC port to announce the node; None without --fleet-registry."""
     if not args.fleet_registry:
         return None

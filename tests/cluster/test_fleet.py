@@ -9,12 +9,12 @@ import signal
 import subprocess
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from pdserve.deploy.processes import HOST, NODE_ARGS, Child, NodeProcess, free_port, python_module, shared_cores_env
-from pdserve.deploy.redis_servers import RedisServer
 from tests.helpers.cluster import client, routed, wait_until
 
 pytestmark = pytest.mark.slow
@@ -61,16 +61,13 @@ def _complete(url: str, rid: str, max_tokens: int = 4) -> str:
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_llama, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("fleet")
-    redis = RedisServer()
-    redis.start()
+def fleet(tiny_llama, tmp_path_factory, redis_module):
+    log_dir, redis = tmp_path_factory.mktemp("fleet"), redis_module
     store = (log_dir / "kvstore").resolve().as_uri()
-    f = type("Fleet", (), {})()
-    f.log_dir, f.registry, f.store, f.model = log_dir, redis.url, store, tiny_llama
-    f.children = []
+    f = SimpleNamespace(log_dir=log_dir, registry=redis.url, store=store, model=tiny_llama, children=[])
     try:
-        (f.a, f.a_url), (f.b, f.b_url) = (_proxy(n, log_dir, "--fleet-registry", redis.url) for n in ("proxy-a", "proxy-b"))
+        (f.a, f.a_url), (f.b, f.b_url) = (_proxy(name, log_dir, "--fleet-registry", redis.url)
+                                          for name in ("proxy-a", "proxy-b"))
         f.children += [f.a, f.b]
         f.prefill = _node("prefill0", "prefill", tiny_llama, store, redis.url, log_dir)
         f.decode = _node("decode0", "decode", tiny_llama, store, redis.url, log_dir)
@@ -79,7 +76,6 @@ def fleet(tiny_llama, tmp_path_factory):
     finally:
         for child in f.children:
             child.stop()
-        redis.stop()
 
 
 def _both_see(f, want: set[tuple[str, str]], what: str, healthy: bool = False) -> None:

@@ -12,7 +12,6 @@ from dataclasses import replace
 import pytest
 import redis
 
-from pdserve.deploy.redis_servers import RedisServer
 from pdserve.proxy.fleet import Fleet
 from pdserve.proxy.fleet_sources import DNS, REDIS, STATIC, DnsSource, RedisRegistrySource, Sighting, SourceError
 from pdserve.proxy.router import Router
@@ -35,14 +34,6 @@ async def _until(predicate, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def registry():
-    server = RedisServer()
-    server.start()
-    yield server
-    server.stop()
-
-
 def test_announcement_round_trip_and_credentials():
     a = _announcement()
     assert Announcement.from_json(a.to_json()) == a
@@ -53,14 +44,14 @@ def test_announcement_round_trip_and_credentials():
     assert without_credentials("redis://host:6379/0") == "redis://host:6379/0"
 
 
-def test_announcer_and_registry_source(registry):
+def test_announcer_and_registry_source(redis_module):
     """A node's key appears while it accepts, reads as draining the moment it stops (every proxy can tell why),
     and one that stops refreshing (a killed node) expires and leaves the index."""
 
     async def run() -> None:
         accepting = True
-        announcer = Announcer(registry.url, _announcement(), lambda: accepting, ttl_s=3.0, refresh_s=0.2)
-        source = RedisRegistrySource(registry.url)
+        announcer = Announcer(redis_module.url, _announcement(), lambda: accepting, ttl_s=3.0, refresh_s=0.2)
+        source = RedisRegistrySource(redis_module.url)
         announcer.start()
         try:
             async def seen() -> bool:
@@ -78,8 +69,8 @@ def test_announcer_and_registry_source(registry):
             await announcer.stop()
             await source.close()
 
-        dead = Announcer(registry.url, _announcement("127.0.0.1:7002"), lambda: True, ttl_s=0.5, refresh_s=0.2)
-        source = RedisRegistrySource(registry.url)
+        dead = Announcer(redis_module.url, _announcement("127.0.0.1:7002"), lambda: True, ttl_s=0.5, refresh_s=0.2)
+        source = RedisRegistrySource(redis_module.url)
         dead.start()
         try:
             async def seen2() -> bool:
@@ -91,7 +82,7 @@ def test_announcer_and_registry_source(registry):
                 return not any(s.address == "127.0.0.1:7002" for s in await source.poll())
             await _until(expired, "the key's expiry")
             assert "expired" in source.why_gone(("decode", "127.0.0.1:7002"))
-            members = redis.Redis.from_url(registry.url).smembers(INDEX_KEY)
+            members = redis.Redis.from_url(redis_module.url).smembers(INDEX_KEY)
             assert fleet_key("decode", "127.0.0.1:7002").encode() not in members  # the index was cleaned
         finally:
             dead.announced = False
@@ -161,7 +152,8 @@ def test_membership_follows_the_sources(caplog):
         assert "10.0.0.2:1 joined the fleet: decode node found by redis" in caplog.text
 
         # another model is refused (one line), the same model joins
-        registry.sightings += [Sighting("10.0.0.3:1", "decode", REDIS, _announcement("10.0.0.3:1", fingerprint="b" * 32)),
+        other = Sighting("10.0.0.3:1", "decode", REDIS, _announcement("10.0.0.3:1", fingerprint="b" * 32))
+        registry.sightings += [other,
                                Sighting("10.0.0.4:1", "decode", REDIS, _announcement("10.0.0.4:1"))]
         await fleet._poll(1)
         await fleet._poll(1)
@@ -189,7 +181,7 @@ def test_membership_follows_the_sources(caplog):
         assert fleet.members[("decode", "10.0.0.2:1")] is node and not fleet.leaving
 
         # every announced node gone: the next model to come is the fleet's
-        registry.sightings = [Sighting("10.0.0.3:1", "decode", REDIS, _announcement("10.0.0.3:1", fingerprint="b" * 32))]
+        registry.sightings = [other]
         await fleet._poll(1)
         assert _addresses(fleet, "decode") == ["10.0.0.3:1"] and fleet.fingerprint == "b" * 32
         node.load.in_flight = 0
@@ -204,7 +196,8 @@ def test_a_node_restarted_with_another_model_leaves():
                                  Sighting("10.0.0.5:1", "decode", REDIS, _announcement("10.0.0.5:1"))])
         fleet, _ = _fleet(registry)
         await fleet.start()
-        registry.sightings[1] = replace(registry.sightings[1], announcement=_announcement("10.0.0.5:1", fingerprint="c" * 32))
+        restarted = _announcement("10.0.0.5:1", fingerprint="c" * 32)
+        registry.sightings[1] = replace(registry.sightings[1], announcement=restarted)
         await fleet._poll(0)
         assert _addresses(fleet, "decode") == ["10.0.0.2:1"]
         assert [r["address"] for r in fleet.status()["refused"]] == ["10.0.0.5:1"]
