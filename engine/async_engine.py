@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+from pdserve.engine.lora.request import LoRARequest
 from pdserve.engine.outputs import FirstToken, Resume, StepOutput
 from pdserve.engine.parallel.launcher import exit_process
 from pdserve.engine.sampling_params import SamplingParams
@@ -146,7 +147,8 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        cache_salt: str | None = None, resume: Resume | None = None,
-                       first_token: FirstToken | None = None) -> AsyncIterator[StepOutput]:
+                       first_token: FirstToken | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[StepOutput]:
         """Outputs of one request until it finishes (each of its n choices, told apart by `index`).
         Closing the iterator early aborts the request; `resume` continues another engine's stream;
         `first_token` is its first output token as a P/D prefill node sampled it (LLMEngine.add_request).
@@ -164,7 +166,7 @@ class AsyncLLMEngine:
         stream = _Stream(request_id, len(prompt_token_ids), num_open_choices=params.n)
         self._streams[request_id] = stream
         self._commands.put(("add", request_id, prompt_token_ids, params, cache_salt, stream.arrival, resume,
-                            first_token))
+                            first_token, lora_request))
         finished = False
         try:
             while True:
@@ -186,8 +188,13 @@ class AsyncLLMEngine:
     async def reset_prefix_cache(self) -> bool:
         """The engine's reset_prefix_cache, run on the step thread between two steps (the engine is not
         thread-safe); its answer."""
+        return await self.call(self.engine.reset_prefix_cache)
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` on the step thread between two steps (the engine is not thread-safe; its OpenMP team lives
+        there: loading a LoRA adapter, resetting the prefix cache); its result, or its exception."""
         done = asyncio.get_running_loop().create_future()
-        self._commands.put(("call", self.engine.reset_prefix_cache, done))
+        self._commands.put(("call", fn, done))
         return await done
 
     def abort(self, request_id: str) -> None:
@@ -304,10 +311,10 @@ class AsyncLLMEngine:
             if cmd[0] == "stop":
                 return False
             if cmd[0] == "add":
-                _, rid, ids, params, salt, arrival, resume, first_token = cmd
+                _, rid, ids, params, salt, arrival, resume, first_token, lora = cmd
                 try:
                     self.engine.add_request(rid, ids, params, cache_salt=salt, arrival_time=arrival, resume=resume,
-                                            first_token=first_token)
+                                            first_token=first_token, lora_request=lora)
                     live.add(rid)
                 except ValueError as e:  # the client's fault: 400
                     self._post(self._fail, rid, e, self.engine.get_stats())

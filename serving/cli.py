@@ -16,8 +16,8 @@ from typing import Any, NoReturn
 from pdserve.common.cli_types import port_number
 from pdserve.common.units import format_bytes
 from pdserve.engine.config import (ATTENTION_BACKENDS, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_MEMORY,
-                                   DEVICE_RE, DTYPES, CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
-                                   ParallelConfig, SchedulerConfig)
+                                   DEVICE_RE, DTYPES, CacheConfig, DeviceConfig, KVTransferConfig, LoRAConfig,
+                                   ModelConfig, ParallelConfig, SchedulerConfig)
 from pdserve.serving.limits import add_http_timeout_args
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -140,6 +140,27 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="torch (OpenMP) threads of the engine, split over its -tp/-pp ranks (default: the CPUs "
                         "this process may use, from its cgroup CPU quota and affinity mask, not the host's core "
                         "count; OMP_NUM_THREADS, when set, per rank). Logged at start-up with the reason")
+    add_lora_args(parser)
+    return parser
+
+
+def add_lora_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """vLLM's LoRA options (docs/lora.md); the bounds' defaults are LoRAConfig's."""
+    from pdserve.serving.lora_modules import parse_lora_module  # no torch: the table and its argparse type
+
+    d = config_default
+    g = parser.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true", default=None,
+                   help="serve LoRA adapters: a request's `model` names one (default: off)")
+    g.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=[], metavar="NAME=PATH",
+                   help="adapters served from start-up: name=path or JSON {\"name\": ..., \"path\": ...} (PEFT "
+                        "directories); more can be loaded with POST /v1/load_lora_adapter")
+    g.add_argument("--max-loras", type=_positive_int, default=None,
+                   help=f"adapters in one batch (default {d(LoRAConfig, 'max_loras')})")
+    g.add_argument("--max-lora-rank", type=_positive_int, default=None,
+                   help=f"largest adapter rank accepted (default {d(LoRAConfig, 'max_lora_rank')})")
+    g.add_argument("--max-cpu-loras", type=_positive_int, default=None,
+                   help="adapters kept loaded, least recently used dropped beyond it (default: --max-loras)")
     return parser
 
 
@@ -171,7 +192,7 @@ def add_response_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 
 _ENGINE_FIELDS = [f.name for cls in (ModelConfig, CacheConfig, SchedulerConfig, KVTransferConfig, DeviceConfig,
-                                                ParallelConfig)
+                                                ParallelConfig, LoRAConfig)
                   for f in dataclasses.fields(cls) if f.name != "model"]
 
 

@@ -19,10 +19,14 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def models_list(names: list[str], max_model_len: int, created: int) -> dict[str, Any]:
-    """Lists the first (public) name only: the others are accepted aliases, such as the model's path."""
-    return {"object": "list", "data": [{"id": names[0], "object": "model", "created": created,
-                                        "owned_by": "pdserve", "max_model_len": max_model_len}]}
+def models_list(names: list[str], max_model_len: int, created: int,
+                adapters: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Lists the first (public) name only: the others are accepted aliases, such as the model's path. LoRA
+    adapters follow (serving/lora_modules.py: vLLM's cards, `parent` the base model's name)."""
+    cards = [{"id": names[0], "object": "model", "created": created, "owned_by": "pdserve",
+              "max_model_len": max_model_len}]
+    cards += [{**card, "created": created, "max_model_len": max_model_len} for card in adapters or []]
+    return {"object": "list", "data": cards}
 
 
 @dataclass

@@ -31,6 +31,7 @@ from pdserve.serving.cli import ArgumentParser, add_engine_args, add_server_args
 from pdserve.serving.errors import StartupError
 from pdserve.serving.http import api_middleware, json_response, listen_socket, serve_app
 from pdserve.serving.limits import MAX_BODY_BYTES, HttpTimeouts
+from pdserve.serving.lora_modules import lora_body, served_loras
 from pdserve.serving.metrics import CONTENT_TYPE
 from pdserve.serving.responses import Delta, ResponseBuilder, models_list, token_namer, top_token_texts, usage_dict
 from pdserve.serving.sse import SSEStream
@@ -67,7 +68,12 @@ class OpenAIServer:
             web.post("/detokenize", self.detokenize),
             web.get("/version", self.version),
             web.post("/reset_prefix_cache", self.reset_prefix_cache),
+            web.post("/v1/load_lora_adapter", self.load_lora_adapter),
+            web.post("/v1/unload_lora_adapter", self.unload_lora_adapter),
         ])
+        # The adapters served by name: those --lora-modules loaded at start-up (serving/startup.py), then the
+        # load and unload endpoints'
+        self.loras = served_loras(self.engine, served_model_names)
 
     @property
     def max_model_len(self) -> int:
@@ -131,13 +137,14 @@ class OpenAIServer:
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         req = oai.parse_request(kind, await request.read(), return_tokens_as_token_ids=self.return_tokens_as_token_ids)
         rid = request["request_id"] = oai.request_id_of(req, request.headers.get("X-Request-Id"), request["request_id"])
-        model = oai.check_model(req.model, self.served_names)
+        model, lora = self.loras.resolve(req.model)
         subs = req.per_prompt()
         prompts = [await self.prompt_token_ids_of(sub) for sub in subs]
         params = [await self.engine_params(sub, len(ids)) for sub, ids in zip(subs, prompts)]
         builder = ResponseBuilder(req, rid, model)
         assembler = Assembler(req, len(subs))
-        outputs = merge([self.async_engine.generate(sub_request_id(rid, p, len(subs)), ids, prm, req.cache_salt)
+        outputs = merge([self.async_engine.generate(sub_request_id(rid, p, len(subs)), ids, prm, req.cache_salt,
+                                                    lora_request=lora)
                          for p, (ids, prm) in enumerate(zip(prompts, params))])
         async with contextlib.aclosing(outputs):
             try:
@@ -191,7 +198,8 @@ class OpenAIServer:
     # ------------------------------------------------------------ other endpoints
 
     async def models(self, request: web.Request) -> web.Response:
-        return json_response(models_list(self.served_names, self.max_model_len, self.created))
+        return json_response(models_list(self.served_names, self.max_model_len, self.created,
+                                         self.loras.model_cards()))
 
     async def health(self, request: web.Request) -> web.Response:
         if not self.async_engine.accepting:
@@ -209,12 +217,12 @@ class OpenAIServer:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         req = tokenize_api.parse_tokenize(await request.read())
-        oai.check_model(req.model, self.served_names)
+        self.loras.resolve(req.model)  # an adapter shares the base model's tokenizer
         return json_response(tokenize_api.tokenize_reply(self.tokenizer, req, self.max_model_len))
 
     async def detokenize(self, request: web.Request) -> web.Response:
         model, token_ids = tokenize_api.parse_detokenize(await request.read())
-        oai.check_model(model, self.served_names)
+        self.loras.resolve(model)
         return json_response(tokenize_api.detokenize_response(
             tokenize_api.detokenize(self.tokenizer, token_ids, self.engine.vocab_size)))
 
@@ -230,6 +238,33 @@ class OpenAIServer:
             raise oai.service_unavailable("the server is shutting down", "shutting_down")
         await self.async_engine.reset_prefix_cache()
         return web.Response(status=200)
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"}: 200 once the engine loaded it (between
+        two steps); 400 for a name already served or an adapter it cannot serve, nothing else disturbed."""
+        name, path = lora_body(await request.read(), need_path=True)
+        lora = self.loras.request_for(name, path)
+
+        def add() -> str | None:
+            try:
+                self.engine.add_lora(lora)
+            except ValueError as e:  # LoRAError: the directory, its config, its weights or its rank
+                return str(e)
+            return None
+
+        error = await self.async_engine.call(add)
+        if error is not None:
+            raise oai.bad_request(error, "lora_path")
+        self.loras.add(lora)
+        return web.Response(status=200, text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's POST /v1/unload_lora_adapter {"lora_name"}: 200; 404 for a name not served. Requests in
+        flight under it finish under it."""
+        name, _ = lora_body(await request.read(), need_path=False)
+        lora = self.loras.remove(name)
+        await self.async_engine.call(lambda: self.engine.remove_lora(lora.lora_int_id))
+        return web.Response(status=200, text=f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 # ---------------------------------------------------------------- process entry points

@@ -14,6 +14,7 @@ from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.engine.config import EngineConfig
 from pdserve.serving.cli import engine_kwargs_from_args
 from pdserve.serving.errors import StartupError
+from pdserve.serving.lora_modules import startup_requests
 from pdserve.serving.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -39,18 +40,30 @@ def create_async_engine(args: argparse.Namespace) -> tuple[AsyncLLMEngine, list[
     Returns the engine and the model names clients may use (the first one is reported back).
     """
     kwargs = engine_kwargs_from_args(args)
+    modules = getattr(args, "lora_modules", None) or []
     try:  # option errors first, with their own message, before anything slow happens
         EngineConfig.from_kwargs(args.model or "builtin", **kwargs)
+        loras = startup_requests(modules)
     except (TypeError, ValueError) as e:
         raise StartupError(f"invalid engine option: {e}") from None
+    if loras and not kwargs.get("enable_lora"):
+        raise StartupError("--lora-modules needs --enable-lora")
     model = check_model_dir(args.model)  # before the heavy imports (torch): a bad path fails fast
     from pdserve.connectors.factory import create_connector
     from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.engine.lora.adapter import LoRAError
+
+    def build() -> LLMEngine:
+        engine = LLMEngine(config, create_connector)
+        for lora in loras:  # the adapters served from the start, loaded on the step thread too
+            engine.add_lora(lora)
+        return engine
 
     try:  # built on its step thread: the process's one OpenMP team (engine/async_engine.py)
         config = EngineConfig.from_kwargs(model, **kwargs)
-        async_engine = AsyncLLMEngine.build(lambda: LLMEngine(config, create_connector),
-                                            max_waiting_requests=args.max_waiting_requests)
+        async_engine = AsyncLLMEngine.build(build, max_waiting_requests=args.max_waiting_requests)
+    except LoRAError as e:
+        raise StartupError(f"--lora-modules: {e}") from None
     except Exception as e:  # transformers/safetensors/config errors: a one-line reason, no traceback
         logger.debug("engine start-up failed", exc_info=True)
         raise StartupError(f"cannot load model from {model}: {type(e).__name__}: {e}") from None

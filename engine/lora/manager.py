@@ -74,7 +74,10 @@ class LoRAManager:
 
     def remove(self, int_id: int) -> bool:
         """Forget an adapter (requests in flight under it finish with their copy); False if not loaded."""
-        return self._loaded.pop(int_id, None) is not None
+        adapter = self._loaded.pop(int_id, None)
+        if adapter is not None:
+            logger.info("LoRA adapter %s unloaded (id %d)", adapter.label, int_id)
+        return adapter is not None
 
     def list_ids(self) -> list[int]:
         return list(self._loaded)
