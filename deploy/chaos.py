@@ -32,8 +32,12 @@ LOAD_TIMEOUT_S = 4.0  # the nodes' --kv-load-timeout: a frozen store costs a req
 # (twice tests/helpers/timing.py's HANG_S).
 STALL_S = 2.0
 TOKEN_S = 120.0
+# With no decode node left to resume on, a stream waits this long for one to come back (pd-proxy
+# --decode-recovery-timeout): short here, so that the scenario that kills every decode node ends soon.
+RECOVERY_S = 2 * STALL_S
 PROXY_ARGS = ["--health-interval", "0.3", "--connect-timeout", "2", "--first-token-timeout", "60",
-              "--token-timeout", str(TOKEN_S), "--stall-timeout", str(STALL_S)]
+              "--token-timeout", str(TOKEN_S), "--stall-timeout", str(STALL_S),
+              "--decode-recovery-timeout", str(RECOVERY_S)]
 # One OpenMP thread per node: two spinning threads per step make a busy machine's steps 10x slower.
 NODE_ENV = {"OMP_NUM_THREADS": "1"}
 
@@ -43,7 +47,8 @@ NODE_ENV = {"OMP_NUM_THREADS": "1"}
 class ChaosCluster:
     """The cluster plus handles on every process a fault may hit."""
 
-    def __init__(self, model: Path, log_dir: Path, num_decode: int = 2) -> None:
+    def __init__(self, model: Path, log_dir: Path, num_decode: int = 2, proxy_args: list[str] | None = None) -> None:
+        """`proxy_args`: pd-proxy's flags after PROXY_ARGS (a later flag overrides an earlier one)."""
         self.redis = RedisServer()
         self.redis.start()
         self.relay = FaultRelay(HOST, self.redis.port)
@@ -51,7 +56,7 @@ class ChaosCluster:
         spec = ClusterSpec(model=str(model), log_dir=log_dir, kv_store=f"redis://{HOST}:{self.relay.port}/0",
                            num_prefill=1, num_decode=num_decode,
                            node_args=[*NODE_ARGS, "--kv-load-timeout", str(LOAD_TIMEOUT_S)],
-                           proxy_args=PROXY_ARGS, env=NODE_ENV)
+                           proxy_args=[*PROXY_ARGS, *(proxy_args or [])], env=NODE_ENV)
         self.cluster = LocalCluster(spec)
         try:
             self.cluster.start(timeout_s=240)

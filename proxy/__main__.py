@@ -74,6 +74,11 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--stall-timeout", type=float, default=d.stall_s, metavar="S",
                    help=f"seconds a decode stream may stay silent, heartbeats included, before its node counts "
                         f"as frozen (default {d.stall_s:g}; nodes send a heartbeat every second)")
+    p.add_argument("--decode-recovery-timeout", type=float, default=d.recovery_s, metavar="S",
+                   help="when no other decode node can take a stream (one decode node, or every other out of "
+                        "rotation): seconds of silence a stream waits for its silent or failed decode node to answer "
+                        "again or return to rotation, resuming there, before it fails (default "
+                        f"{d.recovery_s:g}; at least --stall-timeout)")
     prefill_s = config_default(ProxyConfig, "prefill_timeout_s")
     p.add_argument("--prefill-timeout", type=float, default=prefill_s, metavar="S",
                    help=f"seconds one Prefill call may take (default {prefill_s:g})")
@@ -104,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pd-proxy: error: {e}", file=sys.stderr)
         return 1
     try:
-        deadlines = Deadlines(args.connect_timeout, args.first_token_timeout, args.token_timeout, args.stall_timeout)
+        deadlines = Deadlines(args.connect_timeout, args.first_token_timeout, args.token_timeout, args.stall_timeout,
+                              args.decode_recovery_timeout)
         timeouts = HttpTimeouts.from_args(args)
     except ValueError as e:
         print(f"pd-proxy: error: {e}", file=sys.stderr)
