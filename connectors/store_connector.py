@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -92,6 +92,7 @@ class StoreConnector(ChunkedConnector):
         self.decoded_loads = DecodedLoads(self.store, self.paged_caches, self.heads, self.num_kv_heads)
         self._saves: dict[str, _Save] = {}
         self._keys: dict[str, list[str]] = {}  # request id -> its prompt's chunk keys
+        self.on_commit: Callable[[list[str]], None] | None = None  # told each commit's keys (serving/kv_events.py)
 
     @property
     def kv_caches(self) -> list[torch.Tensor | None]:
@@ -340,6 +341,8 @@ class StoreConnector(ChunkedConnector):
         started = time.perf_counter()
         self.store.commit(save.keys, layout=self.layout, part=self.layout.part_index(self.shard.layers, self.heads))
         save.io_seconds += time.perf_counter() - started
+        if self.on_commit is not None:
+            self.on_commit(save.keys)
         return len(save.keys), save.num_bytes, save.io_seconds
 
     def shutdown(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(eq=False)
@@ -26,6 +27,9 @@ class BlockPool:
         # Insertion order = eviction order (head is evicted first); O(1) removal on revival.
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
+        # Told the hashes each allocation evicts (KVCacheManager.set_listener: KV events); step thread, so it
+        # must only enqueue.
+        self.on_evict: Callable[[list[bytes]], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -48,13 +52,17 @@ class BlockPool:
         if n > self.num_free_blocks:
             raise RuntimeError(f"asked for {n} blocks with only {self.num_free_blocks} free")
         out = []
+        evicted: list[bytes] = []
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:
                 del self.cached[block.block_hash]
+                evicted.append(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return out
 
     def touch(self, blocks: list[KVCacheBlock]) -> None:

@@ -9,9 +9,25 @@ time: external loads may still fail and be rewound.
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 from pdserve.common.hashing import chain_seed, hash_chain
 from pdserve.engine.block_pool import BlockPool, KVCacheBlock
 from pdserve.engine.request import Request
+
+
+class PrefixCacheListener(Protocol):
+    """Told what enters and leaves the prefix cache (the serving layer's KV event publisher, serving/kv_events.py:
+    the engine knows no transport). Called on the engine's step thread: implementations only enqueue."""
+
+    def blocks_stored(self, request: Request, start: int, end: int) -> None:
+        """The request's leading `end` blocks are indexed now; [start, end) just were."""
+
+    def blocks_removed(self, block_hashes: list[bytes]) -> None:
+        """These hashes left the index (their blocks were evicted for new allocations)."""
+
+    def cache_cleared(self) -> None:
+        """reset_prefix_cache: every hash left the index."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -33,6 +49,12 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already indexed
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens found in the local prefix cache
+        self.listener: PrefixCacheListener | None = None
+
+    def set_listener(self, listener: PrefixCacheListener | None) -> None:
+        """Report index changes to `listener` from now on (None: stop)."""
+        self.listener = listener
+        self.pool.on_evict = listener.blocks_removed if listener is not None else None
 
     @property
     def num_blocks(self) -> int:
@@ -105,7 +127,10 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         """Empty the prefix cache (vLLM's reset_prefix_cache); the blocks forgotten. Requests in flight keep
         their blocks; their blocks already indexed stay unindexed (the next ones are indexed as usual)."""
-        return self.pool.reset_prefix_cache()
+        forgotten = self.pool.reset_prefix_cache()
+        if self.listener is not None:
+            self.listener.cache_cleared()
+        return forgotten
 
     def cache_blocks(self, request: Request, num_valid_tokens: int) -> None:
         """Index the request's full blocks among its first `num_valid_tokens` (their KV is written)."""
@@ -120,6 +145,8 @@ class KVCacheManager:
         for i in range(start, end):
             self.pool.register(blocks[i], hashes[i])
         self.num_cached_blocks[request.request_id] = end
+        if self.listener is not None:
+            self.listener.blocks_stored(request, start, end)
 
     def fork(self, parent: Request, child: Request) -> tuple[int, int] | None | bool:
         """Give `child` the parent's computed prompt: its full blocks shared (one more reference

@@ -51,6 +51,9 @@ def build_parser() -> ArgumentParser:
                             f"resolved every {DNS_POLL_S:g} s")
     fleet.add_argument("--decode-dns", type=_name_port, default=None, metavar="NAME:PORT",
                        help="the same for decode nodes")
+    fleet.add_argument("--kv-events", default=None, metavar="redis://HOST:PORT/DB",
+                       help="with --policy kv-aware: route from an index of the nodes' KV events (their --kv-events, "
+                            "the same URL; vLLM's --kv-events-config) instead of asking every node's Lookup per request")
     # Defaults the proxy's dataclasses own (ProxyConfig, Deadlines) are read from them; the help quotes each.
     host, port, level = "127.0.0.1", 8000, "INFO"
     p.add_argument("--host", default=host, help=f"address to listen on (default {host})")
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                          local_prefill_threshold=args.local_prefill_threshold, api_key=args.api_key,
                          health_interval_s=args.health_interval, grpc_security=security,
                          deadlines=deadlines, prefill_timeout_s=args.prefill_timeout,
-                         return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                         return_tokens_as_token_ids=args.return_tokens_as_token_ids, kv_events=args.kv_events)
     try:
         eventloop.loop_kind()
     except ValueError as e:

@@ -26,6 +26,8 @@ from pdserve.proxy.decode_stream import Deadlines, DecodeStream
 from pdserve.proxy.fleet import Fleet
 from pdserve.proxy.fleet_sources import fleet_sources
 from pdserve.proxy.health import HealthMonitor, Node
+from pdserve.proxy.kv_events_consumer import KVEventsConsumer
+from pdserve.proxy.kv_index import KVIndex
 from pdserve.proxy.router import DEFAULT_POLICY, Router
 from pdserve.serving import errors, tokenize_api
 from pdserve.serving import protocol as oai
@@ -57,6 +59,7 @@ class ProxyConfig:
     deadlines: Deadlines = field(default_factory=Deadlines)  # every decode call's
     prefill_timeout_s: float = 120.0  # one Prefill call; a node that leaves rotation meanwhile is given up at once
     return_tokens_as_token_ids: bool = False  # vLLM's --return-tokens-as-token-ids: the field's default
+    kv_events: str | None = None  # redis:// URL of the nodes' KV event stream (serving/kv_events.py): kv-aware's index
 
 
 def _client_error(e: grpc.aio.AioRpcError) -> oai.APIError | None:
@@ -104,13 +107,17 @@ def prompt_size_bound(req: oai.GenerationRequest) -> int:
 class Proxy:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.prefill = Router([], config.policy)  # the fleet fills both, and keeps them current
-        self.decode = Router([], config.policy)
+        # With KV events, kv-aware routes from one index both routers share (proxy/kv_index.py).
+        index = KVIndex() if config.kv_events and config.policy == "kv-aware" else None
+        self.prefill = Router([], config.policy, index=index)  # the fleet fills both, and keeps them current
+        self.decode = Router([], config.policy, index=index)
         self.metrics = ProxyMetrics(lambda: self.prefill.nodes + self.decode.nodes)
         self.monitor = HealthMonitor(lambda: self.prefill.nodes + self.decode.nodes, config.health_interval_s)
         self.fleet = Fleet({"prefill": self.prefill, "decode": self.decode}, fleet_sources(
             config.prefill, config.decode, config.fleet_registry, config.prefill_dns, config.decode_dns),
             config.grpc_security, self.monitor.check)
+        if index is not None and config.kv_events:
+            self.fleet.kv_events = KVEventsConsumer(config.kv_events, index)
         self.created = int(time.time())
 
     # ------------------------------------------------------------ lifecycle
@@ -118,6 +125,8 @@ class Proxy:
         await self.fleet.start()  # every source once: the nodes known at start are checked before the ready line
         await self.monitor.check_all()
         self.monitor.start()
+        if self.fleet.kv_events is not None:
+            self.fleet.kv_events.start()
 
     async def stop(self, app: web.Application) -> None:
         await self.monitor.stop()

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from pdserve.proxy.fleet_sources import RedisRegistrySource, Sighting, Source, SourceError
 from pdserve.proxy.health import Node
+from pdserve.proxy.kv_events_consumer import KVEventsConsumer
 from pdserve.proxy.router import Router
 from pdserve.serving.auth import GrpcSecurity
 
@@ -44,6 +45,7 @@ class Fleet:
         self._seen: list[list[Sighting]] = [[] for _ in sources]  # each source's last answer
         self._errors: list[str | None] = [None] * len(sources)
         self._tasks: set[asyncio.Task] = set()
+        self.kv_events: KVEventsConsumer | None = None  # its index forgets a node that leaves
 
     # ------------------------------------------------------------ polling
     async def start(self) -> None:
@@ -129,6 +131,8 @@ class Fleet:
                     node.source, self._why_gone(node.source, key), node.load.in_flight)
         self.leaving[key] = node
         self._spawn(self._retire(key, node))
+        if self.kv_events is not None:
+            self.kv_events.index.drop_node(node.address)
 
     async def _retire(self, key: Key, node: Node) -> None:
         """Close a departed node's channel once no call of ours runs on it (each call ends by its own deadlines)."""
@@ -155,6 +159,8 @@ class Fleet:
             await node.close()
         for source in self.sources:
             await source.close()
+        if self.kv_events is not None:
+            await self.kv_events.stop()
 
     # ------------------------------------------------------------ GET /fleet
     def status(self) -> dict[str, object]:
@@ -163,7 +169,10 @@ class Fleet:
                             for s, err in zip(self.sources, self._errors)],
                 "nodes": [_node_entry(n) for n in self.members.values()],
                 "refused": [{"address": s.address, "role": s.role, "source": s.source, "model": s.announcement.model,
-                             "fingerprint": s.announcement.fingerprint} for s in self.refused.values()]}
+                             "fingerprint": s.announcement.fingerprint} for s in self.refused.values()],
+                "routing": {role: {"policy": r.policy, "lookup_rpcs": r.lookup_rpcs, "tokenize_rpcs": r.tokenize_rpcs}
+                            for role, r in self.routers.items()},
+                "kv_events": self.kv_events.status() if self.kv_events is not None else None}
 
     async def handle(self, request: web.Request) -> web.Response:
         return web.json_response(self.status())

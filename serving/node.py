@@ -19,11 +19,13 @@ from pdserve.kvstore import registry
 from pdserve.kvstore.registry import ServedBy
 from pdserve.protos import KEEPALIVE_SERVER_OPTIONS, MESSAGE_LIMITS
 from pdserve.protos import pdserve_pb2_grpc as pb_grpc
-from pdserve.serving.announce import Announcer, add_fleet_args, advertised_host, check_registry, node_announcer
+from pdserve.serving.announce import (Announcer, add_fleet_args, advertised_host, check_registry, host_port,
+                                      node_announcer)
 from pdserve.serving.auth import GrpcSecurity, add_node_security_args, http_api_key_middleware, node_interceptors, node_security
 from pdserve.serving.cli import ArgumentParser, add_engine_args, add_log_file, add_server_args, config_default
 from pdserve.serving.errors import StartupError
 from pdserve.serving.http import listen_socket
+from pdserve.serving.kv_events import KVEventPublisher, node_publisher
 from pdserve.serving.kv_transfer_flag import apply_kv_transfer_config, check_connector_store, parse_kv_transfer_config
 from pdserve.serving.node_grpc import NodeServicer
 from pdserve.serving.server import run_node, serve
@@ -74,6 +76,11 @@ def build_parser(role: NodeRole) -> ArgumentParser:
                    "{\"kv_store\": \"redis://host:6379/0\"}}' (connectors: StoreConnector, "
                    "SharedStorageConnector, LMCacheConnectorV1; docs/configuration.md)")
     g.add_argument("--log-file", default=None, help="also write the log here (for pd-kv-hits)")
+    g.add_argument("--kv-events", default=None, metavar="redis://HOST:PORT/DB",
+                   help="publish what enters and leaves this node's prefix cache (and what it commits to the store) "
+                        "as chunk keys on this Redis's stream, for a pd-proxy --policy kv-aware --kv-events with the "
+                        "same URL (vLLM's --kv-events-config; docs/operations.md). The node is named by "
+                        "--advertise-address or --host and its gRPC port, as the proxy dials it")
     add_node_security_args(parser)
     add_fleet_args(parser)
     add_engine_args(parser)
@@ -110,8 +117,10 @@ def check_store(url: str, timeout_s: float = 3.0) -> None:
 async def serve_with_grpc(server: Any, servicer: NodeServicer, sock: socket.socket, grpc_host: str,
                           grpc_port: int, prog: str, shutdown_timeout: float,
                           security: GrpcSecurity = GrpcSecurity(),
-                          announce: Callable[[int], Announcer] | None = None) -> None:
-    """`announce`: given the bound gRPC port, the node's fleet announcer (serving/announce.py), if it has one."""
+                          announce: Callable[[int], Announcer] | None = None,
+                          kv_events: Callable[[int], KVEventPublisher | None] | None = None) -> None:
+    """`announce`: given the bound gRPC port, the node's fleet announcer (serving/announce.py), if it has one;
+    `kv_events` likewise its KV event publisher (serving/kv_events.py), started."""
     # No SO_REUSEPORT (grpc's default): with it a second node given a taken port binds it too, says ready,
     # and the kernel splits the proxy's connections between the two processes.
     grpc_server = grpc.aio.server(options=[*MESSAGE_LIMITS, *KEEPALIVE_SERVER_OPTIONS, ("grpc.so_reuseport", 0)],
@@ -131,11 +140,14 @@ async def serve_with_grpc(server: Any, servicer: NodeServicer, sock: socket.sock
     announcer = announce(bound) if announce is not None else None
     if announcer is not None:
         announcer.start()  # announces once the engine accepts; withdraws as the drain begins
+    publisher = kv_events(bound) if kv_events is not None else None
     try:
         await serve(server, sock, f"{prog} [gRPC {grpc_host}:{bound}]", shutdown_timeout)
     finally:
         if announcer is not None:
             await announcer.stop()
+        if publisher is not None:
+            await asyncio.to_thread(publisher.stop)
         await grpc_server.stop(grace=1.0)
         # The connector's threads and connections (LMCache's especially) would keep the process alive.
         await asyncio.to_thread(server.engine.shutdown)
@@ -171,12 +183,13 @@ def node_main(role: NodeRole, argv: list[str] | None = None) -> int:
                 raise StartupError(str(e)) from None
         if args.lmcache_config and not os.access(args.lmcache_config, os.R_OK):
             raise StartupError(f"cannot read LMCache config {args.lmcache_config}")
-        if args.fleet_registry:
-            try:
-                advertised_host(args)
-                check_registry(args.fleet_registry)
-            except ValueError as e:
-                raise StartupError(str(e)) from None
+        for url in (args.fleet_registry, args.kv_events):
+            if url:
+                try:
+                    advertised_host(args)  # both name the node by the address proxies dial
+                    check_registry(url)
+                except ValueError as e:
+                    raise StartupError(str(e)) from None
         if args.grpc_port:  # a taken gRPC port fails here, before any weights load (the HTTP port's: run_node)
             listen_socket(args.host, args.grpc_port, "gRPC").close()
         if args.kv_store:  # last: a usable store logs its bound, and a failed start-up says one line only
@@ -184,7 +197,12 @@ def node_main(role: NodeRole, argv: list[str] | None = None) -> int:
 
     async def run(server: Any, sock: socket.socket) -> None:
         servicer = NodeServicer(server, role.name, http_port=sock.getsockname()[1])
+
+        def kv_events(grpc_port: int) -> KVEventPublisher | None:
+            return node_publisher(args.kv_events, server.engine, host_port(advertised_host(args), grpc_port))
+
         await serve_with_grpc(server, servicer, sock, args.host, args.grpc_port, parser.prog, args.shutdown_timeout,
-                              security, node_announcer(args, server, role.name, sock.getsockname()[1]))
+                              security, node_announcer(args, server, role.name, sock.getsockname()[1]),
+                              kv_events if args.kv_events else None)
 
     return run_node(args, parser.prog, preflight=preflight, run=run)
