@@ -13,10 +13,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import socket
+import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
@@ -143,14 +146,54 @@ def listen_socket(host: str, port: int, what: str = "") -> socket.socket:
     return sock
 
 
+# What stopping may take after the drain's own bound (an engine's shutdown, its ranks, the gRPC server, the
+# handlers' end) before a server that stops with a bound (`stop_within_s`) gives up on it (docs/operations.md).
+STOP_GRACE_S = 5.0
+
+
+def _own_children() -> set[int]:
+    """This process's live children (a node's -tp/-pp ranks), from /proc."""
+    found: set[int] = set()
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            found |= {int(c) for c in (task / "children").read_text().split()}
+        except OSError:
+            pass
+    return found
+
+
+def _exit_by(deadline: float, prog: str, bound_s: float) -> None:
+    """From a signal on: a process still running at `deadline` (time.monotonic) kills its children and exits 1.
+    A thread, not the event loop: what overruns may be a thread the loop waits on (an engine step blocked in a
+    collective with a rank that does not answer)."""
+    def watch() -> None:
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(left)
+        children = _own_children()
+        logger.critical("%s did not stop within %g s of the signal; killing %s and exiting", prog, bound_s,
+                        f"its child processes {sorted(children)}" if children else "nothing else")
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)  # a stopped (SIGSTOPped) process dies of it too
+            except OSError:
+                pass
+        logging.shutdown()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-watch", daemon=True).start()
+
+
 async def serve_app(app: web.Application, sock: socket.socket, prog: str,
                     details: Callable[[], str], drain: Callable[[], Awaitable[None]] | None = None,
-                    handler_timeout_s: float = 60.0, timeouts: HttpTimeouts = HttpTimeouts()) -> None:
+                    handler_timeout_s: float = 60.0, timeouts: HttpTimeouts = HttpTimeouts(),
+                    stop_within_s: float | None = None) -> None:
     """Serve `app` on `sock` until SIGINT/SIGTERM; `drain` lets in-flight work finish before the app stops.
 
     The ready line, "<prog> ready at http://host:port <details()>", is what operators and tests
     wait for. Handlers still running after `drain` get `handler_timeout_s` more before they are cancelled.
     `timeouts`: how long clients may take over headers and bodies, and idle connections stay.
+    `stop_within_s`: the process is gone that long after the signal whatever still runs (its children
+    killed, exit status 1).
     """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -165,6 +208,8 @@ async def serve_app(app: web.Application, sock: socket.socket, prog: str,
     logger.info("%s ready at http://%s:%d %s (HTTP deadlines: headers %g s, body %g s, keep-alive %g s)", prog,
                 host, port, details(), timeouts.header_s, timeouts.body_s, timeouts.keep_alive_s)
     await stop.wait()
+    if stop_within_s is not None:
+        _exit_by(time.monotonic() + stop_within_s, prog, stop_within_s)
     if drain is not None:  # (new requests meanwhile get 503)
         await drain()
     else:

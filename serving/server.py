@@ -29,7 +29,7 @@ from pdserve.serving import tokenize_api
 from pdserve.serving.choices import Assembler, ChoiceOutput, merge, prompt_positions, sub_request_id
 from pdserve.serving.cli import ArgumentParser, add_engine_args, add_server_args, setup_logging
 from pdserve.serving.errors import StartupError
-from pdserve.serving.http import api_middleware, json_response, listen_socket, serve_app
+from pdserve.serving.http import STOP_GRACE_S, api_middleware, json_response, listen_socket, serve_app
 from pdserve.serving.limits import MAX_BODY_BYTES, HttpTimeouts
 from pdserve.serving.lora_modules import lora_body, served_loras
 from pdserve.serving.metrics import CONTENT_TYPE
@@ -281,7 +281,7 @@ async def serve(server: OpenAIServer, sock: socket.socket, prog: str, shutdown_t
 
     await serve_app(server.app, sock, prog, lambda: f"(model {server.served_names[0]}, max_model_len "
                     f"{server.max_model_len}, {engine.stats.num_total_blocks} KV blocks)", drain, handler_timeout_s=5.0,
-                    timeouts=server.timeouts)
+                    timeouts=server.timeouts, stop_within_s=shutdown_timeout + STOP_GRACE_S)
 
 
 def build_parser(prog: str = "pd-serve",

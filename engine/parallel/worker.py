@@ -12,6 +12,7 @@ import importlib
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -103,6 +104,10 @@ def serve(runner, group, kv) -> None:
 
 def main() -> int:
     die_with_parent()
+    # Rank 0 stops this process (STOP, or its own exit): a SIGINT or SIGTERM to the whole process group (Ctrl-C,
+    # systemd, `kill -- -PGID`) must reach rank 0 alone, which drains its requests before it stops its ranks.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     spec = json.loads(sys.stdin.readline())
     rank = spec["rank"]
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
