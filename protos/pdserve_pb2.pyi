@@ -143,29 +143,41 @@ class ChoiceList(_message.Message):
     choices: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class LoRAAdapter(_message.Message):
+    __slots__ = ("name", "fingerprint")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    fingerprint: str
+    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "params", "cache_salt")
+    __slots__ = ("request_id", "prompt", "params", "cache_salt", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: Prompt
     params: SamplingParams
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    lora: LoRAAdapter
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("prompt_token_ids", "num_cached_tokens", "prefill_ms", "first_token")
+    __slots__ = ("prompt_token_ids", "num_cached_tokens", "prefill_ms", "first_token", "lora_fingerprint")
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LORA_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_cached_tokens: int
     prefill_ms: float
     first_token: FirstToken
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ...) -> None: ...
+    lora_fingerprint: str
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., lora_fingerprint: _Optional[str] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
@@ -180,20 +192,22 @@ class FirstToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "params", "cache_salt", "resume", "first_token")
+    __slots__ = ("request_id", "prompt", "params", "cache_salt", "resume", "first_token", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: Prompt
     params: SamplingParams
     cache_salt: str
     resume: Resume
     first_token: FirstToken
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ...) -> None: ...
+    lora: LoRAAdapter
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[_Union[Prompt, _Mapping]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("output_token_ids", "num_sent_chars")
@@ -260,12 +274,14 @@ class TopLogprobs(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[str]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("prompt", "cache_salt")
+    __slots__ = ("prompt", "cache_salt", "lora")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     prompt: Prompt
     cache_salt: str
-    def __init__(self, prompt: _Optional[_Union[Prompt, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    lora: LoRAAdapter
+    def __init__(self, prompt: _Optional[_Union[Prompt, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("total_tokens", "local_hit_tokens", "store_hit_tokens")
@@ -282,18 +298,20 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ok", "role", "served_model_names", "max_model_len", "http_port")
+    __slots__ = ("ok", "role", "served_model_names", "max_model_len", "http_port", "loras")
     OK_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     role: str
     served_model_names: _containers.RepeatedScalarFieldContainer[str]
     max_model_len: int
     http_port: int
-    def __init__(self, ok: bool = ..., role: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ..., http_port: _Optional[int] = ...) -> None: ...
+    loras: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
+    def __init__(self, ok: bool = ..., role: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ..., http_port: _Optional[int] = ..., loras: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("prompt", "add_special_tokens", "return_token_strs")

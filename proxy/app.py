@@ -26,6 +26,7 @@ from pdserve.proxy.decode_stream import Deadlines, DecodeStream
 from pdserve.proxy.fleet import Fleet
 from pdserve.proxy.fleet_sources import fleet_sources
 from pdserve.proxy.health import HealthMonitor, Node
+from pdserve.proxy.lora_routing import AdapterNodes, FleetLoRAEndpoints, adapter_cards, fleet_adapters
 from pdserve.proxy.kv_events_consumer import KVEventsConsumer
 from pdserve.proxy.kv_index import KVIndex
 from pdserve.proxy.router import DEFAULT_POLICY, Router
@@ -38,8 +39,8 @@ from pdserve.serving.limits import MAX_BODY_BYTES
 from pdserve.serving.metrics import CONTENT_TYPE, ProxyMetrics, RequestMetrics
 from pdserve.serving.responses import ResponseBuilder, models_list
 from pdserve.serving.sse import SSEStream
-from pdserve.serving.wire import (delta_from_pb, positions_from_pb, prompt_to_pb, sampling_to_pb, token_ids_to_pb,
-                          tokenize_to_pb, usage_from_pb)
+from pdserve.serving.wire import (delta_from_pb, lora_to_pb, positions_from_pb, prompt_to_pb, sampling_to_pb,
+                                  token_ids_to_pb, tokenize_to_pb, usage_from_pb)
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +148,7 @@ class Proxy:
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/version", self.version)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        FleetLoRAEndpoints(lambda: self.prefill.nodes + self.decode.nodes, self.monitor.check_all).add_routes(app)
         app.on_startup.append(self.start)
         app.on_cleanup.append(self.stop)
         return app
@@ -167,9 +169,19 @@ class Proxy:
             raise oai.service_unavailable("no healthy decode node", "no_healthy_decode_node")
         return nodes[0].model_names, nodes[0].max_model_len
 
+    def _check_model(self, model: str | None) -> tuple[str, str | None, int]:
+        """(the name to answer with, the LoRA adapter it names or None, max_model_len); vLLM's 404 naming the
+        served names and the fleet's adapters when neither serves it."""
+        names, max_len = self._model_names()
+        if model is None or model in names:
+            return model or names[0], None, max_len
+        adapters = fleet_adapters(self.decode.nodes)  # a decode node must run it; a prefill node may
+        return oai.check_model(model, [*names, *adapters]), model, max_len
+
     async def models(self, request: web.Request) -> web.Response:
         names, max_len = self._model_names()
-        return web.json_response(models_list(names, max_len, self.created))
+        return web.json_response(models_list(names, max_len, self.created,
+                                             adapter_cards(fleet_adapters(self.decode.nodes), names[0])))
 
     async def health(self, request: web.Request) -> web.Response:
         """200 once a decode node and, where prefill nodes are configured, a prefill node are in rotation (vLLM's
@@ -191,14 +203,14 @@ class Proxy:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         req = tokenize_api.parse_tokenize(await request.read())
-        oai.check_model(req.model, self._model_names()[0])
+        self._check_model(req.model)  # an adapter shares the base model's tokenizer
         reply = await self._ask_node("Tokenize", tokenize_to_pb(req))
         return web.json_response(tokenize_api.tokenize_response(
             list(reply.tokens), reply.max_model_len, list(reply.token_strs) if req.return_token_strs else None))
 
     async def detokenize(self, request: web.Request) -> web.Response:
         model, token_ids = tokenize_api.parse_detokenize(await request.read())
-        oai.check_model(model, self._model_names()[0])
+        self._check_model(model)
         reply = await self._ask_node("Detokenize", pb.DetokenizeRequest(tokens=token_ids))
         return web.json_response(tokenize_api.detokenize_response(reply.prompt))
 
@@ -210,23 +222,13 @@ class Proxy:
         naming those that did not."""
         nodes = self.prefill.nodes + self.decode.nodes
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
-            failures = await asyncio.gather(*(self._reset_node(http, node) for node in nodes))
-        failed = [f"{node.role} {node.address}: {why}" for node, why in zip(nodes, failures) if why]
+            answers = await asyncio.gather(*(node.post_http(http, "/reset_prefix_cache") for node in nodes))
+        failed = [f"{node.role} {node.address}: " + (f"HTTP {code}" if code else why)
+                  for node, (code, why) in zip(nodes, answers) if code != 200]
         if failed:
             raise oai.service_unavailable(f"prefix cache not reset on {len(failed)} of {len(nodes)} nodes: "
                                           + "; ".join(failed), "reset_failed")
         return web.Response(status=200)
-
-    @staticmethod
-    async def _reset_node(http: aiohttp.ClientSession, node: Node) -> str | None:
-        """Why `node` did not reset its prefix cache; None when it did."""
-        if not node.http_url:
-            return "its HTTP port is not known yet (never in rotation)"
-        try:
-            async with http.post(node.http_url + "/reset_prefix_cache") as resp:
-                return None if resp.status == 200 else f"HTTP {resp.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            return str(e) or type(e).__name__
 
     async def _ask_node(self, method: str, call: object, timeout_s: float = 30.0) -> object:
         """A unary call on the first healthy node that answers (decode nodes first): the tokenizer's endpoints."""
@@ -252,11 +254,11 @@ class Proxy:
                                 return_tokens_as_token_ids=self.config.return_tokens_as_token_ids)
         rid = request["request_id"] = oai.request_id_of(req, request.headers.get("X-Request-Id"),
                                                         request["request_id"])
-        names, max_model_len = self._model_names()
-        model = request["model"] = oai.check_model(req.model, names)
+        model, lora, max_model_len = self._check_model(req.model)
+        request["model"] = model
         oai.check_prompt_size(req, max_model_len)  # before any node tokenizes a hopeless prompt
         subs = req.per_prompt()  # each prompt of a batch: its own Prefill + Generate, all at once
-        streams = [self._one_prompt(sub_request_id(rid, p, len(subs)), sub, max_model_len)
+        streams = [self._one_prompt(sub_request_id(rid, p, len(subs)), sub, max_model_len, lora)
                    for p, sub in enumerate(subs)]
         builder = ResponseBuilder(req, rid, model)
         assembler = Assembler(req, len(subs))
@@ -312,11 +314,12 @@ class Proxy:
                     assembler.finish_reason, (time.perf_counter() - meter.t0) * 1e3)
         return response
 
-    async def _one_prompt(self, rid: str, req: oai.GenerationRequest,
-                          max_model_len: int) -> AsyncIterator[pb.GenerateDelta]:
-        """One prompt's deltas: Prefill on a prefill node (or not), then Generate on a decode node."""
+    async def _one_prompt(self, rid: str, req: oai.GenerationRequest, max_model_len: int,
+                          lora: str | None = None) -> AsyncIterator[pb.GenerateDelta]:
+        """One prompt's deltas: Prefill on a prefill node (or not), then Generate on a decode node, both under
+        the LoRA adapter `lora` (None: the base model)."""
         prompt = prompt_to_pb(req)
-        reply = await self._prefill(rid, req, prompt)
+        reply = await self._prefill(rid, req, prompt, lora)
         first = cached = None
         if reply is not None:  # the same 400 as pd-serve before any decoding starts
             token_ids = list(reply.prompt_token_ids)
@@ -329,13 +332,17 @@ class Proxy:
             # Cached means served from an earlier request's KV: the prefill node's hits, as pd-serve would count
             # them. The decode node's count adds what it loaded of this request's own prefill (all of it).
             cached = reply.num_cached_tokens
-        async with contextlib.aclosing(self._decode(rid, req, prompt, first)) as deltas:
+        # Decode runs under the very weights the prefill's KV was computed under (a node serving other weights
+        # under the name would neither find that KV nor produce the same tokens).
+        pinned = reply.lora_fingerprint if reply is not None else ""
+        async with contextlib.aclosing(self._decode(rid, req, prompt, first, lora, pinned)) as deltas:
             async for d in deltas:
                 if cached is not None and d.HasField("usage"):
                     d.usage.cached_tokens = min(cached, d.usage.prompt_tokens)
                 yield d
 
-    async def _prefill(self, rid: str, req: oai.GenerationRequest, prompt: pb.Prompt) -> pb.PrefillResponse | None:
+    async def _prefill(self, rid: str, req: oai.GenerationRequest, prompt: pb.Prompt,
+                       lora: str | None = None) -> pb.PrefillResponse | None:
         """A prefill node's reply once it has committed the KV; None: let decode prefill locally."""
         if not self.prefill.nodes:  # a decode-only cluster (its ready line says so): nothing to log per request
             return None
@@ -346,9 +353,9 @@ class Proxy:
             logger.info("Reqid: %s, prompt_logprobs: decode node computes the whole prompt itself", rid)
             return None
         call = pb.PrefillRequest(request_id=rid, prompt=prompt, params=sampling_to_pb(req),
-                                 cache_salt=req.cache_salt or "")
-        lookup = pb.LookupRequest(prompt=prompt, cache_salt=req.cache_salt or "")
-        for node in await self.prefill.rank(lookup):
+                                 cache_salt=req.cache_salt or "", lora=lora_to_pb(lora))
+        lookup = pb.LookupRequest(prompt=prompt, cache_salt=req.cache_salt or "", lora=lora_to_pb(lora))
+        for node in await AdapterNodes.of(self.prefill, lora).rank(lookup):  # only nodes serving the adapter
             node.load.in_flight += 1
             node.routed += 1
             try:
@@ -386,12 +393,15 @@ class Proxy:
         finally:
             reply.cancel()
 
-    def _decode(self, rid: str, req: oai.GenerationRequest, prompt: pb.Prompt,
-                first: pb.FirstToken | None) -> AsyncIterator[pb.GenerateDelta]:
+    def _decode(self, rid: str, req: oai.GenerationRequest, prompt: pb.Prompt, first: pb.FirstToken | None,
+                lora: str | None = None, fingerprint: str = "") -> AsyncIterator[pb.GenerateDelta]:
         """Deltas from the decode nodes under the deadlines: retried before the first token, resumed
-        on another node after it (proxy/decode_stream.py); APIError when no node is left."""
+        on another node after it (proxy/decode_stream.py); APIError when no node is left. Only nodes serving
+        the adapter `lora` (with `fingerprint`, when set) are candidates."""
         call = pb.GenerateRequest(request_id=rid, prompt=prompt, params=sampling_to_pb(req),
-                                  cache_salt=req.cache_salt or "", first_token=first)
-        lookup = pb.LookupRequest(prompt=prompt, cache_salt=req.cache_salt or "")
-        return DecodeStream(rid, self.decode, call, lookup, self.config.deadlines).deltas()
+                                  cache_salt=req.cache_salt or "", first_token=first,
+                                  lora=lora_to_pb(lora, fingerprint))
+        lookup = pb.LookupRequest(prompt=prompt, cache_salt=req.cache_salt or "", lora=lora_to_pb(lora, fingerprint))
+        nodes = AdapterNodes.of(self.decode, lora, fingerprint)
+        return DecodeStream(rid, nodes, call, lookup, self.config.deadlines).deltas()
 

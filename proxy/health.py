@@ -85,6 +85,7 @@ class Node:
         self.model_names: list[str] = []
         self.max_model_len = 0
         self.http_port = 0  # where the node serves HTTP (/metrics), from its Health answer
+        self.loras: dict[str, str] = {}  # LoRA adapters it serves: name -> fingerprint, from its Health answer
         self.figures = NodeFigures()
         self.source = "static"  # how the proxy found it (proxy/fleet_sources.py), since when (Unix time)
         self.since = time.time()
@@ -98,6 +99,17 @@ class Node:
     @property
     def metrics_url(self) -> str | None:
         return self.http_url + "/metrics" if self.http_port else None
+
+    async def post_http(self, http: aiohttp.ClientSession, path: str, body: bytes = b"") -> tuple[int | None, str]:
+        """(HTTP status, body text) of a POST to the node's HTTP port (the proxy's fan-outs: /reset_prefix_cache,
+        LoRA loads); (None, why) when it gave none."""
+        if not self.http_url:
+            return None, "its HTTP port is not known yet (never in rotation)"
+        try:
+            async with http.post(self.http_url + path, data=body, headers={"Content-Type": "application/json"}) as r:
+                return r.status, await r.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return None, str(e) or type(e).__name__
 
     def connect(self) -> None:
         """Open the channel; inside the running event loop, which grpc.aio binds it to."""
@@ -145,6 +157,7 @@ class Node:
             raise RuntimeError("node reports not ok (shutting down)")
         self.model_names, self.max_model_len = list(health.served_model_names), health.max_model_len
         self.http_port = health.http_port
+        self.loras = {a.name: a.fingerprint for a in health.loras}
         self.load.num_running, self.load.num_waiting = stats.num_running, stats.num_waiting
         self.load.num_free_blocks, self.load.num_total_blocks = stats.num_free_blocks, stats.num_total_blocks
         self.load.kv_usage = stats.kv_usage

@@ -23,6 +23,7 @@ from pdserve.serving import protocol as oai
 from pdserve.serving import tokenize_api, wire
 from pdserve.serving.choices import prompt_positions
 from pdserve.serving.heartbeat import with_heartbeat
+from pdserve.serving.node_lora import NodeLoRAs
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         self.engine = server.engine  # LLMEngine: read-only peeks (Lookup, Health)
         self.role = role
         self.http_port = http_port  # where the node serves HTTP (its OpenAI API, /metrics); 0: not known
+        self.loras = NodeLoRAs(server)  # a call's adapter, by name (and fingerprint) as pd-serve serves them
 
     def _failed(self, err: oai.APIError) -> CallFailed:
         """The call's failure with pd-serve's error body, counted by outcome like pd-serve counts it."""
@@ -60,12 +62,12 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         return await self.server.prompt_token_ids_of(req)  # the HTTP API's own tokenization
 
     async def _outputs(self, rid: str, req: oai.GenerationRequest, ids: list[int], params: Any,
-                       resume: Any = None, first_token: Any = None) -> AsyncIterator[Any]:
+                       resume: Any = None, first_token: Any = None, lora: Any = None) -> AsyncIterator[Any]:
         """Engine outputs with engine errors raised as the call's failure (CallFailed, pd-serve's OpenAI
         errors); closing it (the caller left) aborts the request."""
         from pdserve.engine.async_engine import RequestAbortedError
 
-        outputs = self.async_engine.generate(rid, ids, params, req.cache_salt, resume, first_token)
+        outputs = self.async_engine.generate(rid, ids, params, req.cache_salt, resume, first_token, lora)
         finish_reason: str | None = None
         rejected = False  # _abort counts rejections itself
         async with contextlib.aclosing(outputs):
@@ -88,8 +90,9 @@ class NodeServicer(pb_grpc.PDNodeServicer):
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         t0 = time.perf_counter()
-        req = wire.request_from_pb(request.prompt, request.params, request.cache_salt)
+        req = wire.request_from_pb(request.prompt, request.params, request.cache_salt, _lora_of(request))
         try:
+            lora = await self.loras.resolve(_lora_of(request))
             ids = await self._token_ids(req)
             # The prompt's KV, and its first output token sampled as monolithic serving samples it: the
             # decode node streams that token and continues from it (engine/outputs.py FirstToken).
@@ -98,7 +101,7 @@ class NodeServicer(pb_grpc.PDNodeServicer):
             await self._abort(context, e)
         last = None
         try:
-            async for last in self._outputs(request.request_id, req, ids, params):
+            async for last in self._outputs(request.request_id, req, ids, params, lora=lora):
                 pass
         except CallFailed as e:
             await context.abort(e.code, e.details)
@@ -106,7 +109,8 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         logger.info("Reqid: %s, prefill done: %d prompt tokens, %d cached, %s, %.1f ms",
                     request.request_id, len(ids), last.num_cached_tokens, self._kv_outcome(request.request_id), ms)
         return pb.PrefillResponse(prompt_token_ids=ids, num_cached_tokens=last.num_cached_tokens,
-                                  prefill_ms=ms, first_token=wire.first_token_to_pb(last))
+                                  prefill_ms=ms, first_token=wire.first_token_to_pb(last),
+                                  lora_fingerprint=await self.loras.fingerprint(lora) if lora is not None else "")
 
     def _kv_outcome(self, request_id: str) -> str:
         """What became of a finished prefill's KV: its final output waited for the commit or the failure of
@@ -127,8 +131,9 @@ class NodeServicer(pb_grpc.PDNodeServicer):
     async def _deltas(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateDelta]:
         """Generate's deltas, heartbeats included, up to the one that finishes the last open choice;
         CallFailed on failure."""
-        req = wire.request_from_pb(request.prompt, request.params, request.cache_salt)
+        req = wire.request_from_pb(request.prompt, request.params, request.cache_salt, _lora_of(request))
         try:
+            lora = await self.loras.resolve(_lora_of(request))
             ids = await self._token_ids(req)
             params = await self.server.engine_params(req, len(ids))
         except oai.APIError as e:
@@ -143,7 +148,7 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         first_token = wire.first_token_from_pb(request.first_token) if request.HasField("first_token") else None
         started: set[int] = set()  # choices that sent their first delta
         open_choices = params.n
-        outputs = self._outputs(request.request_id, req, ids, params, resume, first_token)
+        outputs = self._outputs(request.request_id, req, ids, params, resume, first_token, lora)
         async with contextlib.aclosing(with_heartbeat(outputs)) as beats:
             async for out in beats:
                 if out is None:  # still waiting (queue, KV load, prefill): an empty delta says "alive"
@@ -166,12 +171,14 @@ class NodeServicer(pb_grpc.PDNodeServicer):
         from pdserve.engine.request import Request
         from pdserve.engine.sampling_params import SamplingParams
 
-        req = wire.request_from_pb(request.prompt, pb.SamplingParams(), request.cache_salt)
+        req = wire.request_from_pb(request.prompt, pb.SamplingParams(), request.cache_salt, _lora_of(request))
         try:
+            lora = await self.loras.resolve(_lora_of(request))
+            adapter = await self.loras.adapter(lora) if lora is not None else None  # its fingerprint roots the chains
             ids = await self._token_ids(req)
         except oai.APIError as e:
             await self._abort(context, e)
-        probe = Request("lookup", ids, SamplingParams(max_tokens=1), cache_salt=req.cache_salt)
+        probe = Request("lookup", ids, SamplingParams(max_tokens=1), cache_salt=req.cache_salt, lora=adapter)
         # Hashing a long prompt is CPU work: off the event loop (the pool is only read, never changed).
         _, local = await asyncio.to_thread(self.engine.kv_cache_manager.get_computed_blocks, probe)
         store = 0
@@ -187,7 +194,7 @@ class NodeServicer(pb_grpc.PDNodeServicer):
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         return pb.HealthResponse(ok=self.async_engine.accepting, role=self.role,
                                  served_model_names=self.server.served_names, max_model_len=self.engine.max_model_len,
-                                 http_port=self.http_port)
+                                 http_port=self.http_port, loras=await self.loras.served())
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         """The proxy's /tokenize: this node's tokenizer, the HTTP endpoint's rules."""
@@ -213,3 +220,8 @@ class NodeServicer(pb_grpc.PDNodeServicer):
                                 num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_total_blocks,
                                 kv_usage=s.kv_usage, prefix_cache_queries=s.prefix_cache_queries,
                                 prefix_cache_hits=s.prefix_cache_hits)
+
+
+def _lora_of(call: pb.PrefillRequest | pb.GenerateRequest | pb.LookupRequest) -> pb.LoRAAdapter | None:
+    """The adapter a call names (None: the base model)."""
+    return call.lora if call.HasField("lora") else None

@@ -116,8 +116,15 @@ def sampling_to_pb(req: oai.GenerationRequest) -> pb.SamplingParams:
         length_penalty=s["length_penalty"], logprob_token_ids=s["logprob_token_ids"] or [])
 
 
-def request_from_pb(prompt: pb.Prompt, params: pb.SamplingParams, cache_salt: str) -> oai.GenerationRequest:
-    """The protocol module's request for a gRPC call, so limits and messages match the HTTP API."""
+def lora_to_pb(name: str | None, fingerprint: str = "") -> pb.LoRAAdapter | None:
+    """The adapter a call runs under (None: the base model; a fingerprint pins the adapter's weights)."""
+    return pb.LoRAAdapter(name=name, fingerprint=fingerprint) if name else None
+
+
+def request_from_pb(prompt: pb.Prompt, params: pb.SamplingParams, cache_salt: str,
+                    lora: pb.LoRAAdapter | None = None) -> oai.GenerationRequest:
+    """The protocol module's request for a gRPC call, so limits and messages match the HTTP API; its
+    `model` is the adapter's name (None: the base model), which the node resolves as pd-serve does."""
     kind_of = prompt.WhichOneof("kind")
     kind = oai.CHAT if kind_of == "chat" else oai.COMPLETION
     prompt_logprobs = params.prompt_logprobs if params.HasField("prompt_logprobs") else None
@@ -134,7 +141,7 @@ def request_from_pb(prompt: pb.Prompt, params: pb.SamplingParams, cache_salt: st
                 "use_beam_search": params.use_beam_search, "logprob_token_ids": list(params.logprob_token_ids) or None,
                 "length_penalty": params.length_penalty if params.HasField("length_penalty") else 1.0}
     return oai.GenerationRequest(
-        kind=kind, model=None, max_tokens=params.max_tokens or None, logprobs=params.logprobs,
+        kind=kind, model=(lora.name or None) if lora is not None else None, max_tokens=params.max_tokens or None, logprobs=params.logprobs,
         top_logprobs=params.top_logprobs, return_token_ids=params.return_token_ids,
         return_tokens_as_token_ids=params.return_tokens_as_token_ids,
         cache_salt=cache_salt or None, sampling=sampling, echo=params.echo,
