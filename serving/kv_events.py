@@ -195,6 +195,8 @@ def node_publisher(url: str | None, engine: Any, node: str) -> KVEventPublisher 
     chunk_size = engine.config.kv_transfer.chunk_size
     if chunk_size % kv.block_size:  # keys_for's chunks must be whole blocks (engine/config.py checks it with a store)
         chunk_size = kv.block_size
+    # set(dict) copies the keys in one C call (bytes hashes are cached, no Python code runs), so the GIL is never
+    # released mid-copy and the step thread cannot change the dict under it: a consistent peek without a lock.
     publisher = KVEventPublisher(url, node, kv.fingerprint, kv.block_size, chunk_size,
                                  lambda: set(kv.pool.cached))
     publisher.start()
