@@ -99,8 +99,9 @@ def advertised_host(args: argparse.Namespace) -> str:
     return host
 
 
-def check_registry(url: str, timeout_s: float = 3.0) -> None:
-    """One PING; ValueError with the reason when the registry cannot be reached (a start-up check)."""
+def check_registry(url: str, timeout_s: float = 3.0, what: str = "fleet registry") -> None:
+    """One PING; ValueError with the reason when `what` (the registry, or the KV events' Redis) cannot be
+    reached (a start-up check)."""
     import redis
 
     try:
@@ -110,7 +111,7 @@ def check_registry(url: str, timeout_s: float = 3.0) -> None:
         finally:
             client.close()
     except (redis.RedisError, ValueError, OSError) as e:
-        raise ValueError(f"fleet registry {without_credentials(url)} unusable: {e}") from None
+        raise ValueError(f"{what} {without_credentials(url)} unusable: {e}") from None
 
 
 class Announcer:

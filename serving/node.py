@@ -183,11 +183,11 @@ def node_main(role: NodeRole, argv: list[str] | None = None) -> int:
                 raise StartupError(str(e)) from None
         if args.lmcache_config and not os.access(args.lmcache_config, os.R_OK):
             raise StartupError(f"cannot read LMCache config {args.lmcache_config}")
-        for url in (args.fleet_registry, args.kv_events):
+        for what, url in (("fleet registry", args.fleet_registry), ("KV events Redis", args.kv_events)):
             if url:
                 try:
                     advertised_host(args)  # both name the node by the address proxies dial
-                    check_registry(url)
+                    check_registry(url, what=what)
                 except ValueError as e:
                     raise StartupError(str(e)) from None
         if args.grpc_port:  # a taken gRPC port fails here, before any weights load (the HTTP port's: run_node)

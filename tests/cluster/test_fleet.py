@@ -173,6 +173,7 @@ def test_sigkill_takes_a_node_out_once_its_announcement_expires(fleet):
 @pytest.mark.parametrize("args, message", [
     (["--fleet-registry", "redis://127.0.0.1:1/0"], "fleet registry redis://127.0.0.1:1/0 unusable"),
     (["--fleet-registry", "redis://127.0.0.1:1/0", "--host", "0.0.0.0"], "needs --advertise-address"),
+    (["--kv-events", "redis://127.0.0.1:1/0"], "KV events Redis redis://127.0.0.1:1/0 unusable"),
 ])
 def test_a_node_that_cannot_announce_says_so_before_loading(tiny_llama, args, message):
     """One line and exit 1 before any weights load: a node no proxy can find must not look healthy."""
