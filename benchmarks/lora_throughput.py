@@ -123,8 +123,7 @@ def main() -> None:
 
     from pdserve.deploy.local_cluster import resolve_model
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from chat_workload import chat_prompts
+    from chat_workload import chat_prompts  # a sibling: this script's folder is sys.path[0]
     from machine import describe
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
