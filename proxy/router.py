@@ -70,18 +70,22 @@ class Router:
         """Longest local prefix first (the index's chunks), then least loaded; no call per node."""
         assert self.index is not None
         by_load = sorted(nodes, key=lambda n: n.load.score)
-        groups: dict[tuple[str, int], set[str]] = {}  # nodes that compute keys alike (one group in a healthy fleet)
+        # nodes that compute keys alike (one group in a healthy fleet): model, chunk size and, for an adapter
+        # request, the adapter weights each serves under its name (their fingerprint roots the chain)
+        groups: dict[tuple[str, int, str | None], set[str]] = {}
+        adapter = lookup.lora.name if lookup.HasField("lora") else ""
         for n in nodes:
             if (params := self.index.params(n.address)) is not None:
-                groups.setdefault(params, set()).add(n.address)
+                lora_fp = (lookup.lora.fingerprint or n.loras.get(adapter)) if adapter else None
+                groups.setdefault((*params, lora_fp), set()).add(n.address)
         if not groups:
             return by_load
         ids = await self._token_ids(by_load[0], lookup)
         if not ids:
             return by_load
         depth: dict[str, int] = {}
-        for (fingerprint, chunk_size), among in groups.items():
-            keys = chunk_keys(fingerprint, ids, chunk_size, lookup.cache_salt or None)
+        for (fingerprint, chunk_size, lora_fp), among in groups.items():
+            keys = chunk_keys(fingerprint, ids, chunk_size, lookup.cache_salt or None, lora_fp)
             depth.update({a: d * chunk_size for a, d in self.index.local_chunks(keys, among).items()})
         return sorted(by_load, key=lambda n: -depth.get(n.address, 0))  # stable: load breaks ties
 

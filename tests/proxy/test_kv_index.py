@@ -136,7 +136,7 @@ def test_router_ranks_from_the_index_without_calls() -> None:
     keys = chunk_keys(FP, ids, 4)
     index.apply(_batch("b:1", 1, ("snapshot", keys[:2])))
     index.apply(_batch("a:1", 1, ("snapshot", [])))
-    nodes = [SimpleNamespace(address=a, healthy=True, load=SimpleNamespace(score=s)) for a, s in
+    nodes = [SimpleNamespace(address=a, healthy=True, load=SimpleNamespace(score=s), loras={}) for a, s in
              (("a:1", 0), ("b:1", 5))]
     router = Router(nodes, "kv-aware", index=index)  # type: ignore[arg-type]
     lookup = pb.LookupRequest(prompt=pb.Prompt(token_ids=pb.TokenIds(ids=ids)))
@@ -144,3 +144,25 @@ def test_router_ranks_from_the_index_without_calls() -> None:
     assert [n.address for n in ranked] == ["b:1", "a:1"] and router.lookup_rpcs == 0
     other = pb.LookupRequest(prompt=pb.Prompt(token_ids=pb.TokenIds(ids=[99] * 12)))
     assert [n.address for n in asyncio.run(router.rank(other))] == ["a:1", "b:1"]  # no hit: least loaded
+
+
+def test_an_adapter_request_is_ranked_by_that_adapters_keys() -> None:
+    """The adapter's fingerprint roots its chunk keys: a node holding the base model's KV for the prompt scores
+    nothing for an adapter request, the node holding the adapter's KV (the weights it serves under the name)
+    scores its prefix."""
+    import asyncio
+
+    from pdserve.protos import pdserve_pb2 as pb
+    from pdserve.proxy.router import Router
+
+    index, ids, lora_fp = KVIndex(), list(range(12)), "f" * 32
+    index.apply(_batch("base:1", 1, ("snapshot", chunk_keys(FP, ids, 4)[:2])))
+    index.apply(_batch("lora:1", 1, ("snapshot", chunk_keys(FP, ids, 4, None, lora_fp)[:1])))
+    nodes = [SimpleNamespace(address=a, healthy=True, load=SimpleNamespace(score=s), loras={"sql": lora_fp})
+             for a, s in (("base:1", 0), ("lora:1", 5))]
+    router = Router(nodes, "kv-aware", index=index)  # type: ignore[arg-type]
+    prompt = pb.Prompt(token_ids=pb.TokenIds(ids=ids))
+    as_base = asyncio.run(router.rank(pb.LookupRequest(prompt=prompt)))
+    as_adapter = asyncio.run(router.rank(pb.LookupRequest(prompt=prompt, lora=pb.LoRAAdapter(name="sql"))))
+    assert [n.address for n in as_base] == ["base:1", "lora:1"]
+    assert [n.address for n in as_adapter] == ["lora:1", "base:1"] and router.lookup_rpcs == 0
