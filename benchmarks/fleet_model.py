@@ -97,6 +97,7 @@ class SimNode:
         self.busy = False
         self.stub = SimpleNamespace(Lookup=self._lookup)
         self.asked: list[str] = []  # the keys a fake Lookup answers for (set by the simulator per request)
+        self.samples: list[tuple[float, float]] = []  # (when, seconds): a prefill's TTFT, a decode's token gaps
 
     async def _lookup(self, lookup: pb.LookupRequest, timeout: float) -> SimpleNamespace:
         return SimpleNamespace(local_hit_tokens=self.cached_prefix(self.asked) * CHUNK, store_hit_tokens=0)
@@ -253,6 +254,7 @@ class Simulator:
         for f in batch:
             node.insert(f.keys)
             node.load.in_flight -= 1
+            node.samples.append((self.now, self.now - f.req.t))
             f.first_s = self.now + self.profile.handoff_ms_per_token * f.req.prompt_len / 1e3
             f.made = 1
             self._at(f.first_s, "handed", f)
@@ -278,10 +280,13 @@ class Simulator:
                 context + node.queue[0].req.prompt_len + node.queue[0].req.output <= self.profile.kv_tokens:
             f = node.queue.pop(0)
             node.running.append(f)
+            node.samples.append((self.now, self.now - f.first_s))  # the gap before its second token
             context += f.req.prompt_len + f.made
         node.busy = bool(node.running)
         if node.running:
-            self._at(self.now + self.profile.step_s(len(node.running), context), "step", node)
+            took = self.profile.step_s(len(node.running), context)
+            node.samples.append((self.now + took, took))
+            self._at(self.now + took, "step", node)
 
     def _stepped(self, node: SimNode) -> None:
         still = []

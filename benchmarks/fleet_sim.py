@@ -84,13 +84,40 @@ def shift_trace(profile: Profile, n: int, duration: float, seed: int) -> list[fl
     return fleet_traces.shift("poisson", 0.6 * n / long_s, short_rate, duration, seed)
 
 
-def planner_hook() -> Any:
-    """proxy/planner.py's decision as an on_tick callback, or None when the repository has none usable."""
+class PlannerDriver:
+    """proxy/planner.py's `Planner.decide()` as the simulator's tick, as proxy/planner_loop.py drives it: each node's
+    figure (its load score, its TTFT / token-gap p90 over the window), then the switch it asks for."""
+
+    def __init__(self, config: Any) -> None:
+        from pdserve.proxy.planner import Planner
+        self.config, self.planner, self.switches = config, Planner(config), 0
+
+    def __call__(self, sim: Simulator, now: float) -> None:
+        from pdserve.proxy.planner import NodeFigure
+        figures, by_address = [], {}
+        for node in [*sim.prefill.nodes, *sim.decode.nodes]:
+            node.samples = [s for s in node.samples if now - s[0] <= self.config.window_s]  # (a step may end later)
+            seen = [v for t, v in node.samples if t <= now]
+            p90 = percentile(seen, 90) * 1e3 if seen else None
+            prefill = node.role == "prefill"
+            figures.append(NodeFigure(node.address, node.role, True, node.load.score, p90 if prefill else None,
+                                      None if prefill else p90))
+            by_address[node.address] = node
+        decision = self.planner.decide(figures, now)
+        if decision.switch is not None:
+            self.switches += 1
+            sim.move(by_address[decision.switch.address])
+
+
+def planner_configs(slo_ttft: float, slo_tpot: float) -> dict[str, Any]:
+    """The planner's defaults, and a faster one for traces minutes long; {} when proxy/planner.py is missing."""
     try:
-        from pdserve.proxy import planner  # noqa: F401  (another engineer's module, issue 37)
+        from pdserve.proxy.planner import PlannerConfig
     except ImportError:
-        return None
-    return None  # its API is not wired here yet: see docs/benchmarks.md, "what remains"
+        return {}
+    slos = {"slo_ttft_ms": slo_ttft * 1e3, "slo_itl_ms": slo_tpot * 1e3}
+    return {"defaults": PlannerConfig(**slos),
+            "fast": PlannerConfig(**slos, interval_s=5.0, window_s=20.0, hysteresis=2, cooldown_s=10.0)}
 
 
 def goodput(profile: Profile, n: int, duration: float, seed: int, slo_ttft: float, slo_tpot: float) -> dict[str, Any]:
@@ -100,9 +127,12 @@ def goodput(profile: Profile, n: int, duration: float, seed: int, slo_ttft: floa
     if n // 2 not in by_split:
         by_split[n // 2] = _goodput(Simulator(profile, n // 2, n - n // 2, "index").run(trace), slo_ttft, slo_tpot)
     best = max(by_split, key=by_split.__getitem__)
-    hook = planner_hook()
-    planned = _goodput(Simulator(profile, n // 2, n - n // 2, "index", on_tick=hook).run(trace), slo_ttft,
-                       slo_tpot) if hook is not None else None
+    planned: dict[str, Any] = {}
+    for name, config in planner_configs(slo_ttft, slo_tpot).items():
+        driver = PlannerDriver(config)
+        res = Simulator(profile, n // 2, n - n // 2, "index", on_tick=driver, tick_s=config.interval_s).run(trace)
+        planned[name] = {"goodput": _goodput(res, slo_ttft, slo_tpot), "switches": driver.switches,
+                         "prefill_nodes": [(round(t, 1), p) for t, p in res.roles]}
     return {"nodes": n, "requests": len(trace), "offered_rps": len(trace) / duration, "by_split": by_split,
             "one_to_one": by_split[n // 2], "best_split": best, "best": by_split[best], "planner": planned}
 
@@ -118,15 +148,18 @@ def table(rows: list[dict[str, Any]], goods: list[dict[str, Any]], machine: str,
                    f" | {r['route_p99_us']:.0f} | {p2k} | {r['index_chunks']} | {r['index_bytes'] / 1e6:.1f}"
                    f" | {100 * r['hit_index']:.1f}% | {100 * r['hit_lookup']:.1f}%"
                    f" | {100 * (r['hit_index'] - r['hit_lookup']):+.1f} |")
-    out += ["", "| nodes | requests (req/s offered) | goodput 1:1 | best static P:D (hindsight) | planner | "
-                "best / 1:1 | planner / 1:1 | planner / best |", "|---|---|---|---|---|---|---|---|"]
+    out += ["", "| nodes | requests (req/s offered) | goodput 1:1 | best static P:D (hindsight) | best / 1:1 | "
+                "planner (config): goodput, switches | planner / 1:1 | planner / best |", "|---|---|---|---|---|---|---|---|"]
     for g in goods:
-        n, p = g["nodes"], g["planner"]
-        ratio = (lambda a, b: f"{a / b:.2f}x" if a is not None and b else "-")
-        out.append(f"| {n} | {g['requests']} ({g['offered_rps']:.1f}) | {g['one_to_one']:.2f} req/s | "
-                   f"{g['best_split']}:{n - g['best_split']} {g['best']:.2f} req/s | "
-                   f"{'-' if p is None else f'{p:.2f} req/s'} | {ratio(g['best'], g['one_to_one'])} | "
-                   f"{ratio(p, g['one_to_one'])} | {ratio(p, g['best'])} |")
+        n = g["nodes"]
+        head = (f"| {n} | {g['requests']} ({g['offered_rps']:.1f}) | {g['one_to_one']:.2f} req/s | "
+                f"{g['best_split']}:{n - g['best_split']} {g['best']:.2f} req/s | {g['best'] / g['one_to_one']:.2f}x")
+        for name, p in g["planner"].items() or [("none: no proxy/planner.py", None)]:
+            if p is None:
+                out.append(f"{head} | {name} | - | - |")
+                continue
+            out.append(f"{head} | ({name}) {p['goodput']:.2f} req/s, {p['switches']} | "
+                       f"{p['goodput'] / g['one_to_one']:.2f}x | {p['goodput'] / g['best']:.2f}x |")
     return "\n".join(out)
 
 
@@ -155,9 +188,11 @@ def plot(rows: list[dict[str, Any]], goods: list[dict[str, Any]], path: Path, ma
         ax.legend(fontsize=7)
     for g in goods:
         splits = sorted(g["by_split"])
-        axes[2].plot([p / g["nodes"] for p in splits], [g["by_split"][p] / g["nodes"] for p in splits], "o-",
-                     label=f"{g['nodes']} nodes, static" + ("" if g["planner"] is None else
-                                                             f"; planner {g['planner'] / g['nodes']:.2f}"))
+        line, = axes[2].plot([p / g["nodes"] for p in splits], [g["by_split"][p] / g["nodes"] for p in splits], "o-",
+                             label=f"{g['nodes']} nodes, static P:D")
+        for (name, p), style in zip(g["planner"].items(), ("--", ":")):
+            axes[2].axhline(p["goodput"] / g["nodes"], color=line.get_color(), ls=style, lw=1,
+                            label=f"{g['nodes']} nodes, planner ({name})")
     axes[2].axvline(0.5, color="grey", lw=0.8)
     axes[2].set_xlabel("prefill share of the fleet (static)")
     axes[2].set_ylabel("goodput per node, req/s")
@@ -175,6 +210,7 @@ def main() -> None:
     ap.add_argument("--sizes", help="fleet sizes for the routing experiment (default 8,32,128,512,1024)")
     ap.add_argument("--goodput-sizes", help="fleet sizes for the goodput experiment (default 8,32)")
     ap.add_argument("--duration", type=float, help="seconds of simulated trace (default 60, --quick 30)")
+    ap.add_argument("--goodput-duration", type=float, help="seconds of the shifting trace (default 600, --quick 240)")
     ap.add_argument("--profile", help="a JSON of fleet_model.Profile's fields (default: docs/benchmarks.md's)")
     ap.add_argument("--slo-ttft", type=float, default=4.0)
     ap.add_argument("--slo-tpot", type=float, default=0.06)
@@ -194,7 +230,7 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     goods = []
     for n in gsizes:
-        goods.append(goodput(profile, n, 4 * duration, args.seed, args.slo_ttft, args.slo_tpot))
+        goods.append(goodput(profile, n, args.goodput_duration or (240.0 if args.quick else 600.0), args.seed, args.slo_ttft, args.slo_tpot))
         print(json.dumps(goods[-1]), flush=True)
     text = table(rows, goods, machine, profile)
     print(text)
