@@ -298,20 +298,22 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ok", "role", "served_model_names", "max_model_len", "http_port", "loras")
+    __slots__ = ("ok", "role", "served_model_names", "max_model_len", "http_port", "loras", "switchable")
     OK_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
     LORAS_FIELD_NUMBER: _ClassVar[int]
+    SWITCHABLE_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     role: str
     served_model_names: _containers.RepeatedScalarFieldContainer[str]
     max_model_len: int
     http_port: int
     loras: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
-    def __init__(self, ok: bool = ..., role: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ..., http_port: _Optional[int] = ..., loras: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...
+    switchable: bool
+    def __init__(self, ok: bool = ..., role: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., max_model_len: _Optional[int] = ..., http_port: _Optional[int] = ..., loras: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., switchable: bool = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("prompt", "add_special_tokens", "return_token_strs")
@@ -366,3 +368,23 @@ class StatsResponse(_message.Message):
     prefix_cache_queries: int
     prefix_cache_hits: int
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
+
+class SetRoleRequest(_message.Message):
+    __slots__ = ("role", "drain_timeout_s")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    drain_timeout_s: float
+    def __init__(self, role: _Optional[str] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+
+class SetRoleResponse(_message.Message):
+    __slots__ = ("role", "previous_role", "still_running", "drain_ms")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_ROLE_FIELD_NUMBER: _ClassVar[int]
+    STILL_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_MS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    previous_role: str
+    still_running: int
+    drain_ms: float
+    def __init__(self, role: _Optional[str] = ..., previous_role: _Optional[str] = ..., still_running: _Optional[int] = ..., drain_ms: _Optional[float] = ...) -> None: ...

@@ -69,6 +69,11 @@ class PDNodeStub(object):
                 request_serializer=pdserve_dot_protos_dot_pdserve__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.SetRole = channel.unary_unary(
+                '/pdserve.PDNode/SetRole',
+                request_serializer=pdserve_dot_protos_dot_pdserve__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=pdserve_dot_protos_dot_pdserve__pb2.SetRoleResponse.FromString,
+                _registered_method=True)
 
 
 class PDNodeServicer(object):
@@ -122,6 +127,15 @@ class PDNodeServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetRole(self, request, context):
+        """The planner's word to a node started with --role auto: take no new calls of the old role (UNAVAILABLE),
+        let those running finish (up to drain_timeout_s), serve as `role`, and re-announce in the fleet registry.
+        FAILED_PRECONDITION on a node started with a fixed role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PDNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +173,11 @@ def add_PDNodeServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.DetokenizeRequest.FromString,
                     response_serializer=pdserve_dot_protos_dot_pdserve__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=pdserve_dot_protos_dot_pdserve__pb2.SetRoleRequest.FromString,
+                    response_serializer=pdserve_dot_protos_dot_pdserve__pb2.SetRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +369,33 @@ class PDNode(object):
             '/pdserve.PDNode/Detokenize',
             pdserve_dot_protos_dot_pdserve__pb2.DetokenizeRequest.SerializeToString,
             pdserve_dot_protos_dot_pdserve__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.PDNode/SetRole',
+            pdserve_dot_protos_dot_pdserve__pb2.SetRoleRequest.SerializeToString,
+            pdserve_dot_protos_dot_pdserve__pb2.SetRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -44,6 +44,8 @@ class Announcement:
     kv_store: str  # credentials left out
     started_at: float  # Unix time the node started announcing
     draining: bool = False  # the node's last word: it takes no new requests
+    switchable: bool = False  # started with --role auto: the proxy's planner may move it (SetRole)
+    next_role: str = ""  # draining because it switched roles: the role it announces next
 
     @property
     def key(self) -> str:
@@ -133,6 +135,7 @@ class Announcer:
         self.announced = False
         self._failing: str | None = None
         self._task: asyncio.Task | None = None
+        self._lock = asyncio.Lock()  # a role change's withdraw + announce never interleaves with a refresh
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -141,7 +144,8 @@ class Announcer:
         loop = asyncio.get_running_loop()
         while True:
             if self.accepting():
-                await self._write(self._announce)
+                async with self._lock:
+                    await self._write(self._announce)
                 next_write = loop.time() + self.refresh_s
                 while self.accepting() and loop.time() < next_write:
                     await asyncio.sleep(_WATCH_S)
@@ -160,13 +164,27 @@ class Announcer:
                         self.refresh_s, self.ttl_ms / 1000)
         self.announced = True
 
-    async def _withdraw(self) -> None:
-        a = replace(self.announcement, draining=True)
+    async def change_role(self, role: str) -> None:
+        """Announce the node under `role` (SetRole): its old key is marked draining, naming the new role, so
+        every proxy drops it from the old role's list at its next poll and adds it under the new key."""
+        async with self._lock:
+            old = self.announcement
+            if self.announced:
+                await self._write(lambda: self._withdraw(next_role=role))
+            self.announcement = replace(old, role=role)
+            if self.accepting():
+                await self._write(self._announce)
+        logger.info("%s announced as %s instead of %s in the fleet registry %s", old.address, role, old.role,
+                    without_credentials(self.url))
+
+    async def _withdraw(self, next_role: str = "") -> None:
+        a = replace(self.announcement, draining=True, next_role=next_role)
         async with self.client.pipeline(transaction=True) as pipe:  # expires like any key; no refresh follows
             await pipe.set(a.key, a.to_json(), px=self.ttl_ms).sadd(INDEX_KEY, a.key).execute()
         self.announced = False
-        logger.info("%s withdrawn from the fleet registry %s: proxies stop routing to it", a.address,
-                    without_credentials(self.url))
+        if not next_role:  # a role change says it once, in change_role
+            logger.info("%s withdrawn from the fleet registry %s: proxies stop routing to it", a.address,
+                        without_credentials(self.url))
 
     async def _write(self, step: Callable[[], Any]) -> None:
         import redis
@@ -198,13 +216,14 @@ class Announcer:
 
 
 def announcement_of(server: Any, role: str, host: str, grpc_port: int, http_port: int, args: argparse.Namespace,
-                    kv_store: str | None) -> Announcement:
+                    kv_store: str | None, switchable: bool = False) -> Announcement:
     """A running node's announcement: its model's fingerprint and names from the engine, its layout from `args`."""
     return Announcement(address=host_port(host, grpc_port), http_address=host_port(host, http_port), role=role,
                         model=server.served_names[0], fingerprint=server.engine.kv_cache_manager.fingerprint,
                         tensor_parallel_size=args.tensor_parallel_size or 1,
                         pipeline_parallel_size=args.pipeline_parallel_size or 1,
-                        kv_store=without_credentials(kv_store or args.lmcache_config or ""), started_at=time.time())
+                        kv_store=without_credentials(kv_store or args.lmcache_config or ""), started_at=time.time(),
+                        switchable=switchable)
 
 
 def node_announcer(args: argparse.Namespace, server: Any, role: str,
@@ -215,7 +234,8 @@ def node_announcer(args: argparse.Namespace, server: Any, role: str,
     host = advertised_host(args)
 
     def announcer(grpc_port: int) -> Announcer:
-        announcement = announcement_of(server, role, host, grpc_port, http_port, args, args.kv_store)
+        announcement = announcement_of(server, role, host, grpc_port, http_port, args, args.kv_store,
+                                       getattr(args, "role", None) == "auto")
         return Announcer(args.fleet_registry, announcement, lambda: server.async_engine.accepting)
 
     return announcer

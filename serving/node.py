@@ -75,6 +75,10 @@ def build_parser(role: NodeRole) -> ArgumentParser:
                    "\"StoreConnector\", \"kv_role\": \"kv_producer\", \"kv_connector_extra_config\": "
                    "{\"kv_store\": \"redis://host:6379/0\"}}' (connectors: StoreConnector, "
                    "SharedStorageConnector, LMCacheConnectorV1; docs/configuration.md)")
+    g.add_argument("--role", choices=[role.name, "auto"], default=role.name,
+                   help=f"auto: start as {role.name} and switch between prefill and decode when the proxy's planner "
+                        "says so (SetRole: drains, keeps its engine and prefix cache, re-announces in --fleet-registry; "
+                        "its --kv-role defaults to kv_both). Default: " + role.name)
     g.add_argument("--log-file", default=None, help="also write the log here (for pd-kv-hits)")
     g.add_argument("--kv-events", default=None, metavar="redis://HOST:PORT/DB",
                    help="publish what enters and leaves this node's prefix cache (and what it commits to the store) "
@@ -140,6 +144,7 @@ async def serve_with_grpc(server: Any, servicer: NodeServicer, sock: socket.sock
     announcer = announce(bound) if announce is not None else None
     if announcer is not None:
         announcer.start()  # announces once the engine accepts; withdraws as the drain begins
+        servicer.on_role_change = announcer.change_role  # --role auto: SetRole re-announces under the new role
     publisher = kv_events(bound) if kv_events is not None else None
     try:
         await serve(server, sock, f"{prog} [gRPC {grpc_host}:{bound}]", shutdown_timeout)
@@ -157,6 +162,11 @@ def node_main(role: NodeRole, argv: list[str] | None = None) -> int:
     parser = build_parser(role)
     args = parser.parse_args(argv)
     connector = apply_kv_transfer_config(parser, args)
+    if args.role == "auto":  # a node that may serve either role saves and loads KV alike
+        if args.kv_role not in (None, KVRole.BOTH.value, "both"):
+            parser.error(f"--role auto needs --kv-role kv_both (the node saves KV as prefill and loads it as "
+                         f"decode), not {args.kv_role}")
+        args.kv_role = KVRole.BOTH.value
     if args.kv_role is None:
         args.kv_role = role.kv_role
     if args.kv_store is None and args.lmcache_config is None:
@@ -196,7 +206,7 @@ def node_main(role: NodeRole, argv: list[str] | None = None) -> int:
             check_store(args.kv_store)
 
     async def run(server: Any, sock: socket.socket) -> None:
-        servicer = NodeServicer(server, role.name, http_port=sock.getsockname()[1])
+        servicer = NodeServicer(server, role.name, http_port=sock.getsockname()[1], switchable=args.role == "auto")
 
         def kv_events(grpc_port: int) -> KVEventPublisher | None:
             return node_publisher(args.kv_events, server.engine, host_port(advertised_host(args), grpc_port))

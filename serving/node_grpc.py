@@ -12,7 +12,7 @@ import contextlib
 import json
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import grpc
 
@@ -26,6 +26,9 @@ from pdserve.serving.heartbeat import with_heartbeat
 from pdserve.serving.node_lora import NodeLoRAs
 
 logger = logging.getLogger(__name__)
+
+_DRAIN_TIMEOUT_S = 60.0  # SetRole's drain when the call names none
+_DRAIN_POLL_S = 0.05
 
 
 class CallFailed(Exception):
@@ -41,13 +44,17 @@ class CallFailed(Exception):
 class NodeServicer(pb_grpc.PDNodeServicer):
     """Prefill / Generate / Lookup / Health / Stats over the node's OpenAIServer and engine."""
 
-    def __init__(self, server: Any, role: str, http_port: int = 0) -> None:
+    def __init__(self, server: Any, role: str, http_port: int = 0, switchable: bool = False) -> None:
         self.server = server  # serving.server.OpenAIServer: tokenization is shared with the HTTP API
         self.async_engine = server.async_engine
         self.engine = server.engine  # LLMEngine: read-only peeks (Lookup, Health)
         self.role = role
         self.http_port = http_port  # where the node serves HTTP (its OpenAI API, /metrics); 0: not known
         self.loras = NodeLoRAs(server)  # a call's adapter, by name (and fingerprint) as pd-serve serves them
+        self.switchable = switchable  # --role auto: SetRole moves it between prefill and decode
+        self.running = {"prefill": 0, "decode": 0}  # Prefill / Generate calls open now: what a switch drains
+        self.on_role_change: Callable[[str], Awaitable[None]] | None = None  # the announcer's re-announce
+        self._switch = asyncio.Lock()  # one SetRole at a time
 
     def _failed(self, err: oai.APIError) -> CallFailed:
         """The call's failure with pd-serve's error body, counted by outcome like pd-serve counts it."""
@@ -88,7 +95,27 @@ class NodeServicer(pb_grpc.PDNodeServicer):
                 if not rejected:
                     self.server.metrics.record_outcome(finish_reason or "abort")
 
+    @contextlib.contextmanager
+    def _call_of(self, role: str) -> Iterator[None]:
+        self.running[role] += 1
+        try:
+            yield
+        finally:
+            self.running[role] -= 1
+
+    async def _refuse_other_role(self, role: str, context: grpc.aio.ServicerContext) -> None:
+        """A switchable node takes no new call of the role it left: UNAVAILABLE, which a proxy retries on another
+        node (one whose fleet has not moved this node yet). A fixed-role node serves whatever it is sent."""
+        if self.switchable and self.role != role:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"this node serves as {self.role} now, not {role} "
+                                "(moved by the planner)")
+
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        await self._refuse_other_role("prefill", context)
+        with self._call_of("prefill"):
+            return await self._prefill(request, context)
+
+    async def _prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         t0 = time.perf_counter()
         req = wire.request_from_pb(request.prompt, request.params, request.cache_salt, _lora_of(request))
         try:
@@ -121,12 +148,14 @@ class NodeServicer(pb_grpc.PDNodeServicer):
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateDelta]:
-        async with contextlib.aclosing(self._deltas(request)) as deltas:
-            try:
-                async for delta in deltas:
-                    yield delta
-            except CallFailed as e:
-                await context.abort(e.code, e.details)
+        await self._refuse_other_role("decode", context)
+        with self._call_of("decode"):
+            async with contextlib.aclosing(self._deltas(request)) as deltas:
+                try:
+                    async for delta in deltas:
+                        yield delta
+                except CallFailed as e:
+                    await context.abort(e.code, e.details)
 
     async def _deltas(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateDelta]:
         """Generate's deltas, heartbeats included, up to the one that finishes the last open choice;
@@ -194,7 +223,34 @@ class NodeServicer(pb_grpc.PDNodeServicer):
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         return pb.HealthResponse(ok=self.async_engine.accepting, role=self.role,
                                  served_model_names=self.server.served_names, max_model_len=self.engine.max_model_len,
-                                 http_port=self.http_port, loras=await self.loras.served())
+                                 http_port=self.http_port, loras=await self.loras.served(), switchable=self.switchable)
+
+    async def SetRole(self, request: pb.SetRoleRequest, context: grpc.aio.ServicerContext) -> pb.SetRoleResponse:
+        """Serve as `request.role` from now on: new calls of the old role are refused at once, those running
+        finish (the drain, bounded by its deadline: past it the role switches anyway and they still finish,
+        since the node saves and loads KV alike), then the fleet registry hears the new role. The engine, its
+        weights and its prefix cache stay: same model, same keys."""
+        if not self.switchable:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"this node was started as {self.role}; only "
+                                "a node started with --role auto switches roles")
+        if request.role not in self.running:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role must be prefill or decode, not "
+                                f"{request.role!r}")
+        async with self._switch:
+            old, t0 = self.role, time.perf_counter()
+            if old == request.role:
+                return pb.SetRoleResponse(role=old, previous_role=old)
+            self.role = request.role
+            deadline = t0 + (request.drain_timeout_s or _DRAIN_TIMEOUT_S)
+            while self.running[old] and time.perf_counter() < deadline:
+                await asyncio.sleep(_DRAIN_POLL_S)
+            drain_ms = (time.perf_counter() - t0) * 1e3
+            if self.on_role_change is not None:
+                await self.on_role_change(self.role)
+            logger.info("role switched from %s to %s: drained in %.1f ms, %d %s calls still running (they finish)",
+                        old, self.role, drain_ms, self.running[old], old)
+            return pb.SetRoleResponse(role=self.role, previous_role=old, still_running=self.running[old],
+                                      drain_ms=drain_ms)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         """The proxy's /tokenize: this node's tokenizer, the HTTP endpoint's rules."""
