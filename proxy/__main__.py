@@ -5,9 +5,11 @@ import argparse
 import sys
 
 from pdserve.common import eventloop
+from pdserve.proxy.admission import AdmissionConfig
 from pdserve.proxy.app import Proxy, ProxyConfig
 from pdserve.proxy.decode_stream import Deadlines
 from pdserve.proxy.fleet_sources import DNS_POLL_S, REGISTRY_POLL_S
+from pdserve.proxy.planner import PlannerConfig
 from pdserve.proxy.router import POLICIES
 from pdserve.serving.auth import add_proxy_security_args, proxy_security
 from pdserve.serving.cli import (LOG_LEVELS, ArgumentParser, add_log_file, add_response_args, config_default,
@@ -85,12 +87,54 @@ def build_parser() -> ArgumentParser:
     prefill_s = config_default(ProxyConfig, "prefill_timeout_s")
     p.add_argument("--prefill-timeout", type=float, default=prefill_s, metavar="S",
                    help=f"seconds one Prefill call may take (default {prefill_s:g})")
+    _add_planner_args(p)
     add_http_timeout_args(p)
     add_proxy_security_args(p)
     add_response_args(p)
     p.add_argument("--log-file", default=None, help="also write the log here")
     p.add_argument("--log-level", default=level, choices=LOG_LEVELS, help=f"log level (default {level})")
     return p
+
+
+def _add_planner_args(p: ArgumentParser) -> None:
+    g = p.add_argument_group("planner and admission", "SLOs, role switching, the admission queue "
+                             "(docs/operations.md, \"Planner\")")
+    g.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS",
+                   help="time-to-first-token target (p90, as the prefill nodes measure it): with --slo-itl-ms, turns "
+                        "the planner on; it moves --role auto nodes between prefill and decode")
+    g.add_argument("--slo-itl-ms", type=float, default=None, metavar="MS",
+                   help="inter-token latency target (p90, as the decode nodes measure it); also turns admission "
+                        "control on")
+    c = PlannerConfig()
+    g.add_argument("--planner-interval", type=float, default=c.interval_s, metavar="S",
+                   help=f"seconds between two planner decisions (default {c.interval_s:g})")
+    g.add_argument("--planner-window", type=float, default=c.window_s, metavar="S",
+                   help=f"seconds of node samples the latency p90s cover (default {c.window_s:g})")
+    g.add_argument("--planner-hysteresis", type=int, default=c.hysteresis, metavar="N",
+                   help=f"consecutive decisions a role must be out of band before a node moves (default "
+                        f"{c.hysteresis})")
+    g.add_argument("--planner-cooldown", type=float, default=c.cooldown_s, metavar="S",
+                   help=f"seconds after a role switch before the next (default {c.cooldown_s:g})")
+    g.add_argument("--role-drain-timeout", type=float, default=c.drain_timeout_s, metavar="S",
+                   help=f"seconds a switching node may take to finish its old role's calls (default "
+                        f"{c.drain_timeout_s:g}; past it the role switches and they still finish)")
+    g.add_argument("--admission-control", action=argparse.BooleanOptionalAction, default=None,
+                   help="queue new requests while every decode node is past --slo-itl-ms, 429 beyond the queue "
+                        "(default: on with --slo-itl-ms, off without: there is no SLO to hold)")
+    a = AdmissionConfig()
+    g.add_argument("--max-queued-requests", type=int, default=a.max_queued, metavar="N",
+                   help=f"requests the admission queue holds (default {a.max_queued}); one more is answered 429")
+    g.add_argument("--max-queue-wait", type=float, default=a.max_wait_s, metavar="S",
+                   help=f"seconds a queued request waits before its 429 (default {a.max_wait_s:g}; its Retry-After)")
+
+
+def _planner_configs(args: argparse.Namespace) -> tuple[PlannerConfig, AdmissionConfig | None]:
+    planner = PlannerConfig(args.slo_ttft_ms, args.slo_itl_ms, args.planner_interval, args.planner_window,
+                            args.planner_hysteresis, args.planner_cooldown, drain_timeout_s=args.role_drain_timeout)
+    on = args.admission_control if args.admission_control is not None else args.slo_itl_ms is not None
+    if on and args.slo_itl_ms is None:
+        raise ValueError("--admission-control needs --slo-itl-ms: the queue holds requests while decode is past it")
+    return planner, AdmissionConfig(args.max_queued_requests, args.max_queue_wait) if on else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         deadlines = Deadlines(args.connect_timeout, args.first_token_timeout, args.token_timeout, args.stall_timeout,
                               args.decode_recovery_timeout)
         timeouts = HttpTimeouts.from_args(args)
+        planner, admission = _planner_configs(args)
     except ValueError as e:
         print(f"pd-proxy: error: {e}", file=sys.stderr)
         return 1
@@ -123,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                          local_prefill_threshold=args.local_prefill_threshold, api_key=args.api_key,
                          health_interval_s=args.health_interval, grpc_security=security,
                          deadlines=deadlines, prefill_timeout_s=args.prefill_timeout,
-                         return_tokens_as_token_ids=args.return_tokens_as_token_ids, kv_events=args.kv_events)
+                         return_tokens_as_token_ids=args.return_tokens_as_token_ids, kv_events=args.kv_events,
+                         planner=planner, admission=admission)
     try:
         eventloop.loop_kind()
     except ValueError as e:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 from aiohttp import web
@@ -41,11 +42,17 @@ def too_many_requests(message: str) -> APIError:
     return APIError(429, message, type="requests", code="rate_limit_exceeded")
 
 
+@dataclass(frozen=True)
+class AdmissionConfig:
+    max_queued: int = 64  # --max-queued-requests
+    max_wait_s: float = 10.0  # --max-queue-wait: a queued request's bound, and the Retry-After of a 429
+
+
 class Admission:
-    def __init__(self, saturated: Callable[[], bool], max_queued: int = 64, max_wait_s: float = 10.0) -> None:
+    def __init__(self, saturated: Callable[[], bool], config: AdmissionConfig = AdmissionConfig()) -> None:
         self.saturated = saturated
-        self.max_queued = max_queued
-        self.max_wait_s = max_wait_s
+        self.max_queued = config.max_queued
+        self.max_wait_s = config.max_wait_s
         self.queued = 0  # requests waiting now
         self.admitted_after_wait = 0
         self.rejected = 0

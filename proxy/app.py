@@ -22,6 +22,7 @@ from aiohttp import web
 
 from pdserve.protos import pdserve_pb2 as pb
 from pdserve.proxy import dashboard
+from pdserve.proxy.admission import Admission, AdmissionConfig, Rejected
 from pdserve.proxy.decode_stream import Deadlines, DecodeStream
 from pdserve.proxy.fleet import Fleet
 from pdserve.proxy.fleet_sources import fleet_sources
@@ -29,6 +30,9 @@ from pdserve.proxy.health import HealthMonitor, Node
 from pdserve.proxy.lora_routing import AdapterNodes, FleetLoRAEndpoints, adapter_cards, fleet_adapters
 from pdserve.proxy.kv_events_consumer import KVEventsConsumer
 from pdserve.proxy.kv_index import KVIndex
+from pdserve.proxy.meter import Meter
+from pdserve.proxy.planner import PlannerConfig
+from pdserve.proxy.planner_loop import PlannerLoop, sample_interval
 from pdserve.proxy.router import DEFAULT_POLICY, Router
 from pdserve.serving import errors, tokenize_api
 from pdserve.serving import protocol as oai
@@ -61,40 +65,14 @@ class ProxyConfig:
     prefill_timeout_s: float = 120.0  # one Prefill call; a node that leaves rotation meanwhile is given up at once
     return_tokens_as_token_ids: bool = False  # vLLM's --return-tokens-as-token-ids: the field's default
     kv_events: str | None = None  # redis:// URL of the nodes' KV event stream (serving/kv_events.py): kv-aware's index
+    planner: PlannerConfig = field(default_factory=PlannerConfig)  # off without an SLO (proxy/planner.py)
+    admission: AdmissionConfig | None = None  # None: every request runs at once (proxy/admission.py)
 
 
 def _client_error(e: grpc.aio.AioRpcError) -> oai.APIError | None:
     """A 4xx the node raised: the request itself is bad, so no other node will take it either."""
     err = errors.from_rpc_error(e)
     return err if err is not None and err.status < 500 else None
-
-
-class _Meter:
-    """One request's latencies and token counts as its client sees them, on the proxy's /metrics (pd-serve's
-    families: serving/metrics.py RequestMetrics)."""
-
-    def __init__(self, metrics: RequestMetrics, model: str, t0: float) -> None:
-        self.metrics = metrics
-        self.model = model
-        self.t0 = t0
-        self._last: dict[tuple[int, int], float] = {}  # (prompt, choice): when its last tokens came
-
-    async def deltas(self, outputs: AsyncIterator[tuple[int, pb.GenerateDelta]]
-                     ) -> AsyncIterator[tuple[int, pb.GenerateDelta]]:
-        async with contextlib.aclosing(outputs):
-            async for p, d in outputs:
-                if d.token_ids:
-                    now = time.perf_counter()
-                    last = self._last.get((p, d.index))
-                    self.metrics.observe_tokens(self.model, now - (self.t0 if last is None else last),
-                                                len(d.token_ids), last is None)
-                    self._last[(p, d.index)] = now
-                yield p, d
-
-    def finished(self, usage: dict, outcome: str) -> None:
-        self.metrics.observe_finished(self.model, time.perf_counter() - self.t0, usage["prompt_tokens"],
-                                      usage["completion_tokens"])
-        self.metrics.record_outcome(self.model, outcome)
 
 
 def prompt_size_bound(req: oai.GenerationRequest) -> int:
@@ -113,12 +91,16 @@ class Proxy:
         self.prefill = Router([], config.policy, index=index)  # the fleet fills both, and keeps them current
         self.decode = Router([], config.policy, index=index)
         self.metrics = ProxyMetrics(lambda: self.prefill.nodes + self.decode.nodes)
-        self.monitor = HealthMonitor(lambda: self.prefill.nodes + self.decode.nodes, config.health_interval_s)
+        self.monitor = HealthMonitor(lambda: self.prefill.nodes + self.decode.nodes, config.health_interval_s,
+                                     sample_s=sample_interval(config.planner))
         self.fleet = Fleet({"prefill": self.prefill, "decode": self.decode}, fleet_sources(
             config.prefill, config.decode, config.fleet_registry, config.prefill_dns, config.decode_dns),
             config.grpc_security, self.monitor.check)
         if index is not None and config.kv_events:
             self.fleet.kv_events = KVEventsConsumer(config.kv_events, index)
+        self.planner = PlannerLoop(config.planner, self.fleet, lambda: self.prefill.nodes + self.decode.nodes)
+        self.metrics.registry.register(self.planner)
+        self.admission = Admission(self.planner.saturated, config.admission) if config.admission else None
         self.created = int(time.time())
 
     # ------------------------------------------------------------ lifecycle
@@ -128,8 +110,10 @@ class Proxy:
         self.monitor.start()
         if self.fleet.kv_events is not None:
             self.fleet.kv_events.start()
+        self.planner.start()
 
     async def stop(self, app: web.Application) -> None:
+        await self.planner.stop()
         await self.monitor.stop()
         await self.fleet.stop()
 
@@ -142,6 +126,7 @@ class Proxy:
         app.router.add_get("/health", self.health)
         app.router.add_get("/status", self.status)
         self.fleet.add_routes(app)
+        app.router.add_get("/planner", self.planner.handle)
         app.router.add_get("/metrics", self.prometheus)
         dashboard.add_routes(app)
         app.router.add_post("/tokenize", self.tokenize)
@@ -257,12 +242,18 @@ class Proxy:
         model, lora, max_model_len = self._check_model(req.model)
         request["model"] = model
         oai.check_prompt_size(req, max_model_len)  # before any node tokenizes a hopeless prompt
+        if self.admission is not None:
+            try:
+                await self.admission.admit(rid)
+            except Rejected as e:  # 429 + Retry-After: the middleware logs and counts it
+                request["outcome"], request["summary"] = "rejected", f", rate_limit_exceeded: {e}"
+                return e.response()
         subs = req.per_prompt()  # each prompt of a batch: its own Prefill + Generate, all at once
         streams = [self._one_prompt(sub_request_id(rid, p, len(subs)), sub, max_model_len, lora)
                    for p, sub in enumerate(subs)]
         builder = ResponseBuilder(req, rid, model)
         assembler = Assembler(req, len(subs))
-        meter = _Meter(self.metrics.requests, model, t0)
+        meter = Meter(self.metrics.requests, model, t0)
         async with contextlib.aclosing(meter.deltas(merge(streams))) as outputs:  # closing cancels every RPC
             first = await anext(outputs)  # errors before the first token are still plain HTTP errors
             if req.stream:
@@ -291,7 +282,7 @@ class Proxy:
 
     async def _stream(self, request: web.Request, builder: ResponseBuilder, assembler: Assembler,
                       subs: list[oai.GenerationRequest], first: tuple[int, pb.GenerateDelta],
-                      outputs: AsyncIterator[tuple[int, pb.GenerateDelta]], meter: _Meter) -> web.StreamResponse:
+                      outputs: AsyncIterator[tuple[int, pb.GenerateDelta]], meter: Meter) -> web.StreamResponse:
         rid = request["request_id"]
         sse = SSEStream(builder, assembler.choice_usage)
         d = assembler.delta(self._choice_output(subs, *first))  # before start: the prompt's counts

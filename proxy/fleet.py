@@ -61,6 +61,11 @@ class Fleet:
         self._tasks.add(task)  # a reference until it ends (the loop keeps only weak ones)
         task.add_done_callback(self._tasks.discard)
 
+    async def poll_now(self) -> None:
+        """Poll every source that changes once, now: a node the planner just moved (SetRole re-announced it) is
+        in its new role's list when this returns, not up to an interval later."""
+        await asyncio.gather(*(self._poll(i) for i, s in enumerate(self.sources) if s.interval_s is not None))
+
     async def _keep_polling(self, i: int, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
@@ -89,7 +94,9 @@ class Fleet:
             for s in sightings:
                 wanted.setdefault(s.key, s)
         for key in [k for k in self.members if k not in wanted or _restarted(self.members[k], wanted[k])]:
-            self._leave(key)
+            # Announced under its other role now (a --role auto node the planner moved): same engine, same cache.
+            moved = next((r for r, a in wanted if a == key[1] and r != key[0]), None)
+            self._leave(key, moved)
         for key in [k for k in self.refused if k not in wanted]:
             del self.refused[key]
         if not any(n.announcement for n in self.members.values()):
@@ -124,14 +131,15 @@ class Fleet:
                     self._where(s.source), detail)
         self._spawn(self.check(node))  # in rotation as soon as it answers, not at the next periodic check
 
-    def _leave(self, key: Key) -> None:
+    def _leave(self, key: Key, moved_to: str | None = None) -> None:
         node = self.members.pop(key)
         self.routers[node.role].nodes.remove(node)
+        why = f"it switched roles to {moved_to}" if moved_to else self._why_gone(node.source, key)
         logger.info("%s left the fleet: %s node found by %s, %s; %d calls on it go on", node.address, node.role,
-                    node.source, self._why_gone(node.source, key), node.load.in_flight)
+                    node.source, why, node.load.in_flight)
         self.leaving[key] = node
         self._spawn(self._retire(key, node))
-        if self.kv_events is not None:
+        if self.kv_events is not None and moved_to is None:  # a moved node's prefix cache is still there
             self.kv_events.index.drop_node(node.address)
 
     async def _retire(self, key: Key, node: Node) -> None:
@@ -197,4 +205,5 @@ def _node_entry(node: Node) -> dict[str, object]:
             "fingerprint": a.fingerprint if a else None, "http_address": a.http_address if a else None,
             "tensor_parallel_size": a.tensor_parallel_size if a else None,
             "pipeline_parallel_size": a.pipeline_parallel_size if a else None,
-            "kv_store": a.kv_store if a else None, "started_at": a.started_at if a else None}
+            "kv_store": a.kv_store if a else None, "started_at": a.started_at if a else None,
+            "switchable": bool(a and a.switchable)}

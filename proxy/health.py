@@ -155,6 +155,8 @@ class Node:
         stats = await self.stub.Stats(pb.StatsRequest(), timeout=timeout_s)
         if not health.ok:
             raise RuntimeError("node reports not ok (shutting down)")
+        if health.switchable and health.role != self.role:  # moved by a planner: the fleet re-lists it
+            raise RuntimeError(f"serves as {health.role} now")
         self.model_names, self.max_model_len = list(health.served_model_names), health.max_model_len
         self.http_port = health.http_port
         self.loras = {a.name: a.fingerprint for a in health.loras}

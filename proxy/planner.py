@@ -36,6 +36,7 @@ class PlannerConfig:
     band: float = 1.5  # both roles past their SLOs: move only when one's pressure is this many times the other's
     drain_timeout_s: float = 60.0  # a switching node's bound on finishing its old role's calls
     history: int = 20  # decisions GET /planner keeps
+    max_desired: int = 64  # the gauge's cap: a latency far past its SLO must not ask an autoscaler for millions
 
     @property
     def enabled(self) -> bool:
@@ -127,7 +128,8 @@ class Planner:
         cfg = self.config
         current = {r: sum(f.role == r for f in figures) for r in ROLES}
         p = pressure(figures, cfg)
-        desired = {r: max(1, math.ceil(current[r] * p[r])) if p[r] > 0 else max(1, current[r]) for r in ROLES}
+        desired = {r: min(cfg.max_desired, max(1, math.ceil(current[r] * p[r])) if p[r] > 0 else max(1, current[r]))
+                   for r in ROLES}
         role, why = want(p, cfg.band)
         self._streak = self._streak + 1 if role is not None and role == self._want else int(role is not None)
         self._want = role

@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from pdserve.proxy.admission import Admission, Rejected
+from pdserve.proxy.admission import Admission, AdmissionConfig, Rejected
 
 
 def test_within_the_slo_nothing_waits() -> None:
-    admission = Admission(lambda: False, max_queued=0)
+    admission = Admission(lambda: False, AdmissionConfig(max_queued=0))
     asyncio.run(admission.admit("r"))
     assert admission.status()["queued"] == 0
 
@@ -18,7 +18,7 @@ def test_within_the_slo_nothing_waits() -> None:
 def test_past_the_slo_a_full_queue_answers_429_with_retry_after() -> None:
     async def main() -> None:
         saturated = True
-        admission = Admission(lambda: saturated, max_queued=2, max_wait_s=600.0)
+        admission = Admission(lambda: saturated, AdmissionConfig(max_queued=2, max_wait_s=600.0))
         waiting = [asyncio.create_task(admission.admit(f"r{i}")) for i in range(2)]
         await asyncio.sleep(0.05)
         assert admission.queued == 2
@@ -37,7 +37,7 @@ def test_past_the_slo_a_full_queue_answers_429_with_retry_after() -> None:
 
 def test_a_wait_that_runs_out_answers_429() -> None:
     async def main() -> None:
-        admission = Admission(lambda: True, max_queued=5, max_wait_s=0.0)
+        admission = Admission(lambda: True, AdmissionConfig(max_queued=5, max_wait_s=0.0))
         with pytest.raises(Rejected) as caught:
             await admission.admit("r")
         assert caught.value.retry_after_s == 1 and admission.queued == 0 and admission.rejected == 1

@@ -76,6 +76,7 @@ def test_desired_replicas_follow_pressure_and_history_is_bounded() -> None:
     d = planner.decide(fleet(250.0, 4.0, prefill=2, decode=4), 0)
     assert d.desired == {PREFILL: 5, DECODE: 2}  # ceil(2 x 2.5), ceil(4 x 0.4)
     assert planner.decide(fleet(None, None), 1).desired == {PREFILL: 2, DECODE: 2}  # nothing measured: keep
+    assert planner.decide(fleet(1e9, 4.0), 2).desired[PREFILL] == CFG.max_desired
     for t in range(10):
         planner.decide(fleet(None, None), t)
     assert len(planner.decisions) == CFG.history
