@@ -7,6 +7,10 @@ product and the add run in fp32, rounded once to the layer's dtype, as PEFT comp
 
 The last layer runs its MLP on the sampled rows only (docs/architecture.md, "Last-layer rows"), so a
 layer tells the two groupings apart by its input's row count.
+
+Steps with few rows (decode) take the batched path instead (stacked.py: every slot in one stacked A and B,
+a few ops per layer whatever the adapter count): the manager then sets per-row slot scalings rather than
+groups.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.lora.adapter import LoRAModule
+from pdserve.engine.lora.stacked import LoRAStack, add_lora_stacked
 
 # (the adapter's modules on this device, its scaling, the rows: None for all of them)
 Group = tuple[dict[tuple[int, str], LoRAModule], float, torch.Tensor | None]
@@ -23,14 +28,20 @@ Group = tuple[dict[tuple[int, str], LoRAModule], float, torch.Tensor | None]
 
 @dataclass
 class LoRAStep:
-    """One step's row groups: over every token row, and over the sampled rows (the last layer's MLP)."""
+    """One step's row groups, or for the batched path its per-row slot scalings ([rows, slots used], None:
+    the groups' path): over every token row, and over the sampled rows (the last layer's MLP)."""
 
     num_tokens: int = 0
     rows: list[Group] = field(default_factory=list)
     sampled: list[Group] = field(default_factory=list)
+    row_scale: torch.Tensor | None = None
+    sampled_scale: torch.Tensor | None = None
 
     def groups(self, num_rows: int) -> list[Group]:
         return self.rows if num_rows == self.num_tokens else self.sampled
+
+    def scale(self, num_rows: int) -> torch.Tensor | None:
+        return self.row_scale if num_rows == self.num_tokens else self.sampled_scale
 
 
 class LoRALinear(nn.Module):
@@ -39,9 +50,14 @@ class LoRALinear(nn.Module):
         self.base = base
         self.key = (layer_idx, name)
         self.step = step  # shared by every wrapped layer; the manager refills it each step
+        self.stack: LoRAStack | None = None  # the slots' stacked pairs (the manager writes them)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
+        scale = self.step.scale(x.shape[0])
+        if scale is not None and self.stack is not None:
+            add_lora_stacked(y, x, self.stack, scale)
+            return y
         for modules, scaling, rows in self.step.groups(x.shape[0]):
             module = modules.get(self.key)
             if module is not None:

@@ -22,11 +22,16 @@ from pdserve.engine.lora.adapter import LoRAAdapter, LoRAError, LoRAModule, Targ
 from pdserve.engine.lora.layers import Group, LoRALinear, LoRAStep
 from pdserve.engine.lora.peft_format import read_adapter, stamp
 from pdserve.engine.lora.request import LoRARequest
+from pdserve.engine.lora.stacked import LoRAStack
 
 if TYPE_CHECKING:
     from pdserve.engine.input_batch import StepInputs
 
 logger = logging.getLogger(__name__)
+
+# Steps of at most this many token rows take the batched path (stacked.py); larger ones (prefill) the
+# groups' path, which multiplies each row by its own adapter only (measured: benchmarks/lora_throughput.py).
+BATCHED_MAX_ROWS = 64
 
 _TARGETS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
 
@@ -37,12 +42,18 @@ class LoRAManager:
         self.device = device
         self.layout = TargetLayout.of(model, hidden_size)
         self.step = LoRAStep()
+        self._layers: list[LoRALinear] = []
         for i in self.layout.layers:  # every linear layer an adapter may name gets the LoRA path
             for block, name in _TARGETS:
                 parent = getattr(model.layers[i], block)
-                setattr(parent, name, LoRALinear(getattr(parent, name), i, name, self.step))
+                layer = LoRALinear(getattr(parent, name), i, name, self.step)
+                in_features, widths = self.layout.parts[name]
+                layer.stack = LoRAStack(config.max_loras, config.max_lora_rank, in_features, widths, device)
+                setattr(parent, name, layer)
+                self._layers.append(layer)
         self._loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id -> adapter, LRU first
-        self._slots: OrderedDict[LoRAAdapter, dict[tuple[int, str], LoRAModule]] = OrderedDict()
+        # adapter -> (its slot in the layers' stacks, its modules on the device), least recently used first
+        self._slots: OrderedDict[LoRAAdapter, tuple[int, dict[tuple[int, str], LoRAModule]]] = OrderedDict()
 
     # ---- adapters in memory ----
     def read(self, request: LoRARequest) -> LoRAAdapter:
@@ -100,32 +111,62 @@ class LoRAManager:
             adapter = inputs.requests[b].lora
             if adapter is not None:
                 by_adapter[adapter][1].append(k)
-        step.rows, step.sampled = [], []
+        step.rows, step.sampled, step.row_scale, step.sampled_scale = [], [], None, None
         if len(by_adapter) > self.config.max_loras:  # the scheduler's bound: never more in one step
             raise LoRAError(f"{len(by_adapter)} adapters in one step, above max_loras={self.config.max_loras}")
+        slots = {adapter: self._slot(adapter, by_adapter) for adapter in by_adapter}
+        if not slots:
+            return
+        if step.num_tokens <= BATCHED_MAX_ROWS:
+            step.row_scale = self._scale(slots, {a: rows for a, (rows, _) in by_adapter.items()}, step.num_tokens)
+            step.sampled_scale = self._scale(slots, {a: s for a, (_, s) in by_adapter.items() if s},
+                                             len(inputs.sample_rows))
+            return
         for adapter, (rows, sampled) in by_adapter.items():
-            modules = self._slot(adapter, by_adapter)
+            modules = slots[adapter][1]
             step.rows.append(self._group(modules, adapter.scaling, rows, step.num_tokens))
             if sampled:
                 step.sampled.append(self._group(modules, adapter.scaling, sampled, len(inputs.sample_rows)))
+
+    def _scale(self, slots: dict[LoRAAdapter, tuple[int, Any]], rows: dict[LoRAAdapter, list[int]],
+               num_rows: int) -> torch.Tensor | None:
+        """[num_rows, slots used]: each row's adapter scaling in its slot's column, zero elsewhere (None: no row
+        under an adapter)."""
+        if not rows:
+            return None
+        used = 1 + max(slots[a][0] for a in rows)
+        row_slot = [used] * num_rows  # the base model's rows pick the all-zero row of `table`
+        table = [[0.0] * used for _ in range(used + 1)]
+        for adapter, indices in rows.items():
+            slot = slots[adapter][0]
+            table[slot][slot] = adapter.scaling
+            for i in indices:
+                row_slot[i] = slot
+        return torch.tensor(table)[torch.tensor(row_slot)].to(self.device)
 
     def _group(self, modules: dict[tuple[int, str], LoRAModule], scaling: float, rows: list[int],
                num_rows: int) -> Group:
         index = None if len(rows) == num_rows else torch.tensor(rows, dtype=torch.long, device=self.device)
         return modules, scaling, index
 
-    def _slot(self, adapter: LoRAAdapter, in_step: dict[LoRAAdapter, Any]) -> dict[tuple[int, str], LoRAModule]:
-        """The adapter's weights on the device, in one of max_loras slots (LRU among adapters not in this step)."""
-        modules = self._slots.get(adapter)
-        if modules is not None:
+    def _slot(self, adapter: LoRAAdapter, in_step: dict[LoRAAdapter, Any]
+              ) -> tuple[int, dict[tuple[int, str], LoRAModule]]:
+        """The adapter's slot and weights on the device, in one of max_loras slots (LRU among adapters not in
+        this step); a new occupant is written into every layer's stack, the only time the stacks change."""
+        held = self._slots.get(adapter)
+        if held is not None:
             self._slots.move_to_end(adapter)
-            return modules
+            return held
         for old in [a for a in self._slots if a not in in_step][:max(0, len(self._slots) + 1 - self.config.max_loras)]:
             del self._slots[old]
+        free = min(set(range(self.config.max_loras)) - {slot for slot, _ in self._slots.values()})
         on_device = adapter.modules if self.device.type == "cpu" else {
             key: module.to(self.device) for key, module in adapter.modules.items()}
-        self._slots[adapter] = on_device
-        return on_device
+        for layer in self._layers:
+            assert layer.stack is not None
+            layer.stack.write(free, on_device.get(layer.key))
+        self._slots[adapter] = (free, on_device)
+        return self._slots[adapter]
 
 
 def resolve_lora(manager: LoRAManager | None, request: LoRARequest | None) -> LoRAAdapter | None:

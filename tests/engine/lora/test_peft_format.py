@@ -100,3 +100,49 @@ def test_the_lora_delta_is_peft_s_on_the_rows_of_the_group(dtype):
         add_lora(y, x, module, 2.0, rows)
     assert torch.equal(y[rows], want[rows])
     assert torch.equal(y[[0, 2, 3, 5]], base(x)[[0, 2, 3, 5]])  # the other rows (the base model's) untouched
+
+
+def test_the_stacked_slots_give_each_row_its_own_adapter_s_delta():
+    """The batched path (stacked.py): rows of three adapters (one on q only, of a lower rank) and of the base
+    model in one step equal add_lora's per group within fp32 rounding. Not bit for bit: the scaling multiplies
+    x A^T rather than its product with B, and the expand sums over every slot's rank columns (exact zeros
+    outside the row's slot) with another blocking, so each output may differ from add_lora's by a few fp32
+    ulps of the terms summed (here of order 1, the weights scaled as trained adapters': A by 1/sqrt(in), B to
+    a delta about 0.1x the input's scale): within 1e-5, absolute and relative."""
+    from pdserve.engine.lora.stacked import LoRAStack, add_lora_stacked
+
+    gen = torch.Generator().manual_seed(3)
+    widths, r_max = (128, 64, 64), 8
+
+    def module(ranks: list[int | None]) -> LoRAModule:
+        parts, start = [], 0
+        for (offset, rows), rank in zip(((0, 128), (128, 64), (192, 64)), ranks):
+            if rank:
+                b = torch.randn(rows, rank, generator=gen) * 0.1 / rank ** 0.5
+                parts.append(LoRAPart(offset, rows, start, start + rank, b))
+                start += rank
+        return LoRAModule(torch.randn(start, 128, generator=gen) / 128 ** 0.5, tuple(parts))
+
+    adapters = [(module([8, 8, 8]), 2.0), (module([4, None, None]), 0.5), (module([8, 8, 8]), 1.0)]
+    stack = LoRAStack(3, r_max, 128, widths, torch.device("cpu"))
+    stack.write(1, module([8, 8, 8]))  # a former occupant: write() must clear it
+    for slot, (m, _) in enumerate(adapters):
+        stack.write(slot, m)
+    x = torch.randn(7, 128, generator=gen)
+    row_slot = [0, 3, 1, 2, 0, 3, 1]  # 3: the base model
+    scale = torch.zeros(7, 3)
+    for row, slot in enumerate(row_slot):
+        if slot < 3:
+            scale[row, slot] = adapters[slot][1]
+    y0 = torch.randn(7, 256, generator=gen)
+    want = y0.clone()
+    for slot, (m, scaling) in enumerate(adapters):
+        add_lora(want, x, m, scaling, torch.tensor([r for r, s in enumerate(row_slot) if s == slot]))
+    assert not torch.allclose(want[[0, 2, 3]], y0[[0, 2, 3]], atol=1e-3)  # the deltas are not negligible
+    got = y0.clone()
+    add_lora_stacked(got, x, stack, scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[[1, 5]], y0[[1, 5]])  # the base model's rows: untouched
+    bf16 = y0.bfloat16()
+    add_lora_stacked(bf16, x.bfloat16(), stack, scale)  # one rounding of the fp32 sum into bf16
+    assert torch.equal(bf16[[1, 5]], y0.bfloat16()[[1, 5]])
