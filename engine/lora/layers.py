@@ -67,13 +67,17 @@ class LoRALinear(nn.Module):
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, module: LoRAModule, scaling: float,
              rows: torch.Tensor | None) -> None:
-    """y[rows, part] += (x[rows] A_part^T) B_part^T * scaling for each part, in fp32, in place."""
+    """y[rows, part] += (x[rows] A_part^T) B_part^T * scaling for each part, in fp32, in place.
+
+    The group's rows of y are read and written once (not once per part): each element is still
+    y + delta rounded once, PEFT's arithmetic bit for bit."""
     xs = (x if rows is None else x.index_select(0, rows)).float()
+    ys = (y if rows is None else y.index_select(0, rows)).float()
     t = xs @ module.a.t()
     for p in module.parts:
-        delta = (t[:, p.rank_start:p.rank_end] @ p.b.t()) * scaling
-        cols = slice(p.offset, p.offset + p.rows)
-        if rows is None:
-            y[:, cols] = (y[:, cols].float() + delta).to(y.dtype)
-        else:
-            y[rows, cols] = (y[rows, cols].float() + delta).to(y.dtype)
+        delta = (t[:, p.rank_start:p.rank_end] @ p.b.t()).mul_(scaling)
+        ys[:, p.offset:p.offset + p.rows].add_(delta)
+    if rows is None:
+        y.copy_(ys)
+    else:
+        y.index_copy_(0, rows, ys.to(y.dtype))
