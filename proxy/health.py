@@ -34,6 +34,9 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+_SAMPLE_TIMEOUT_S = 1.0
+
+
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
@@ -235,7 +238,8 @@ class HealthMonitor:
             next_tick = loop.time()
             while True:
                 tick = time.time()  # one time for every node of the tick: the page sums them per tick
-                await asyncio.gather(*(n.sample_metrics(http, tick, self.sample_s / 2)
+                # at least _SAMPLE_TIMEOUT_S: a planner's short interval must not fail every sample of a busy node
+                await asyncio.gather(*(n.sample_metrics(http, tick, max(self.sample_s / 2, _SAMPLE_TIMEOUT_S))
                                        for n in self.nodes() if n.healthy))
                 next_tick += self.sample_s
                 await asyncio.sleep(max(0.0, next_tick - loop.time()))

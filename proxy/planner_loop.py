@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Callable, Iterator
 
 import grpc
@@ -25,11 +26,14 @@ from pdserve.proxy.planner import DECODE, PREFILL, ROLES, NodeFigure, Planner, P
 
 logger = logging.getLogger(__name__)
 
+_SATURATED_TTL_S = 0.1  # every queued request asks saturated() each admission poll: read the figures once per this
 
-def p90_ms(samples: list[Sample], window_s: float, which: str) -> float | None:
+
+def p90_ms(samples: list[Sample], window_s: float, which: str, now: float) -> float | None:
     """The p90 (ms) of histogram `which` ("ttft" | "itl") over the newest `window_s` of samples (all of them
-    when they span less); None without two samples or an observation between them."""
-    if len(samples) < 2:
+    when they span less); None without two samples, with an observation between them, or when the newest is
+    older than the window (samples that stopped coming must not keep an old burst's latency alive)."""
+    if len(samples) < 2 or now - samples[-1].t > window_s:
         return None
     latest = samples[-1]
     base = next((s for s in reversed(samples) if latest.t - s.t >= window_s), samples[0])
@@ -46,10 +50,11 @@ def sample_interval(config: PlannerConfig) -> float:
     return min(SAMPLE_S, config.interval_s) if config.enabled else SAMPLE_S
 
 
-def figure_of(node: Node, window_s: float) -> NodeFigure:
+def figure_of(node: Node, window_s: float, now: float) -> NodeFigure:
+    """`now`: Unix time, the samples' clock."""
     samples = list(node.figures.samples)
     return NodeFigure(node.address, node.role, bool(node.announcement and node.announcement.switchable),
-                      node.load.score, p90_ms(samples, window_s, "ttft"), p90_ms(samples, window_s, "itl"))
+                      node.load.score, p90_ms(samples, window_s, "ttft", now), p90_ms(samples, window_s, "itl", now))
 
 
 class PlannerLoop:
@@ -61,15 +66,21 @@ class PlannerLoop:
         self.switches = 0
         self.failed_switches = 0
         self._task: asyncio.Task | None = None
+        self._saturated = (-1.0, False)  # (monotonic time, answer): saturated()'s last reading
 
     def figures(self) -> list[NodeFigure]:
-        return [figure_of(n, self.config.window_s) for n in self.nodes() if n.healthy]
+        now = time.time()
+        return [figure_of(n, self.config.window_s, now) for n in self.nodes() if n.healthy]
 
     def saturated(self) -> bool:
         """Every decode node in rotation past the ITL SLO (admission control's trigger); False without one."""
-        slo = self.config.slo_itl_ms
-        itl = [f.itl_p90_ms for f in self.figures() if f.role == DECODE]
-        return slo is not None and bool(itl) and all(v is not None and v > slo for v in itl)
+        slo, now = self.config.slo_itl_ms, time.monotonic()
+        if slo is None:
+            return False
+        if now - self._saturated[0] >= _SATURATED_TTL_S:
+            itl = [f.itl_p90_ms for f in self.figures() if f.role == DECODE]
+            self._saturated = (now, bool(itl) and all(v is not None and v > slo for v in itl))
+        return self._saturated[1]
 
     def start(self) -> None:
         if self.config.enabled:

@@ -2,6 +2,8 @@
 the last node of a role, desired replicas."""
 from __future__ import annotations
 
+import pytest
+
 from pdserve.proxy.planner import DECODE, PREFILL, NodeFigure, Planner, PlannerConfig, pressure, want
 
 CFG = PlannerConfig(slo_ttft_ms=100.0, slo_itl_ms=10.0, hysteresis=3, cooldown_s=30.0, history=5)
@@ -80,3 +82,17 @@ def test_desired_replicas_follow_pressure_and_history_is_bounded() -> None:
     for t in range(10):
         planner.decide(fleet(None, None), t)
     assert len(planner.decisions) == CFG.history
+
+
+def test_p90_reads_the_window_and_forgets_samples_that_stopped_coming() -> None:
+    from pdserve.proxy.node_figures import Sample
+    from pdserve.proxy.planner_loop import p90_ms
+
+    old = Sample(0.0, itl={0.01: 0.0, 0.1: 0.0, float("inf"): 0.0})
+    burst = Sample(5.0, itl={0.01: 0.0, 0.1: 10.0, float("inf"): 10.0})  # ten gaps between 10 and 100 ms
+    calm = Sample(10.0, itl={0.01: 10.0, 0.1: 20.0, float("inf"): 20.0})  # then ten under 10 ms
+    assert p90_ms([old, burst], 60.0, "itl", now=5.0) == 91.0  # 10 + 90 x 0.9 (histogram_quantile's rule)
+    assert p90_ms([old, burst, calm], 4.0, "itl", now=10.0) == 9.0  # only the last 5 s: the calm ones
+    assert p90_ms([old, burst, calm], 60.0, "itl", now=10.0) == pytest.approx(82.0)  # all twenty: 10 + 90 x 0.8
+    assert p90_ms([old, burst], 60.0, "itl", now=100.0) is None  # the newest sample is older than the window
+    assert p90_ms([old], 60.0, "itl", now=0.0) is None
