@@ -139,3 +139,36 @@ def test_long_prompts_then_long_answers_move_an_auto_node_and_back(roles):
     metrics = httpx.get(f.url + "/metrics", timeout=5).text
     assert 'pdserve_planner_desired_replicas{role="decode"}' in metrics
     assert "role switched from decode to prefill" in f.auto1.log_file.read_text()
+
+
+def test_a_switched_node_finishes_its_stream_and_refuses_the_old_role(roles):
+    """SetRole straight to an auto decode node while its Generate streams: the stream ends with HF's tokens, the
+    reply says none was left running, and a new Generate there is refused (UNAVAILABLE: a proxy retries it)."""
+    import grpc
+
+    from pdserve.protos import pdserve_pb2 as pb
+    from pdserve.protos import pdserve_pb2_grpc as pb_grpc
+
+    f = roles
+    now = _roles(f.url)
+    node = next(n for n in (f.auto0, f.auto1) if now.get(n.grpc_address) == "decode")
+    prompt, max_tokens = f.short[1], 64
+    expected = hf_greedy(f.model, [prompt], max_tokens)[0]
+    call = pb.GenerateRequest(request_id="roles-drain", prompt=pb.Prompt(token_ids=pb.TokenIds(ids=prompt)),
+                              params=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=-1))
+    with grpc.insecure_channel(node.grpc_address) as channel:
+        stub = pb_grpc.PDNodeStub(channel)
+        stream = stub.Generate(call, timeout=300)
+        got = list(next(d for d in stream if d.token_ids).token_ids)  # running: the switch must wait for it
+        switching = threading.Thread(target=lambda: f.__dict__.update(
+            reply=stub.SetRole(pb.SetRoleRequest(role="prefill", drain_timeout_s=300), timeout=300)))
+        switching.start()
+        for d in stream:
+            got += d.token_ids
+        switching.join(timeout=300)
+        assert got == expected and f.reply.role == "prefill" and f.reply.still_running == 0
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(pb.GenerateRequest(request_id="roles-refused", prompt=call.prompt, params=call.params),
+                               timeout=300))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    wait_until(lambda: _roles(f.url).get(node.grpc_address) == "prefill", "the proxy's fleet to follow the switch")
