@@ -7,6 +7,8 @@ listing the fleet costs O(fleet), not a SCAN over a store's millions of chunk ke
 stops refreshing and its key expires. A node that drains (SIGTERM) rewrites its key first, the moment
 its engine stops accepting, as `draining` for one last TTL: every proxy polling the registry drops it at
 once and can say why (a deleted key would read the same as an expired one), while its streams finish.
+A `--role auto` node that the planner moves (SetRole) does the same to its old key, naming the role it
+switched to, and announces under its new role's key at once (`Announcer.change_role`).
 This module owns the key names and the JSON both sides read (pd-proxy's reader: proxy/fleet_sources.py).
 """
 from __future__ import annotations
