@@ -11,11 +11,15 @@ prefix cache (an LRU of full chunk keys, `kv_tokens` of capacity) and takes time
   decode    continuous batching (at most max_batch running and kv_tokens of context); one step costs
             decode_base_ms + decode_per_seq_ms * batch + decode_per_ctx_token_ms * context tokens in the batch
 The lookup policy (no index) runs the same Router over fake `Lookup` stubs answering from each node's cache at the
-moment of the call: today's per-request lookups with perfect, fresh answers.
+moment of the call: today's per-request lookups with perfect, fresh answers. The index's routing cost is timed with
+the garbage collector off for the call (a collection's pause scales with the simulation's own heap, not the proxy's).
+Roles can move (a planner's switch: `move()`): the node leaves its router, drains, and joins the other after
+`switch_s`, its prefix cache kept.
 """
 from __future__ import annotations
 
 import asyncio
+import gc
 import heapq
 import json
 import time
@@ -168,6 +172,7 @@ class Simulator:
         self.prefill = Router([n for n in self.nodes if n.role == "prefill"], kv_policy, index=self.index)
         self.decode = Router([n for n in self.nodes if n.role == "decode"], "least-loaded")  # type: ignore[list-item]
         self.on_tick, self.tick_s, self.switch_s = on_tick, tick_s, switch_s
+        self.track = on_tick is not None  # keep the nodes' latency samples (what a planner reads)
         self._events: list[tuple[float, int, str, Any]] = []
         self._n = 0
         self._dirty: set[SimNode] = set()
@@ -217,6 +222,19 @@ class Simulator:
             self._loop.close()
         return Result(flights, self.route_ns, self.index, end, self.roles)
 
+    def time_rank(self, req: TraceRequest, repeats: int) -> int:
+        """The prefill router's ranking of `req` against the index as it is now: the best of `repeats` calls, ns."""
+        lookup = pb.LookupRequest(prompt=pb.Prompt(token_ids=pb.TokenIds(ids=req.ids())))
+        best = None
+        for _ in range(repeats):
+            gc.disable()
+            t0 = time.perf_counter_ns()
+            run_sync(self.prefill.rank(lookup))
+            took = time.perf_counter_ns() - t0
+            gc.enable()
+            best = took if best is None else min(best, took)
+        return best or 0
+
     # ------------------------------------------------------------ prefill
     def _arrive(self, req: TraceRequest) -> Flight:
         ids = req.ids()
@@ -226,10 +244,12 @@ class Simulator:
             for n in self.prefill.nodes:
                 n.asked = flight.keys  # type: ignore[attr-defined]
             ranked = self._loop.run_until_complete(self.prefill.rank(lookup))
-        else:
+        else:  # the collector off for the call: a pause sized by the simulation's heap is not the router's cost
+            gc.disable()
             t0 = time.perf_counter_ns()
             ranked = run_sync(self.prefill.rank(lookup))
             self.route_ns.append(time.perf_counter_ns() - t0)
+            gc.enable()
         node: SimNode = ranked[0]
         node.load.in_flight += 1
         node.queue.append(flight)
@@ -254,7 +274,8 @@ class Simulator:
         for f in batch:
             node.insert(f.keys)
             node.load.in_flight -= 1
-            node.samples.append((self.now, self.now - f.req.t))
+            if self.track:
+                node.samples.append((self.now, self.now - f.req.t))
             f.first_s = self.now + self.profile.handoff_ms_per_token * f.req.prompt_len / 1e3
             f.made = 1
             self._at(f.first_s, "handed", f)
@@ -280,12 +301,14 @@ class Simulator:
                 context + node.queue[0].req.prompt_len + node.queue[0].req.output <= self.profile.kv_tokens:
             f = node.queue.pop(0)
             node.running.append(f)
-            node.samples.append((self.now, self.now - f.first_s))  # the gap before its second token
+            if self.track:
+                node.samples.append((self.now, self.now - f.first_s))  # the gap before its second token
             context += f.req.prompt_len + f.made
         node.busy = bool(node.running)
         if node.running:
             took = self.profile.step_s(len(node.running), context)
-            node.samples.append((self.now + took, took))
+            if self.track:
+                node.samples.append((self.now + took, took))
             self._at(self.now + took, "step", node)
 
     def _stepped(self, node: SimNode) -> None:

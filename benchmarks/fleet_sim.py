@@ -8,8 +8,10 @@ traces. Two experiments, each on traces generated here (seeded):
             (a getsizeof walk) at the end, and the prompt tokens served from the prefill node's cache, against the
             same trace routed by the per-request Lookup policy (fresh, perfect answers from every node's cache).
   goodput   the shifting trace (long prompts/short answers, then short prompts/long answers) at N nodes for every
-            static P:D split, and with proxy/planner.py when the repository has one: requests/s meeting the SLOs
-            (TTFT <= --slo-ttft, time per output token <= --slo-tpot) over the trace's length.
+            static P:D split (every one up to 16 nodes, 15 evenly spaced above), and with proxy/planner.py's
+            Planner.decide() every interval (its defaults, and a fast config: 5 s interval, 20 s window,
+            hysteresis 2, 10 s cooldown) moving nodes from 1:1: requests/s meeting the SLOs (TTFT <= --slo-ttft,
+            time per output token <= --slo-tpot) over the trace's length, at each of --shift-loads.
 Writes a markdown table (stdout and bench-results/fleet_sim.md), the figures as JSON and a plot (--plot, PNG).
 Ratios against baselines in the same run; nothing here asserts a time.
 
@@ -31,6 +33,7 @@ from fleet_model import Profile, Result, Simulator, index_bytes
 from machine import describe
 
 OUT = Path("bench-results")
+_REPLAY = 2000  # requests whose ranking is timed again at the end, best of 3 each (what the code costs, not the host)
 
 
 def _rate_for(profile: Profile, trace: list[fleet_traces.TraceRequest], nodes: int, load: float) -> float:
@@ -51,17 +54,22 @@ def routing(profile: Profile, n: int, shape: str, arrival: str, duration: float,
 
     trace = make(_rate_for(profile, make(2.0), n // 2, 0.5))
     t0 = time.perf_counter()
-    by_index = Simulator(profile, n // 2, n - n // 2, "index").run(trace)
+    sim = Simulator(profile, n // 2, n - n // 2, "index")
+    by_index = sim.run(trace)
+    ops = by_index.index.ops / max(1, len(trace))  # type: ignore[union-attr]  (before the replay adds its own)
+    replay = [sim.time_rank(r, 3) for r in trace[-_REPLAY:]]
     t1 = time.perf_counter()
     by_lookup = Simulator(profile, n // 2, n - n // 2, "lookup").run(trace)
     t2 = time.perf_counter()
     status = by_index.index.status()  # type: ignore[union-attr]
     ns = by_index.route_ns
-    long = [t for t, f in zip(ns, by_index.flights) if f.req.prompt_len >= 2048]
+    long = [t for t, r in zip(replay, trace[-_REPLAY:]) if r.prompt_len >= 2048]
     return {"nodes": n, "trace": f"{shape}-{arrival}", "requests": len(trace),
             "mean_prompt": statistics.fmean(r.prompt_len for r in trace),
             "route_p50_us": percentile(ns, 50) / 1e3, "route_p99_us": percentile(ns, 99) / 1e3,
-            "route_p99_us_2k": percentile(long, 99) / 1e3 if long else None,
+            "replay_p50_us": percentile(replay, 50) / 1e3, "replay_p99_us": percentile(replay, 99) / 1e3,
+            "replay_p99_us_2k": percentile(long, 99) / 1e3 if long else None,
+            "index_ops": ops,
             "index_chunks": status["chunks"], "index_bytes": index_bytes(by_index.index),  # type: ignore[arg-type]
             "hit_index": _hit_rate(by_index), "hit_lookup": _hit_rate(by_lookup),
             "sim_s": {"index": round(t1 - t0, 1), "lookup": round(t2 - t1, 1)}}
@@ -75,13 +83,14 @@ def _goodput(res: Result, slo_ttft: float, slo_tpot: float) -> float:
     return ok / res.duration
 
 
-def shift_trace(profile: Profile, n: int, duration: float, seed: int) -> list[fleet_traces.TraceRequest]:
-    """The shifting trace at `n` nodes: each phase at 60% of what the whole fleet could do in that phase's
-    bottleneck role (prefill for the long prompts, decode for the long answers, a batch of 32)."""
+def shift_trace(profile: Profile, n: int, duration: float, seed: int, load: float) -> list[fleet_traces.TraceRequest]:
+    """The shifting trace at `n` nodes: each phase at `load` of what the whole fleet could do in that phase's
+    bottleneck role (prefill for the long prompts, decode for the long answers, a batch of 32): past 0.5, a 1:1
+    fleet is overloaded in both phases."""
     long_s = profile.prefill_s(2048, 0)
     step = profile.step_s(32, 32 * 700)
-    short_rate = 0.6 * n * 32 / step / 512
-    return fleet_traces.shift("poisson", 0.6 * n / long_s, short_rate, duration, seed)
+    short_rate = load * n * 32 / step / 512
+    return fleet_traces.shift("poisson", load * n / long_s, short_rate, duration, seed)
 
 
 class PlannerDriver:
@@ -120,8 +129,9 @@ def planner_configs(slo_ttft: float, slo_tpot: float) -> dict[str, Any]:
             "fast": PlannerConfig(**slos, interval_s=5.0, window_s=20.0, hysteresis=2, cooldown_s=10.0)}
 
 
-def goodput(profile: Profile, n: int, duration: float, seed: int, slo_ttft: float, slo_tpot: float) -> dict[str, Any]:
-    trace = shift_trace(profile, n, duration, seed)
+def goodput(profile: Profile, n: int, duration: float, seed: int, slo_ttft: float, slo_tpot: float,
+            load: float) -> dict[str, Any]:
+    trace = shift_trace(profile, n, duration, seed, load)
     splits = list(range(1, n)) if n <= 16 else sorted({max(1, round(n * k / 16)) for k in range(1, 16)})
     by_split = {p: _goodput(Simulator(profile, p, n - p, "index").run(trace), slo_ttft, slo_tpot) for p in splits}
     if n // 2 not in by_split:
@@ -133,26 +143,26 @@ def goodput(profile: Profile, n: int, duration: float, seed: int, slo_ttft: floa
         res = Simulator(profile, n // 2, n - n // 2, "index", on_tick=driver, tick_s=config.interval_s).run(trace)
         planned[name] = {"goodput": _goodput(res, slo_ttft, slo_tpot), "switches": driver.switches,
                          "prefill_nodes": [(round(t, 1), p) for t, p in res.roles]}
-    return {"nodes": n, "requests": len(trace), "offered_rps": len(trace) / duration, "by_split": by_split,
+    return {"nodes": n, "load": load, "requests": len(trace), "offered_rps": len(trace) / duration, "by_split": by_split,
             "one_to_one": by_split[n // 2], "best_split": best, "best": by_split[best], "planner": planned}
 
 
 def table(rows: list[dict[str, Any]], goods: list[dict[str, Any]], machine: str, profile: Profile) -> str:
     out = [machine, f"profile: {profile.source}", "",
-           "| nodes | trace | requests | mean prompt | route p50 µs | route p99 µs | p99 µs, prompts >= 2k | "
-           "index chunks | index MB | hit: index | hit: lookups | Δ points |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| nodes | trace | requests | mean prompt | route p50 / p99 µs in the run | replay p50 / p99 µs | "
+           "replay p99 µs, prompts >= 2k | index ops / request | index chunks | index MB | hit: index | hit: lookups "
+           "| Δ points |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        p2k = f"{r['route_p99_us_2k']:.0f}" if r["route_p99_us_2k"] is not None else "-"
+        p2k = f"{r['replay_p99_us_2k']:.0f}" if r["replay_p99_us_2k"] is not None else "-"
         out.append(f"| {r['nodes']} | {r['trace']} | {r['requests']} | {r['mean_prompt']:.0f} | {r['route_p50_us']:.0f}"
-                   f" | {r['route_p99_us']:.0f} | {p2k} | {r['index_chunks']} | {r['index_bytes'] / 1e6:.1f}"
+                   f" / {r['route_p99_us']:.0f} | {r['replay_p50_us']:.0f} / {r['replay_p99_us']:.0f} | {p2k} | {r['index_ops']:.1f} | {r['index_chunks']} | {r['index_bytes'] / 1e6:.1f}"
                    f" | {100 * r['hit_index']:.1f}% | {100 * r['hit_lookup']:.1f}%"
                    f" | {100 * (r['hit_index'] - r['hit_lookup']):+.1f} |")
-    out += ["", "| nodes | requests (req/s offered) | goodput 1:1 | best static P:D (hindsight) | best / 1:1 | "
-                "planner (config): goodput, switches | planner / 1:1 | planner / best |", "|---|---|---|---|---|---|---|---|"]
+    out += ["", "| nodes | load | requests (req/s offered) | goodput 1:1 | best static P:D (hindsight) | best / 1:1 | "
+                "planner (config): goodput, switches | planner / 1:1 | planner / best |", "|---|---|---|---|---|---|---|---|---|"]
     for g in goods:
         n = g["nodes"]
-        head = (f"| {n} | {g['requests']} ({g['offered_rps']:.1f}) | {g['one_to_one']:.2f} req/s | "
+        head = (f"| {n} | {g['load']:g} | {g['requests']} ({g['offered_rps']:.1f}) | {g['one_to_one']:.2f} req/s | "
                 f"{g['best_split']}:{n - g['best_split']} {g['best']:.2f} req/s | {g['best'] / g['one_to_one']:.2f}x")
         for name, p in g["planner"].items() or [("none: no proxy/planner.py", None)]:
             if p is None:
@@ -177,8 +187,10 @@ def plot(rows: list[dict[str, Any]], goods: list[dict[str, Any]], path: Path, ma
         x = [r["nodes"] for r in rs]
         axes[0].plot(x, [r["route_p50_us"] for r in rs], "o-", label=f"{trace} p50")
         axes[0].plot(x, [r["route_p99_us"] for r in rs], "s--", label=f"{trace} p99")
+        axes[0].plot(x, [r["replay_p99_us"] for r in rs], "^:", label=f"{trace} p99, replay best of 3")
         axes[1].plot(x, [100 * r["hit_index"] for r in rs], "o-", label=f"{trace}: index")
         axes[1].plot(x, [100 * r["hit_lookup"] for r in rs], "x:", label=f"{trace}: per-request lookups")
+    axes[0].set_yscale("log")
     for ax, title, unit in ((axes[0], "Router.rank() over the KV index", "µs per request"),
                             (axes[1], "prompt tokens from the prefill node's cache", "%")):
         ax.set_xscale("log", base=2)
@@ -187,12 +199,12 @@ def plot(rows: list[dict[str, Any]], goods: list[dict[str, Any]], path: Path, ma
         ax.set_title(title)
         ax.legend(fontsize=7)
     for g in goods:
-        splits = sorted(g["by_split"])
-        line, = axes[2].plot([p / g["nodes"] for p in splits], [g["by_split"][p] / g["nodes"] for p in splits], "o-",
-                             label=f"{g['nodes']} nodes, static P:D")
-        for (name, p), style in zip(g["planner"].items(), ("--", ":")):
-            axes[2].axhline(p["goodput"] / g["nodes"], color=line.get_color(), ls=style, lw=1,
-                            label=f"{g['nodes']} nodes, planner ({name})")
+        by = {int(p): v for p, v in g["by_split"].items()}  # (JSON made the keys strings)
+        line, = axes[2].plot([p / g["nodes"] for p in sorted(by)], [by[p] / g["nodes"] for p in sorted(by)], "o-",
+                             label=f"{g['nodes']} nodes, load {g['load']:g}, static P:D")
+        for (name, p), marker in zip(g["planner"].items(), ("D", "*")):  # starting from 1:1
+            axes[2].plot([0.5], [p["goodput"] / g["nodes"]], marker, color=line.get_color(), ms=9, mfc="none",
+                         label=f"planner ({name}), from 1:1" if g is goods[0] else None)
     axes[2].axvline(0.5, color="grey", lw=0.8)
     axes[2].set_xlabel("prefill share of the fleet (static)")
     axes[2].set_ylabel("goodput per node, req/s")
@@ -212,16 +224,26 @@ def main() -> None:
     ap.add_argument("--duration", type=float, help="seconds of simulated trace (default 60, --quick 30)")
     ap.add_argument("--goodput-duration", type=float, help="seconds of the shifting trace (default 600, --quick 240)")
     ap.add_argument("--profile", help="a JSON of fleet_model.Profile's fields (default: docs/benchmarks.md's)")
+    ap.add_argument("--shift-loads", default="0.45,0.5,0.6",
+                    help="the shifting trace's rates, each a share of the whole fleet's capacity in the busy role")
     ap.add_argument("--slo-ttft", type=float, default=4.0)
     ap.add_argument("--slo-tpot", type=float, default=0.06)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", default="docs/img/bench-fleet-sim.png")
+    ap.add_argument("--from-json", help="redraw the table and the plot from a run's bench-results/fleet_sim.json")
     args = ap.parse_args()
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        print(table(saved["routing"], saved["goodput"], saved["machine"], Profile(**saved["profile"])))
+        if args.plot:
+            plot(saved["routing"], saved["goodput"], Path(args.plot), saved["machine"])
+        return
     machine = describe()
     print(machine, flush=True)
     profile = Profile.load(args.profile)
-    sizes = [int(s) for s in (args.sizes or ("8,32,128" if args.quick else "8,32,128,512,1024")).split(",")]
-    gsizes = [int(s) for s in (args.goodput_sizes or ("8" if args.quick else "8,32")).split(",") if s]
+    default = ("8,32,128", "8") if args.quick else ("8,32,128,512,1024", "8,32")
+    sizes = [int(s) for s in (default[0] if args.sizes is None else args.sizes).split(",") if s]
+    gsizes = [int(s) for s in (default[1] if args.goodput_sizes is None else args.goodput_sizes).split(",") if s]
     duration = args.duration or (30.0 if args.quick else 60.0)
     rows = []
     for n in sizes:
@@ -230,8 +252,10 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     goods = []
     for n in gsizes:
-        goods.append(goodput(profile, n, args.goodput_duration or (240.0 if args.quick else 600.0), args.seed, args.slo_ttft, args.slo_tpot))
-        print(json.dumps(goods[-1]), flush=True)
+        for load in [float(x) for x in args.shift_loads.split(",")]:
+            goods.append(goodput(profile, n, args.goodput_duration or (240.0 if args.quick else 600.0), args.seed,
+                                 args.slo_ttft, args.slo_tpot, load))
+            print(json.dumps(goods[-1]), flush=True)
     text = table(rows, goods, machine, profile)
     print(text)
     OUT.mkdir(exist_ok=True)

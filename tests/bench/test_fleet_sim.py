@@ -11,7 +11,7 @@ from pdserve.deploy.processes import REPO
 
 def test_fleet_sim_runs_and_reports(tmp_path):
     cmd = [sys.executable, str(REPO / "benchmarks" / "fleet_sim.py"), "--sizes", "8", "--goodput-sizes", "4",
-           "--duration", "10", "--goodput-duration", "60", "--plot", str(tmp_path / "fleet.png")]
+           "--duration", "10", "--goodput-duration", "60", "--shift-loads", "0.5", "--plot", str(tmp_path / "fleet.png")]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("machine: ")
