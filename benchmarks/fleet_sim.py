@@ -218,7 +218,7 @@ def plot(rows: list[dict[str, Any]], goods: list[dict[str, Any]], path: Path, ma
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="8..128 nodes, short traces (~1-2 minutes)")
+    ap.add_argument("--quick", action="store_true", help="8..128 nodes, goodput at 8, short traces (~10 s)")
     ap.add_argument("--sizes", help="fleet sizes for the routing experiment (default 8,32,128,512,1024)")
     ap.add_argument("--goodput-sizes", help="fleet sizes for the goodput experiment (default 8,32)")
     ap.add_argument("--duration", type=float, help="seconds of simulated trace (default 60, --quick 30)")
