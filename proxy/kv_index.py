@@ -24,7 +24,8 @@ from typing import Any, Iterable
 
 logger = logging.getLogger(__name__)
 
-MAX_CHUNKS = 1_000_000  # chunk keys held per LRU (about 200 bytes each with its node set: ~200 MB at the bound)
+MAX_CHUNKS = 1_000_000  # chunk keys held per LRU (450-650 bytes each with its node set, as benchmarks/fleet_sim.py
+                         # measures: ~0.5-0.65 GB at the bound)
 
 
 @dataclass
