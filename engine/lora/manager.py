@@ -99,7 +99,9 @@ class LoRAManager:
 
     # ---- one step ----
     def prepare(self, inputs: StepInputs) -> None:
-        """Group the step's rows by adapter (their slots filled first); the base model's rows get none."""
+        """Set the step's LoRA work (the adapters' slots filled first): per-row slot scalings for a step of at most
+        BATCHED_MAX_ROWS rows (the batched path), else the rows grouped by adapter; the base model's rows get
+        none."""
         step = self.step
         qsl = inputs.attn_metadata.query_start_loc_cpu
         step.num_tokens = qsl[-1] if qsl else 0
