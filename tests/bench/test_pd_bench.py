@@ -89,12 +89,14 @@ def test_multi_round_qa(cluster, tiny_llama, runs):
     assert len(res["metrics"]["urls"]) == 2
     # Where the prompt tokens came from: on P/D each prompt is served by its prefill node (local prefix cache
     # or computed) and again by its decode node (local, store or computed): twice the prompt tokens in all,
-    # the store's share real, not the flat 100% the per-request cached_tokens shows.
+    # the store's share real. Usage's cached_tokens counts earlier requests' KV only (the shared prefix and the
+    # history, found in the prefill node's prefix cache), never the request's own hand-off to decode.
     sources = stats.prompt_sources(res)
     assert list(sources) == [stats.LOCAL, stats.STORE, stats.COMPUTED]
     assert sum(sources.values()) == 2 * s["prompt_tokens"]
     assert sources[stats.STORE] == kv["store_loaded_tokens"] > 0 and sources[stats.LOCAL] > 0
-    assert s["cached_fraction"] > 0.9 and sources[stats.STORE] / sum(sources.values()) < 0.6
+    assert 0 < s["cached_fraction"] < 1 and s["cached_tokens"] <= sources[stats.LOCAL]
+    assert sources[stats.STORE] / sum(sources.values()) < 0.6
     edges, series = stats.prompt_source_series(res)
     assert list(series) == list(sources) and len(edges) - 1 - len(res["metrics"]["timeline"]) in (0, 1)
     assert all((v >= 0).all() for v in series.values()) and series[stats.STORE].max() > 0

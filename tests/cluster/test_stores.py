@@ -44,9 +44,10 @@ def cluster(request, tiny_llama, tmp_path_factory):
     assert all(code == 0 for code in codes.values()), codes  # nodes and proxy shut down cleanly
 
 
-def _ids(cl, prompt, rid, **kw):
+def _ids(cl, prompt, rid, salt: str | None = None, **kw):
+    body = {"return_token_ids": True, **({"cache_salt": salt} if salt else {})}
     resp = cl.completions.create(model=cl.model_name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                 extra_body={"return_token_ids": True}, extra_headers={"X-Request-Id": rid}, **kw)
+                                 extra_body=body, extra_headers={"X-Request-Id": rid}, **kw)
     return resp.choices[0].token_ids, resp
 
 
@@ -56,8 +57,10 @@ def test_completions_match_pd_serve_and_hf(cluster, pd_serve, hf_refs):
     assert proxy.models.list().data[0].id == proxy.model_name
     for i, (prompt, ref) in enumerate(zip(PROMPTS, hf_refs)):
         rid = f"{cluster.store_name}-cmpl-{i}"
-        ids, resp = _ids(proxy, prompt, rid)
-        mono_ids, mono_resp = _ids(mono, prompt, rid)
+        # one cache salt per store: pd-serve (shared by the three clusters) and this cluster have seen the same
+        # earlier requests under it, so their cached_tokens must agree
+        ids, resp = _ids(proxy, prompt, rid, salt=cluster.store_name)
+        mono_ids, mono_resp = _ids(mono, prompt, rid, salt=cluster.store_name)
         assert ids == ref == mono_ids
         assert resp.id == "cmpl-" + rid and resp.usage.prompt_tokens == len(prompt)
         # cached: earlier requests' KV only, as pd-serve counts it; the decode node loaded every prompt token of
