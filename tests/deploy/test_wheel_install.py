@@ -230,9 +230,11 @@ def test_offline_api_matches_hf_with_compiled_kernels(installed, offline):
     assert offline["tokens"] == hf_greedy(installed.model, [offline["prompt"]], MAX_TOKENS)[0]
     assert offline["backend"] == "cpu"
     assert {"cpu_decode_attention", "cpu_block_ops"} <= set(offline["libraries"]), offline["libraries"]
-    for entry in offline["libraries"].values():  # the run's first engine: built here, from the installed sources
-        assert entry.startswith(f"built from {installed.site}/pdserve/") and \
-            f": {installed.root.parent}/cache/kernels/" in entry, entry
+    # Built into this run's own (fresh) cache from the installed sources: by this engine, or by an earlier command
+    # of the run (a node of another test here may have loaded an engine first)
+    for entry in offline["libraries"].values():
+        assert (entry.startswith(f"built from {installed.site}/pdserve/") or entry.startswith("cached build:")) \
+            and f"{installed.root.parent}/cache/kernels/" in entry, entry
 
 
 def test_without_a_compiler_the_libraries_prebuilt_at_install_serve(installed, offline):

@@ -2,6 +2,9 @@
 and the compiled kernels' packed weights get them where the OS allows, and the values are unchanged."""
 from __future__ import annotations
 
+import ctypes
+import mmap
+
 import torch
 
 from pdserve.engine.device import Platform
@@ -27,13 +30,40 @@ def _huge_bytes_behind(t: torch.Tensor) -> int:
     raise AssertionError(f"no mapping holds {addr:#x}")
 
 
+def _huge_bytes_at(addr: int) -> int:
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _os_allows(size: int) -> int:
+    """Huge-page bytes the OS gives a plain advised mapping of `size` bytes right now (a control: after a long
+    run beside other processes, memory may be too fragmented for the kernel to find free 2 MiB pages)."""
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: shared memory has no THP
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+        m[:] = b"\x07" * size  # first touch
+        first = ctypes.c_char.from_buffer(m)
+        addr = ctypes.addressof(first)
+        del first  # (an exported buffer would keep the mapping from closing)
+        return _huge_bytes_at(addr)
+    finally:
+        m.close()
+
+
 def test_a_big_tensor_is_backed_by_huge_pages_where_the_os_allows():
     t = huge_empty((64 << 20,), torch.uint8)
     t.fill_(7)  # first touch: the pages are made now
     if _thp_mode() == "never":
         assert _huge_bytes_behind(t) == 0
-    else:  # madvise or always: most of the 64 MiB (compaction may still miss a few pages)
-        assert _huge_bytes_behind(t) >= 48 << 20
+    else:  # madvise or always: most of the 64 MiB (compaction may still miss a few pages), or, where the OS
+        # cannot find that many free huge pages now, no fewer than a plain advised mapping gets beside it
+        assert _huge_bytes_behind(t) >= min(48 << 20, _os_allows(64 << 20) - (8 << 20))
     assert int(t.sum()) == 7 * (64 << 20)
 
 
@@ -49,4 +79,5 @@ def test_cpu_kv_caches_are_zeroed_huge_page_tensors():
     assert [tuple(c.shape) for c in caches] == [(2, 1536, 16, 8, 64)] * 2
     assert all(c.dtype == torch.bfloat16 and not c.any() for c in caches)
     if _thp_mode() != "never":  # zeroed (touched) after the advice
-        assert all(_huge_bytes_behind(c) >= 32 << 20 for c in caches), [_huge_bytes_behind(c) for c in caches]
+        want = min(32 << 20, _os_allows(48 << 20) - (8 << 20))
+        assert all(_huge_bytes_behind(c) >= want for c in caches), ([_huge_bytes_behind(c) for c in caches], want)
