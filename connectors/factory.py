@@ -22,7 +22,7 @@ def kv_shard(runner: Any) -> Any:
         from pdserve.kvstore.layout import KVShard
     except ImportError:
         raise ValueError("a KV store with tensor_parallel_size or pipeline_parallel_size > 1 needs the "
-                         "layout-free store (kvstore/layout.py, issue 28)") from None
+                         "layout-free store (kvstore/layout.py)") from None
     from pdserve.engine.parallel.layout import pp_layer_ranges
 
     dims = layout.dims

@@ -1,4 +1,4 @@
-"""Stored KV codecs: how a [2, n, H, D] KV tensor's payload is encoded in a store object (issue 29).
+"""Stored KV codecs: how a [2, n, H, D] KV tensor's payload is encoded in a store object.
 
 A store picks its codec with the URL parameter `codec=` (kvstore/__init__.py); every object's header
 records the one it was written with (kvstore/object_format.py, byte 7), so a reader needs no configuration and

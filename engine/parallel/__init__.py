@@ -1,4 +1,4 @@
-"""Tensor and pipeline parallelism (issue 28; docs/parallelism.md): one process per rank on torch.distributed.
+"""Tensor and pipeline parallelism (docs/parallelism.md): one process per rank on torch.distributed.
 
 - `layout.py`: which rank holds which layers, heads and vocabulary rows (one rule for every model family);
 - `sharding.py`: a rank's narrowed model config and its slice of each checkpoint tensor;
