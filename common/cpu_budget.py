@@ -9,10 +9,13 @@ its settings once, when torch is first imported), whether the OpenMP workers wai
 `split_cores` sizes the engines a launcher starts together on one host (deploy/processes.py).
 
 libgomp's workers spin ~300000 iterations after each parallel region before they sleep: right for an
-engine that owns its cores, ruinous when its threads outnumber the CPUs it may use (a spinning worker
-burns the quota, or the core, that the thread it waits for needs) or when other engines share its
-cores. Then `GOMP_SPINCOUNT=100` (`PASSIVE_ENV`): the workers sleep almost at once. An operator's own
-`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` always wins. No torch here (docs/architecture.md, "One OpenMP team").
+engine that owns its cores, ruinous when anything else runs on them: its threads outnumbering the CPUs it
+may use, other engines on its cores, or any busy process beside it (the team's barrier then waits at every
+region for a thread the scheduler took off its core). An engine therefore starts with `GOMP_SPINCOUNT=100`
+(`PASSIVE_ENV`): the workers sleep almost at once. docs/benchmarks.md ("Speed where users run it") measured
+the trade: beside one busy process the default spin ran 6x slower than alone, the short spin 1.5x; on an idle
+machine the short spin cost 14%. An operator who gives an engine its cores alone sets `GOMP_SPINCOUNT`
+(e.g. 300000) or `OMP_WAIT_POLICY`, which always win. No torch here (docs/architecture.md, "One OpenMP team").
 """
 from __future__ import annotations
 
@@ -156,14 +159,10 @@ class ThreadPlan:
     def oversubscribed(self) -> bool:
         return self.threads * self.ranks > self.budget.limit
 
-    @property
-    def passive(self) -> bool:
-        """Whether the OpenMP workers should sleep at once rather than spin."""
-        return self.shared or self.oversubscribed
-
     def wait_env(self) -> dict[str, str]:
-        """What to add to an engine process's environment (before its libgomp starts) for this plan."""
-        return dict(PASSIVE_ENV) if self.passive and not any(n in os.environ for n in WAIT_SETTINGS) else {}
+        """What to add to an engine process's environment (before its libgomp starts): the short spin, unless
+        the operator chose a wait."""
+        return {} if any(n in os.environ for n in WAIT_SETTINGS) else dict(PASSIVE_ENV)
 
     def line(self) -> str:
         """The start-up log line: the threads chosen and why, and how the OpenMP workers wait."""
@@ -174,11 +173,10 @@ class ThreadPlan:
         operator = operator_wait()
         if operator:
             return "OpenMP wait as set: " + ", ".join(f"{k}={v}" for k, v in operator.items())
-        if not self.passive:
-            return "OpenMP workers spin between parallel regions (the threads fit the CPUs)"
         threads, cpus = _count(self.threads * self.ranks, "thread"), _count(round(self.budget.limit, 2))
         why = (f"{threads} on {cpus}" if self.oversubscribed
-               else f"cores shared with other engines: {env.SHARED_CORES.name}")
+               else f"cores shared with other engines: {env.SHARED_CORES.name}" if self.shared
+               else "other processes may run on these cores; GOMP_SPINCOUNT=300000 where the engine owns them")
         setting = ", ".join(f"{k}={v}" for k, v in PASSIVE_ENV.items())
         if all(os.environ.get(k) == v for k, v in PASSIVE_ENV.items()):
             return f"OpenMP workers wait passively ({setting}; {why})"
@@ -212,7 +210,7 @@ def _libgomp_loaded() -> bool:
 
 def prepare_openmp(requested: int | None = None, ranks: int = 1) -> ThreadPlan:
     """At an engine process's start, before torch is imported: the plan, and passive OpenMP workers in this
-    process's environment when the plan wants them and the operator set no wait of their own."""
+    process's environment unless the operator set a wait of their own."""
     plan = plan_threads(requested, ranks)
     wait = plan.wait_env()
     if wait and not _libgomp_loaded():
@@ -237,8 +235,10 @@ class EngineShare:
 def split_cores(engines: int, budget: CpuBudget, cpu_ids: list[int] | None = None) -> tuple[list[EngineShare], str]:
     """Size `engines` engines started together on this host: with at least 2 CPUs each, each its own
     disjoint slice of the affinity mask (`cpu_ids`) and budget.cpus // engines threads; otherwise all on
-    the same cores with max(1, budget.cpus // engines) threads each, waiting passively. The shares, and a
-    line that says what was done."""
+    the same cores, each with a thread per CPU and waiting passively: prefill and decode seldom compute at
+    the same moment, so each may use every core while the other idles (docs/benchmarks.md, "Speed where
+    users run it": P/D on one host 1.3x the throughput of one thread each). The shares, and a line that says
+    what was done."""
     cpu_ids = sorted(os.sched_getaffinity(0)) if cpu_ids is None else sorted(cpu_ids)
     threads = max(1, budget.cpus // engines)
     if budget.cpus >= 2 * engines and len(cpu_ids) >= 2 * engines:
@@ -246,6 +246,6 @@ def split_cores(engines: int, budget: CpuBudget, cpu_ids: list[int] | None = Non
         shares = [EngineShare(threads, tuple(cpu_ids[i * width:(i + 1) * width])) for i in range(engines)]
         return shares, (f"cores: {engines} engines on {_count(budget.cpus)} ({budget.reason}): each pinned to its "
                         f"own {_count(width)}, {_count(threads, 'torch thread')} each")
-    return [EngineShare(threads) for _ in range(engines)], (
+    return [EngineShare(budget.cpus) for _ in range(engines)], (
         f"cores: {engines} engines on {_count(budget.cpus)} ({budget.reason}): too few to pin each to 2 or more, "
-        f"so they share them, {_count(threads, 'torch thread')} each, OpenMP workers waiting passively")
+        f"so they share them, {_count(budget.cpus, 'torch thread')} each, OpenMP workers waiting passively")

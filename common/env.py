@@ -60,8 +60,9 @@ CONFIGURE_LOGGING = Variable(
 SHARED_CORES = Variable(
     "PDSERVE_SHARED_CORES", "boolean", "0",
     "`1`: other engines share this engine's cores (a launcher that packs engines onto one host says so; "
-    "`LocalCluster` does): its OpenMP workers wait passively (`GOMP_SPINCOUNT=100`) unless `OMP_WAIT_POLICY` "
-    "or `GOMP_SPINCOUNT` is set (`common/cpu_budget.py`)")
+    "`LocalCluster` does), and its `threads:` line says so; its OpenMP workers wait passively "
+    "(`GOMP_SPINCOUNT=100`) as every engine's do unless `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` is set "
+    "(`common/cpu_budget.py`)")
 
 VARIABLES: tuple[Variable, ...] = (CACHE_DIR, API_KEY, NODE_API_KEY, EVENT_LOOP, KERNELS, LINEAR, CPU_ISA,
                                    CONFIGURE_LOGGING, SHARED_CORES)

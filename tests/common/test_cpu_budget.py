@@ -86,13 +86,16 @@ def test_v1_cfs_quota_in_a_hybrid_layout(tmp_path):
 def test_threads_from_the_budget_the_flag_or_omp_num_threads(monkeypatch):
     one_cpu = CpuBudget(2, 1.0, "cgroup cpu.max 100000/100000")
     plan = plan_threads(None, 1, one_cpu)
-    assert (plan.threads, plan.passive, plan.wait_env()) == (1, False, {})
+    assert (plan.threads, plan.oversubscribed, plan.wait_env()) == (1, False, PASSIVE_ENV)  # passive by default
+    # Not applied in this process (prepare_openmp never ran here): the line says the workers still spin.
     assert plan.line() == ("threads: 1 torch thread (cgroup cpu.max 100000/100000 = 1 CPU; affinity 2 CPUs); "
-                           "OpenMP workers spin between parallel regions (the threads fit the CPUs)")
+                           "OpenMP workers spin though they should wait passively (other processes may run on "
+                           "these cores; GOMP_SPINCOUNT=300000 where the engine owns them): libgomp started before "
+                           "pdserve could set GOMP_SPINCOUNT=100; set it (or OMP_WAIT_POLICY=passive) before "
+                           "starting Python")
     forced = plan_threads(3, 1, one_cpu)
     assert (forced.threads, forced.oversubscribed, forced.wait_env()) == (3, True, PASSIVE_ENV)
     assert forced.why.startswith("--threads 3; ")
-    # Not applied in this process (prepare_openmp never ran here): the line says the workers still spin.
     assert "spin though they should wait passively (3 threads on 1 CPU)" in forced.line()
     monkeypatch.setenv("GOMP_SPINCOUNT", "5000")  # the operator's choice wins
     assert forced.wait_env() == {}
@@ -106,7 +109,7 @@ def test_threads_from_the_budget_the_flag_or_omp_num_threads(monkeypatch):
 def test_ranks_share_the_budget_not_the_affinity_mask():
     quota = CpuBudget(16, 4.0, "cgroup cpu.max 400000/100000")
     plan = plan_threads(None, 2, quota)
-    assert (plan.threads, plan.passive) == (2, False)
+    assert (plan.threads, plan.oversubscribed) == (2, False)
     assert plan.line().startswith("threads: 2 torch threads per rank x 2 ranks (cgroup cpu.max 400000/100000 = 4 CPUs; "
                                   "affinity 16 CPUs, split over 2 ranks)")
     crowded = plan_threads(None, 4, CpuBudget(2))  # at least one thread each: 4 threads on 2 CPUs
@@ -116,7 +119,7 @@ def test_ranks_share_the_budget_not_the_affinity_mask():
 def test_a_launcher_that_says_the_cores_are_shared(monkeypatch):
     monkeypatch.setenv(env.SHARED_CORES.name, "1")
     plan = plan_threads(None, 1, CpuBudget(2))
-    assert (plan.threads, plan.oversubscribed, plan.passive) == (2, False, True)
+    assert (plan.threads, plan.oversubscribed, plan.shared) == (2, False, True)
     assert "cores shared with other engines: PDSERVE_SHARED_CORES" in plan.line()
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")
     assert plan.wait_env() == {}
@@ -144,9 +147,9 @@ def test_engines_started_together_split_the_cores():
     quota = CpuBudget(16, 4.0, "cgroup cpu.max 400000/100000")  # pinned to halves of the mask, threads by quota
     assert [(s.threads, len(s.cpus)) for s in split_cores(2, quota, list(range(16)))[0]] == [(2, 8), (2, 8)]
     shares, line = split_cores(2, CpuBudget(2), [0, 1])
-    assert [(s.threads, s.cpus) for s in shares] == [(1, None), (1, None)]
-    assert "share them, 1 torch thread each, OpenMP workers waiting passively" in line
-    assert [s.threads for s in split_cores(3, CpuBudget(4), [0, 1, 2, 3])[0]] == [1, 1, 1]
+    assert [(s.threads, s.cpus) for s in shares] == [(2, None), (2, None)]  # each may use every core
+    assert "share them, 2 torch threads each, OpenMP workers waiting passively" in line
+    assert [s.threads for s in split_cores(3, CpuBudget(4), [0, 1, 2, 3])[0]] == [4, 4, 4]
 
 
 _REPORT = ("from pdserve.common.cpu_budget import read_budget, plan_threads; b = read_budget(); "
