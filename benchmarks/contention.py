@@ -31,13 +31,20 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from pdserve.bench.chat import conversation
-from pdserve.common import cpu_isa
-from pdserve.deploy.local_cluster import resolve_model
-from pdserve.deploy.processes import free_port, require_port
-from pdserve.deploy.server_process import PD_SERVE
+if __name__ == "__main__" and sys.argv[1:2] == ["--child"]:
+    # An engine child starts as pdserve's server entry points do: its OpenMP wait decided before anything
+    # below imports torch (libgomp reads it once, at load)
+    from pdserve.common.cpu_budget import prepare_openmp
 
-from machine import describe
+    prepare_openmp()
+
+from pdserve.bench.chat import conversation  # noqa: E402
+from pdserve.common import cpu_isa  # noqa: E402
+from pdserve.deploy.local_cluster import resolve_model  # noqa: E402
+from pdserve.deploy.processes import free_port, require_port  # noqa: E402
+from pdserve.deploy.server_process import PD_SERVE  # noqa: E402
+
+from machine import describe  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 SETTINGS = ("quiet", "neighbour", "quota")
@@ -109,7 +116,8 @@ def run_in_setting(setting: str, cmd: list[str], quota_cpus: float, timeout_s: f
 
 # --------------------------------------------------------------------------------------------- engines
 def pdserve_child(job_path: str, result_path: str) -> None:
-    """--child: pdserve's LLM.generate over the job's prompts, in a process of its own."""
+    """--child: pdserve's LLM.generate over the job's prompts, in a process of its own, started as pdserve's
+    server entry points start (the OpenMP wait decided before torch loads: the top of this file)."""
     from pdserve.serving import LLM, SamplingParams
 
     job = json.loads(Path(job_path).read_text())
