@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import subprocess
+import sys
 
 import torch
 
@@ -56,7 +58,24 @@ def _os_allows(size: int) -> int:
         m.close()
 
 
+def _in_a_fresh_process(test: str) -> None:
+    """Run one of this module's checks in a new interpreter: in a long-lived one (the whole suite's) the
+    allocator hands back heap already touched in 4 KiB pages, which no advice turns into huge pages, while
+    an engine allocates its KV caches and packed weights once, at start-up."""
+    code = f"from tests.kernels.test_host_memory import {test} as check; check()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_a_big_tensor_is_backed_by_huge_pages_where_the_os_allows():
+    _in_a_fresh_process("check_big_tensor")
+
+
+def test_cpu_kv_caches_are_zeroed_huge_page_tensors():
+    _in_a_fresh_process("check_kv_caches")
+
+
+def check_big_tensor():
     t = huge_empty((64 << 20,), torch.uint8)
     t.fill_(7)  # first touch: the pages are made now
     if _thp_mode() == "never":
@@ -74,7 +93,7 @@ def test_small_and_unaligned_interiors_are_left_alone():
     assert advised % HUGE_PAGE_BYTES == 0 and 3 * HUGE_PAGE_BYTES <= advised <= 5 * HUGE_PAGE_BYTES
 
 
-def test_cpu_kv_caches_are_zeroed_huge_page_tensors():
+def check_kv_caches():
     caches = Platform(torch.device("cpu")).allocate_kv_caches(2, 1536, 16, 8, 64, torch.bfloat16)  # 48 MiB each
     assert [tuple(c.shape) for c in caches] == [(2, 1536, 16, 8, 64)] * 2
     assert all(c.dtype == torch.bfloat16 and not c.any() for c in caches)
