@@ -8,9 +8,9 @@ product and the add run in fp32, rounded once to the layer's dtype, as PEFT comp
 The last layer runs its MLP on the sampled rows only (docs/architecture.md, "Last-layer rows"), so a
 layer tells the two groupings apart by its input's row count.
 
-Steps with few rows (decode) take the batched path instead (stacked.py: every slot in one stacked A and B,
-a few ops per layer whatever the adapter count): the manager then sets per-row slot scalings rather than
-groups.
+Steps with few rows (decode) take the batched path instead (stacked.py: every slot stacked per layer, one
+compiled call on CPU, a few torch ops elsewhere, whatever the adapter count): the manager then sets each
+row's slot and scaling rather than groups.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.lora.adapter import LoRAModule
-from pdserve.engine.lora.stacked import LoRAStack, add_lora_stacked
+from pdserve.engine.lora.stacked import LoRAStack, RowSlots, add_lora_stacked
 
 # (the adapter's modules on this device, its scaling, the rows: None for all of them)
 Group = tuple[dict[tuple[int, str], LoRAModule], float, torch.Tensor | None]
@@ -28,20 +28,20 @@ Group = tuple[dict[tuple[int, str], LoRAModule], float, torch.Tensor | None]
 
 @dataclass
 class LoRAStep:
-    """One step's row groups, or for the batched path its per-row slot scalings ([rows, slots used], None:
-    the groups' path): over every token row, and over the sampled rows (the last layer's MLP)."""
+    """One step's row groups, or for the batched path each row's slot and scaling (None: the groups' path):
+    over every token row, and over the sampled rows (the last layer's MLP)."""
 
     num_tokens: int = 0
     rows: list[Group] = field(default_factory=list)
     sampled: list[Group] = field(default_factory=list)
-    row_scale: torch.Tensor | None = None
-    sampled_scale: torch.Tensor | None = None
+    row_slots: RowSlots | None = None
+    sampled_slots: RowSlots | None = None
 
     def groups(self, num_rows: int) -> list[Group]:
         return self.rows if num_rows == self.num_tokens else self.sampled
 
-    def scale(self, num_rows: int) -> torch.Tensor | None:
-        return self.row_scale if num_rows == self.num_tokens else self.sampled_scale
+    def slots(self, num_rows: int) -> RowSlots | None:
+        return self.row_slots if num_rows == self.num_tokens else self.sampled_slots
 
 
 class LoRALinear(nn.Module):
@@ -54,9 +54,9 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        scale = self.step.scale(x.shape[0])
-        if scale is not None and self.stack is not None:
-            add_lora_stacked(y, x, self.stack, scale)
+        slots = self.step.slots(x.shape[0])
+        if slots is not None and self.stack is not None:
+            add_lora_stacked(y, x, self.stack, slots)
             return y
         for modules, scaling, rows in self.step.groups(x.shape[0]):
             module = modules.get(self.key)

@@ -22,7 +22,7 @@ from pdserve.engine.lora.adapter import LoRAAdapter, LoRAError, LoRAModule, Targ
 from pdserve.engine.lora.layers import Group, LoRALinear, LoRAStep
 from pdserve.engine.lora.peft_format import read_adapter, stamp
 from pdserve.engine.lora.request import LoRARequest
-from pdserve.engine.lora.stacked import LoRAStack
+from pdserve.engine.lora.stacked import LoRAStack, RowSlots
 
 if TYPE_CHECKING:
     from pdserve.engine.input_batch import StepInputs
@@ -99,9 +99,9 @@ class LoRAManager:
 
     # ---- one step ----
     def prepare(self, inputs: StepInputs) -> None:
-        """Set the step's LoRA work (the adapters' slots filled first): per-row slot scalings for a step of at most
-        BATCHED_MAX_ROWS rows (the batched path), else the rows grouped by adapter; the base model's rows get
-        none."""
+        """Set the step's LoRA work (the adapters' slots filled first): each row's slot and scaling for a step of
+        at most BATCHED_MAX_ROWS rows (the batched path), else the rows grouped by adapter; the base model's rows
+        get none."""
         step = self.step
         qsl = inputs.attn_metadata.query_start_loc_cpu
         step.num_tokens = qsl[-1] if qsl else 0
@@ -113,16 +113,17 @@ class LoRAManager:
             adapter = inputs.requests[b].lora
             if adapter is not None:
                 by_adapter[adapter][1].append(k)
-        step.rows, step.sampled, step.row_scale, step.sampled_scale = [], [], None, None
+        step.rows, step.sampled, step.row_slots, step.sampled_slots = [], [], None, None
         if len(by_adapter) > self.config.max_loras:  # the scheduler's bound: never more in one step
             raise LoRAError(f"{len(by_adapter)} adapters in one step, above max_loras={self.config.max_loras}")
         slots = {adapter: self._slot(adapter, by_adapter) for adapter in by_adapter}
         if not slots:
             return
         if step.num_tokens <= BATCHED_MAX_ROWS:
-            step.row_scale = self._scale(slots, {a: rows for a, (rows, _) in by_adapter.items()}, step.num_tokens)
-            step.sampled_scale = self._scale(slots, {a: s for a, (_, s) in by_adapter.items() if s},
-                                             len(inputs.sample_rows))
+            step.row_slots = self._row_slots(slots, {a: rows for a, (rows, _) in by_adapter.items()},
+                                             step.num_tokens)
+            step.sampled_slots = self._row_slots(slots, {a: s for a, (_, s) in by_adapter.items() if s},
+                                                 len(inputs.sample_rows))
             return
         for adapter, (rows, sampled) in by_adapter.items():
             modules = slots[adapter][1]
@@ -130,21 +131,18 @@ class LoRAManager:
             if sampled:
                 step.sampled.append(self._group(modules, adapter.scaling, sampled, len(inputs.sample_rows)))
 
-    def _scale(self, slots: dict[LoRAAdapter, tuple[int, Any]], rows: dict[LoRAAdapter, list[int]],
-               num_rows: int) -> torch.Tensor | None:
-        """[num_rows, slots used]: each row's adapter scaling in its slot's column, zero elsewhere (None: no row
-        under an adapter)."""
+    def _row_slots(self, slots: dict[LoRAAdapter, tuple[int, Any]], rows: dict[LoRAAdapter, list[int]],
+                   num_rows: int) -> RowSlots | None:
+        """Each of num_rows rows' slot (-1: the base model) and scaling (None: no row under an adapter)."""
         if not rows:
             return None
-        used = 1 + max(slots[a][0] for a in rows)
-        row_slot = [used] * num_rows  # the base model's rows pick the all-zero row of `table`
-        table = [[0.0] * used for _ in range(used + 1)]
+        row_slot, scaling = [-1] * num_rows, [0.0] * num_rows
         for adapter, indices in rows.items():
             slot = slots[adapter][0]
-            table[slot][slot] = adapter.scaling
             for i in indices:
-                row_slot[i] = slot
-        return torch.tensor(table)[torch.tensor(row_slot)].to(self.device)
+                row_slot[i], scaling[i] = slot, adapter.scaling
+        return RowSlots(torch.tensor(row_slot, dtype=torch.int32), torch.tensor(scaling, dtype=torch.float32),
+                        1 + max(slots[a][0] for a in rows), self.device)
 
     def _group(self, modules: dict[tuple[int, str], LoRAModule], scaling: float, rows: list[int],
                num_rows: int) -> Group:
