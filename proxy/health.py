@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import aiohttp
@@ -49,6 +49,9 @@ def _http_base(grpc_address: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
+_SCORED = frozenset({"in_flight", "num_running", "num_waiting"})
+
+
 @dataclass
 class NodeLoad:
     """What the last probe said, plus what this proxy has in flight there right now."""
@@ -61,6 +64,15 @@ class NodeLoad:
     kv_usage: float = 0.0
     prefix_cache_queries: int = 0  # prompt tokens, since the node started
     prefix_cache_hits: int = 0
+    # called after a field behind `score` is set: a router keeps its load order current (proxy/ranking.py) instead
+    # of sorting the fleet on every request
+    watchers: list[Callable[[], None]] = field(default_factory=list, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _SCORED:
+            for watcher in self.__dict__.get("watchers", ()):
+                watcher()
 
     @property
     def prefix_cache_hit_rate(self) -> float | None:
@@ -81,7 +93,8 @@ class Node:
         self.security = security
         self.channel: grpc.aio.Channel | None = None
         self.stub: pb_grpc.PDNodeStub | None = None
-        self.healthy = False
+        self.watchers: list[Callable[[], None]] = []  # called when `healthy` changes (its routers rebuild their order)
+        self._healthy = False
         self.load = NodeLoad()
         self.routed = 0
         self.last_error: str | None = None
@@ -93,6 +106,18 @@ class Node:
         self.source = "static"  # how the proxy found it (proxy/fleet_sources.py), since when (Unix time)
         self.since = time.time()
         self.announcement: Any = None  # serving.announce.Announcement of a node found in the fleet registry
+
+    @property
+    def healthy(self) -> bool:
+        """In rotation."""
+        return self._healthy
+
+    @healthy.setter
+    def healthy(self, value: bool) -> None:
+        if value != self._healthy:
+            self._healthy = value
+            for watcher in list(self.watchers):
+                watcher()
 
     @property
     def http_url(self) -> str | None:

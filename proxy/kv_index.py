@@ -47,6 +47,8 @@ class KVIndex:
         self.batches = 0
         self.gaps = 0  # batches missed (a seq jump: trimmed or lost), each repaired by the node's next snapshot
         self.duplicates = 0  # batches seen before (ignored)
+        self.params_version = 0  # bumped when a node's (fingerprint, chunk size) appears, changes or goes: routers
+                                 # regroup their nodes then, not on every request
 
     # ------------------------------------------------------------ events
     def apply(self, batch: dict[str, Any]) -> None:
@@ -71,8 +73,11 @@ class KVIndex:
             if entry is not None:
                 self.drop_node(node)
             entry = self.nodes[node] = NodeEntry(fp, chunk, boot, seq)
+            self.params_version += 1
             if seq > 1 and not snapshot:  # joined its stream midway (trimmed): its periodic snapshot fills in
                 self.gaps += 1
+        if (entry.fingerprint, entry.chunk_size) != (fp, chunk):
+            self.params_version += 1
         entry.fingerprint, entry.chunk_size, entry.seq = fp, chunk, seq
         self.batches += 1
         for kind, keys in events:
@@ -120,6 +125,7 @@ class KVIndex:
         """The node left the fleet: nothing is routed to it for its prefixes any more."""
         entry = self.nodes.pop(node, None)
         if entry is not None:
+            self.params_version += 1
             self._forget(node, entry.chunks)
             logger.info("%s: its %d chunks left the KV index", node, len(entry.chunks))
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 import aiohttp
 from aiohttp import web
 
 from pdserve.protos import pdserve_pb2 as pb
 from pdserve.proxy.health import Node
+from pdserve.proxy.ranking import Ranking
 from pdserve.serving import protocol as oai
 from pdserve.serving.protocol_fields import APIError
 
@@ -29,7 +30,7 @@ class NodeRanking(Protocol):
 
     def healthy(self) -> list[Node]: ...
 
-    async def rank(self, lookup: pb.LookupRequest | None = None) -> list[Node]: ...
+    async def rank(self, lookup: pb.LookupRequest | None = None) -> Sequence[Node]: ...
 
 
 class AdapterNodes:
@@ -57,8 +58,9 @@ class AdapterNodes:
     def healthy(self) -> list[Node]:
         return [n for n in self.router.healthy() if self.serves(n)]
 
-    async def rank(self, lookup: pb.LookupRequest | None = None) -> list[Node]:
-        return [n for n in await self.router.rank(lookup) if self.serves(n)]
+    async def rank(self, lookup: pb.LookupRequest | None = None) -> Sequence[Node]:
+        ranked = await self.router.rank(lookup)  # lazy (proxy/ranking.py): filtered as far as the caller reads
+        return ranked.filter(self.serves) if isinstance(ranked, Ranking) else [n for n in ranked if self.serves(n)]
 
     def __getattr__(self, attr: str) -> Any:  # anything else a caller reads (counters, policy): the router's
         return getattr(self.router, attr)
