@@ -9,9 +9,10 @@ traces. Two experiments, each on traces generated here (seeded):
             same trace routed by the per-request Lookup policy (fresh, perfect answers from every node's cache).
   goodput   the shifting trace (long prompts/short answers, then short prompts/long answers) at N nodes for every
             static P:D split (every one up to 16 nodes, 15 evenly spaced above), and with proxy/planner.py's
-            Planner.decide() every interval (its defaults, and a fast config: 5 s interval, 20 s window,
-            hysteresis 2, 10 s cooldown) moving nodes from 1:1: requests/s meeting the SLOs (TTFT <= --slo-ttft,
-            time per output token <= --slo-tpot) over the trace's length, at each of --shift-loads.
+            Planner.decide() every interval (its defaults, and its previous ones for comparison: 10 s interval,
+            60 s window, hysteresis 3, 60 s cooldown, one switch per decision) moving nodes from 1:1: requests/s
+            meeting the SLOs (TTFT <= --slo-ttft, time per output token <= --slo-tpot) over the trace's length, at
+            each of --shift-loads.
 Writes a markdown table (stdout and bench-results/fleet_sim.md), the figures as JSON and a plot (--plot, PNG).
 Ratios against baselines in the same run; nothing here asserts a time.
 
@@ -113,20 +114,22 @@ class PlannerDriver:
                                       None if prefill else p90))
             by_address[node.address] = node
         decision = self.planner.decide(figures, now)
-        if decision.switch is not None:
+        for move in decision.switches:
             self.switches += 1
-            sim.move(by_address[decision.switch.address])
+            sim.move(by_address[move.address])
 
 
 def planner_configs(slo_ttft: float, slo_tpot: float) -> dict[str, Any]:
-    """The planner's defaults, and a faster one for traces minutes long; {} when proxy/planner.py is missing."""
+    """The planner's defaults, and its previous ones (a node a minute at most: too slow for a shift that needs a
+    dozen moves); {} when proxy/planner.py is missing."""
     try:
         from pdserve.proxy.planner import PlannerConfig
     except ImportError:
         return {}
     slos = {"slo_ttft_ms": slo_ttft * 1e3, "slo_itl_ms": slo_tpot * 1e3}
     return {"defaults": PlannerConfig(**slos),
-            "fast": PlannerConfig(**slos, interval_s=5.0, window_s=20.0, hysteresis=2, cooldown_s=10.0)}
+            "previous": PlannerConfig(**slos, interval_s=10.0, window_s=60.0, hysteresis=3, cooldown_s=60.0,
+                                      max_step=0.0)}
 
 
 def goodput(profile: Profile, n: int, duration: float, seed: int, slo_ttft: float, slo_tpot: float,

@@ -115,6 +115,9 @@ def _add_planner_args(p: ArgumentParser) -> None:
                         f"{c.hysteresis})")
     g.add_argument("--planner-cooldown", type=float, default=c.cooldown_s, metavar="S",
                    help=f"seconds after a role switch before the next (default {c.cooldown_s:g})")
+    g.add_argument("--planner-max-step", type=float, default=c.max_step, metavar="SHARE",
+                   help=f"share of the fleet one decision may move, at least one node; it moves what the role lacks "
+                        f"of its desired count (default {c.max_step:g}; 0: one node per decision)")
     g.add_argument("--role-drain-timeout", type=float, default=c.drain_timeout_s, metavar="S",
                    help=f"seconds a switching node may take to finish its old role's calls (default "
                         f"{c.drain_timeout_s:g}; past it the role switches and they still finish)")
@@ -130,7 +133,8 @@ def _add_planner_args(p: ArgumentParser) -> None:
 
 def _planner_configs(args: argparse.Namespace) -> tuple[PlannerConfig, AdmissionConfig | None]:
     planner = PlannerConfig(args.slo_ttft_ms, args.slo_itl_ms, args.planner_interval, args.planner_window,
-                            args.planner_hysteresis, args.planner_cooldown, drain_timeout_s=args.role_drain_timeout)
+                            args.planner_hysteresis, args.planner_cooldown, args.planner_max_step,
+                            drain_timeout_s=args.role_drain_timeout)
     on = args.admission_control if args.admission_control is not None else args.slo_itl_ms is not None
     if on and args.slo_itl_ms is None:
         raise ValueError("--admission-control needs --slo-itl-ms: the queue holds requests while decode is past it")

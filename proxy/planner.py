@@ -10,7 +10,9 @@ ITL p90 / `slo_itl_ms` (over the nodes that measured any; none measured: 0, idle
 node moved towards a role past its SLO while the other is within its own, or, both past, towards the one
 whose pressure is more than `band` times the other's. Hysteresis, so a burst never flaps a node back and
 forth: the same want must hold for `hysteresis` consecutive decisions, a switch is followed by
-`cooldown_s` without another, at most one switch per decision, and the last node of a role never moves.
+`cooldown_s` without another, and the last node of a role never moves. A decision moves as many nodes as the
+role is short of its `desired` count, at most `max_step` of the fleet (at least one node): a 32-node fleet whose
+mix shifts needs a dozen moves within minutes, one node per decision and cooldown takes a quarter of an hour.
 
 `desired` is what a Kubernetes autoscaler should run per role (HPA's rule, current × pressure, at least
 one; a role without figures keeps its count): the `pdserve_planner_desired_replicas` gauge.
@@ -29,10 +31,15 @@ ROLES = (PREFILL, DECODE)
 class PlannerConfig:
     slo_ttft_ms: float | None = None  # None: prefill's pressure is never measured (0)
     slo_itl_ms: float | None = None
-    interval_s: float = 10.0  # between two decisions
-    window_s: float = 60.0  # the latency percentiles' window (the driver's; the planner sees p90s)
-    hysteresis: int = 3  # consecutive decisions with the same want before a switch
-    cooldown_s: float = 60.0  # after a switch, none before this (the moved node's figures need to settle)
+    # The defaults are benchmarks/fleet_sim.py's choice on its shifting trace (docs/benchmarks.md, "Fleet scale"):
+    # a shift that needs a dozen moves must see them within a minute or two, and the previous 10 s / 60 s window /
+    # hysteresis 3 / 60 s cooldown / one node per decision kept 0.04-0.7x of the best static split where it did.
+    interval_s: float = 5.0  # between two decisions
+    window_s: float = 10.0  # the latency percentiles' window (the driver's; the planner sees p90s): the burst guard
+    hysteresis: int = 1  # consecutive decisions with the same want before a switch
+    cooldown_s: float = 10.0  # after a switch, none before this (the moved nodes' figures need to settle)
+    max_step: float = 0.0625  # share of the fleet one decision may move (at least one node; 0: one per decision):
+                              # at 0.125 a 32-node fleet overshot and swung back and forth (148 switches in 600 s)
     band: float = 1.5  # both roles past their SLOs: move only when one's pressure is this many times the other's
     drain_timeout_s: float = 60.0  # a switching node's bound on finishing its old role's calls
     history: int = 20  # decisions GET /planner keeps
@@ -68,15 +75,16 @@ class Decision:
     action: str  # "switch" | "hold"
     reason: str
     current: dict[str, int]
-    targets: dict[str, int]  # the counts once `switch` is done
+    targets: dict[str, int]  # the counts once `switches` are done
     desired: dict[str, int]  # what an autoscaler should run
     pressure: dict[str, float]  # per role, latency / SLO (0: nothing measured)
     streak: int  # consecutive decisions with this want
-    switch: Switch | None = None
+    switch: Switch | None = None  # the first of `switches` (None: a hold)
+    switches: tuple[Switch, ...] = ()  # every node this decision moves
 
     def line(self) -> str:
         """The decision as one log line: what, why, and the figures behind it."""
-        move = f"{self.switch.address} {self.switch.from_role} -> {self.switch.to_role}" if self.switch else "none"
+        move = ", ".join(f"{m.address} {m.from_role} -> {m.to_role}" for m in self.switches) or "none"
         return (f"planner: {self.action} ({self.reason}); switch {move}; prefill {self.current[PREFILL]} -> "
                 f"{self.targets[PREFILL]} (pressure {self.pressure[PREFILL]:.2f}, desired {self.desired[PREFILL]}), "
                 f"decode {self.current[DECODE]} -> {self.targets[DECODE]} (pressure {self.pressure[DECODE]:.2f}, "
@@ -133,7 +141,7 @@ class Planner:
         role, why = want(p, cfg.band)
         self._streak = self._streak + 1 if role is not None and role == self._want else int(role is not None)
         self._want = role
-        action, switch, reason = "hold", None, why
+        action, moves, reason = "hold", [], why
         if role is not None:
             other = DECODE if role == PREFILL else PREFILL
             movable = sorted((f for f in figures if f.role == other and f.switchable),
@@ -147,13 +155,18 @@ class Planner:
             elif not movable:
                 reason = f"{why}; no {other} node can switch (none started with --role auto)"
             else:
-                action, switch, reason = "switch", Switch(movable[0].address, other, role), why
+                # what the role lacks of its desired count, within the step and never its other role's last node
+                step = max(1, math.floor(cfg.max_step * len(figures)))
+                k = min(step, max(1, desired[role] - current[role]), len(movable), current[other] - 1)
+                moves = [Switch(f.address, other, role) for f in movable[:k]]
+                action, reason = "switch", why
                 self._last_switch, self._streak = now, 0
         targets = dict(current)
-        if switch is not None:
-            targets[switch.from_role] -= 1
-            targets[switch.to_role] += 1
-        decision = Decision(now, action, reason, current, targets, desired, p, self._streak, switch)
+        for move in moves:
+            targets[move.from_role] -= 1
+            targets[move.to_role] += 1
+        decision = Decision(now, action, reason, current, targets, desired, p, self._streak,
+                            moves[0] if moves else None, tuple(moves))
         self.decisions.append(decision)
         while len(self.decisions) > cfg.history:
             self.decisions.popleft()

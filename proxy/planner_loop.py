@@ -2,10 +2,10 @@
 
 Every `interval_s` it reads each healthy node's figures (its outstanding requests from the health probe;
 its TTFT and ITL p90 over `window_s` from the /metrics samples the health monitor already takes:
-proxy/node_figures.py), asks the planner (proxy/planner.py) for a decision and logs it as one line. A
-switch is carried out here: the node leaves this proxy's rotation, `SetRole` drains and moves it (the node
-re-announces itself under its new role), and the fleet is polled at once so it routes to the node in its
-new role. Admission control (proxy/admission.py) reads `saturated()` from the same figures.
+proxy/node_figures.py), asks the planner (proxy/planner.py) for a decision and logs it as one line. Its
+switches are carried out here, all at once: each node leaves this proxy's rotation, `SetRole` drains and moves
+it (the node re-announces itself under its new role), and the fleet is polled at once so it routes to the node
+in its new role. Admission control (proxy/admission.py) reads `saturated()` from the same figures.
 """
 from __future__ import annotations
 
@@ -99,8 +99,8 @@ class PlannerLoop:
             repeat = len(self.planner.decisions) > 1 and self.planner.decisions[-2].reason == decision.reason
             # One line per decision; a hold repeating the last reason only at DEBUG (one every interval otherwise)
             logger.log(logging.DEBUG if repeat and decision.switch is None else logging.INFO, decision.line())
-            if decision.switch is not None:
-                await self.switch(decision.switch)
+            # the nodes of one decision drain at once: the fleet needs them all in their new role
+            await asyncio.gather(*(self.switch(move) for move in decision.switches))
 
     async def switch(self, move: Switch) -> bool:
         """Carry out one switch: out of this proxy's rotation, SetRole (the node drains and re-announces), poll the
@@ -135,6 +135,7 @@ class PlannerLoop:
                 "slo": {"ttft_ms": self.config.slo_ttft_ms, "itl_ms": self.config.slo_itl_ms},
                 "interval_s": self.config.interval_s, "window_s": self.config.window_s,
                 "hysteresis": self.config.hysteresis, "cooldown_s": self.config.cooldown_s,
+                "max_step": self.config.max_step,
                 "current": current, "targets": last.targets if last else current,
                 "desired_replicas": last.desired if last else current, "switches": self.switches,
                 "failed_switches": self.failed_switches,

@@ -23,5 +23,5 @@ def test_fleet_sim_runs_and_reports(tmp_path):
         assert 0 <= r["hit_index"] <= 1 and 0 <= r["hit_lookup"] <= 1
     (g,) = result["goodput"]
     assert sorted(g["by_split"]) == ["1", "2", "3"] and g["best"] >= g["one_to_one"]
-    assert set(g["planner"]) <= {"defaults", "fast"}
+    assert set(g["planner"]) <= {"defaults", "previous"}
     assert (tmp_path / "fleet.png").stat().st_size > 0

@@ -60,6 +60,21 @@ def test_cooldown_after_a_switch() -> None:
     assert planner.decide(after, 50).action == "switch"  # 30 s after the first, and the want held all along
 
 
+def test_a_decision_moves_what_the_role_lacks_within_its_step_of_the_fleet() -> None:
+    cfg = PlannerConfig(slo_ttft_ms=100.0, slo_itl_ms=10.0, hysteresis=1, cooldown_s=30.0, max_step=0.125)
+    d = Planner(cfg).decide(fleet(125.0, 2.0, prefill=16, decode=16), 0)  # desired ceil(16 x 1.25) = 20
+    assert len(d.switches) == 4 and d.switch == d.switches[0] and d.targets == {PREFILL: 20, DECODE: 12}
+    assert all(m.from_role == DECODE and m.to_role == PREFILL for m in d.switches)
+    assert [m.address for m in d.switches] == ["d15:1", "d14:1", "d13:1", "d12:1"]  # the fewest requests open
+    assert d.switches[1].address in d.line()
+    assert len(Planner(cfg).decide(fleet(1000.0, 2.0, prefill=16, decode=16), 0).switches) == 4  # the step: 32 / 8
+    assert len(Planner(cfg).decide(fleet(101.0, 2.0, prefill=16, decode=16), 0).switches) == 1  # lacks one
+    one = PlannerConfig(slo_ttft_ms=100.0, slo_itl_ms=10.0, hysteresis=1, max_step=0.0)
+    assert len(Planner(one).decide(fleet(1000.0, 2.0, prefill=16, decode=16), 0).switches) == 1
+    every = PlannerConfig(slo_ttft_ms=100.0, slo_itl_ms=10.0, hysteresis=1, max_step=1.0)
+    d = Planner(every).decide(fleet(1000.0, 2.0, prefill=2, decode=3), 0)
+    assert len(d.switches) == 2 and d.targets == {PREFILL: 4, DECODE: 1}  # the last decode node stays
+
 def test_the_last_node_of_a_role_never_moves_and_fixed_nodes_never_do() -> None:
     planner = Planner(CFG)
     for t in range(5):
