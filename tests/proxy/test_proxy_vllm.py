@@ -1,7 +1,8 @@
 """What pd-proxy tells its clients, against one prefill node, one decode node and a file store (real
 processes): usage's cached_tokens counts only KV of earlier requests, /health is 503 until a node of each
 role is ready, POST /reset_prefix_cache reaches every node, /metrics has pd-serve's request families with
-the proxy's own counts, and a prefill node whose save failed does not log its KV as committed."""
+the proxy's own counts, admission control answers OpenAI's 429 with Retry-After, and a prefill node whose save
+failed does not log its KV as committed."""
 from __future__ import annotations
 
 import shutil
@@ -9,12 +10,13 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.deploy.processes import HOST, Child, free_port, python_module
 from tests.helpers.prompts import random_prompt
-from tests.helpers.cluster import client, log_lines, start_cluster, status, wait_until
+from tests.helpers.cluster import client, extra_proxy, log_lines, start_cluster, status, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -133,6 +135,33 @@ def test_metrics_have_pd_serve_request_families_with_the_proxys_counts(cluster):
                    timeout=10)
     assert r.status_code == 400 and _samples(cluster.url)[1][f"pdserve_requests_total,{label},outcome=invalid"] \
         == before.get(f"pdserve_requests_total,{label},outcome=invalid", 0.0) + 1
+
+
+def test_past_the_itl_slo_with_no_queue_a_request_gets_openais_429_with_retry_after(cluster):
+    """Admission control end to end (proxy/admission.py): a second proxy over the same nodes with an ITL SLO no
+    token gap can meet (so whether decode is past it depends on traffic, never on this machine's speed) and no
+    queue. Requests run until the proxy has sampled a decode node's token gaps; the next is turned away at once:
+    429, OpenAI's rate-limit error body, Retry-After from --max-queue-wait, and the OpenAI client's RateLimitError."""
+    child, url = extra_proxy(cluster, "proxy-admission", "--slo-itl-ms", "0.0001", "--planner-interval", "0.3",
+                             "--planner-window", "60", "--max-queued-requests", "0", "--max-queue-wait", "7")
+    body = {"model": cluster.model_name, "prompt": random_prompt(8, seed=429), "max_tokens": 4, "ignore_eos": True}
+    try:
+        def rejected() -> httpx.Response | None:
+            r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code in (200, 429), r.text
+            return r if r.status_code == 429 else None
+
+        r = wait_until(rejected, "the proxy to sample decode past its ITL SLO", 60)
+        assert r.headers["Retry-After"] == "7" and r.headers["Content-Type"].startswith("application/json")
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "requests" and error["code"] == "rate_limit_exceeded" and error["param"] is None
+        assert "past its latency SLO" in error["message"] and "retry after 7 s" in error["message"]
+        with pytest.raises(openai.RateLimitError) as caught:
+            client(url).completions.create(model=cluster.model_name, prompt=body["prompt"], max_tokens=4)
+        assert caught.value.status_code == 429 and caught.value.response.headers["Retry-After"] == "7"
+    finally:
+        child.stop()
 
 
 def test_a_failed_save_is_not_logged_as_committed(cluster):
