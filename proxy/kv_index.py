@@ -136,21 +136,28 @@ class KVIndex:
         return (entry.fingerprint, entry.chunk_size) if entry is not None else None
 
     def local_chunks(self, keys: list[str], among: set[str]) -> dict[str, int]:
-        """For each node of `among` holding the first chunk: how many leading chunks of `keys` it holds."""
+        """For each node of `among` holding the first chunk: how many leading chunks of `keys` it holds.
+
+        Each node's depth is written once, when it drops out of the walk or at its end (not once per chunk): a
+        document held by many nodes costs the intersections (in C) plus one entry per holder."""
         depth: dict[str, int] = {}
-        alive: set[str] | None = None
+        alive: set[str] = set()
+        walked = 0
         for i, key in enumerate(keys):
             self.ops += 1
             holders = self._local.get(key)
             if not holders:
                 break
-            self.ops += min(len(holders), len(alive) if alive is not None else len(among))
-            alive = (holders & among) if alive is None else (alive & holders)
+            self.ops += min(len(holders), len(alive) if i else len(among))
+            still = (holders & among) if not i else (alive & holders)
+            if len(still) < len(alive):
+                depth.update(dict.fromkeys(alive - still, i))  # held chunks 0..i-1, not chunk i
+            alive = still
             if not alive:
                 break
             self._local.move_to_end(key)  # a prefix in use stays in the index
-            for node in alive:
-                depth[node] = i + 1
+            walked = i + 1
+        depth.update(dict.fromkeys(alive, walked))
         return depth
 
     def store_chunks(self, keys: list[str]) -> int:

@@ -140,7 +140,9 @@ class LoadOrder:
 
     def _watch(self, node: Node) -> None:
         health: Callable[[], None] = self.invalidate
-        load: Callable[[], None] = lambda: self._load_changed(node)  # noqa: E731
+
+        def load() -> None:
+            self._load_changed(node)
         if isinstance(getattr(node, "watchers", None), list):
             node.watchers.append(health)
         if isinstance(getattr(node.load, "watchers", None), list):

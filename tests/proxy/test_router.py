@@ -51,7 +51,9 @@ class Reference:
         depth: dict[str, int] = {}
         for (fingerprint, chunk_size, lora_fp), among in groups.items():
             keys = chunk_keys(fingerprint, ids, chunk_size, lookup.cache_salt or None, lora_fp)
-            depth.update({a: d * chunk_size for a, d in index.local_chunks(keys, among).items()})
+            for a in among:  # each node's chunks read one by one (the index's own walk is what is checked)
+                held = index.nodes[a].chunks
+                depth[a] = chunk_size * next((i for i, key in enumerate(keys) if key not in held), len(keys))
         return sorted(by_load, key=lambda n: -depth.get(n.address, 0))
 
 
