@@ -15,9 +15,9 @@
  *   ranks [slots][parts]               the rank rows each slot has in each part (0: none)
  *
  * Rows are grouped by slot (counting sort) so that all rows of an adapter use its weights while they sit in
- * L1/L2: the shrink splits A into blocks of 4 rows and multiplies each block by every row of its slot; the
- * expand splits the output columns into tiles of 4 panels and runs every row of every slot over each tile.
- * Threads (OpenMP, torch's pool) split the A blocks, then the column tiles: each weight is read by one thread.
+ * L1: the shrink multiplies each block of 4 A rows by every row of the slot, the expand each tile of 4 Bt
+ * panels (64 columns). Threads (OpenMP, torch's pool) take equal runs of the sorted rows, with no barrier
+ * inside a call (see pd_lora_apply).
  * Vector paths: AVX-512F (16 lanes), AVX2 + FMA (8), plain C; all accumulate in fp32.
  */
 #include <stdint.h>
@@ -89,7 +89,7 @@ static void *scratch_for(size_t bytes) {
 
 /* t[rows[i]][j0 + a] = scale[rows[i]] * (x[rows[i]] . A[a]) for a < na (<= SHRINK_A), i < nx (<= SHRINK_X).
  * Missing rows of a short block point at row 0 of it: the tile stays branch-free, the extra sums are dropped. */
-static void shrink_tile(float *t, int64_t t_stride, int j0, const float *x, int64_t x_stride, const int *rows,
+static inline __attribute__((always_inline)) void shrink_tile(float *t, int64_t t_stride, int j0, const float *x, int64_t x_stride, const int *rows,
                         int nx, const float *scale, const float *a, int na, int in) {
     const float *ar[SHRINK_A], *xr[SHRINK_X];
     for (int k = 0; k < SHRINK_A; k++) ar[k] = a + (size_t)(k < na ? k : 0) * in;
@@ -116,12 +116,14 @@ static void shrink_tile(float *t, int64_t t_stride, int j0, const float *x, int6
     }
 }
 
-/* y[row][col0 + c] += t_part[row] . Bt panels (c < nc <= TILE * PANEL), rounded once into y's dtype. */
-static void expand_row(void *y, int y_fp32, int64_t y_stride, int row, int col0, int nc, const float *t,
-                       const float *bt, int rank, int r, int np) {
+/* y[row][col0 + c] += t_part[row] . Bt panels (c < nc <= np * PANEL), rounded once into y's dtype. Inlined with
+ * a constant np (the full tile) so the accumulators stay in registers: with a variable count they live on the
+ * stack and every multiply-add waits for the previous one's store. */
+static inline __attribute__((always_inline)) void expand_tile(void *y, int y_fp32, int64_t y_stride, int row,
+                                                              int col0, int nc, const float *t, const float *bt,
+                                                              int rank, int r, const int np) {
     vf acc[TILE * PANEL / VL];
-    const int nv = np * PANEL / VL;
-    for (int v = 0; v < nv; v++) acc[v] = vzero();
+    for (int v = 0; v < np * PANEL / VL; v++) acc[v] = vzero();
     for (int k = 0; k < rank; k++) {
         const vf tk = vset1(t[k]);
         for (int q = 0; q < np; q++) {
@@ -131,7 +133,7 @@ static void expand_row(void *y, int y_fp32, int64_t y_stride, int row, int col0,
         }
     }
     float delta[TILE * PANEL];
-    for (int v = 0; v < nv; v++) vstore(delta + v * VL, acc[v]);
+    for (int v = 0; v < np * PANEL / VL; v++) vstore(delta + v * VL, acc[v]);
     if (y_fp32) {
         float *yr = (float *)y + (size_t)row * y_stride + col0;
         for (int c = 0; c < nc; c++) yr[c] += delta[c];
@@ -141,115 +143,107 @@ static void expand_row(void *y, int y_fp32, int64_t y_stride, int row, int col0,
     }
 }
 
+static void expand_row(void *y, int y_fp32, int64_t y_stride, int row, int col0, int nc, const float *t,
+                       const float *bt, int rank, int r, int np) {
+    if (np == TILE)
+        expand_tile(y, y_fp32, y_stride, row, col0, nc, t, bt, rank, r, TILE);
+    else if (np == 1)
+        expand_tile(y, y_fp32, y_stride, row, col0, nc, t, bt, rank, r, 1);
+    else
+        expand_tile(y, y_fp32, y_stride, row, col0, nc, t, bt, rank, r, np);
+}
+
+/* One thread's share: rows [lo, hi) of `order` (sorted by slot). For each slot's run of them: widen x, shrink
+ * A block by A block over those rows, then expand column tile by column tile over them. */
+static void apply_rows(void *y, int y_fp32, int64_t y_stride, const void *x, int x_fp32, int64_t x_stride,
+                       const int *order, int lo, int hi, const int32_t *row_slot, const float *row_scale,
+                       const float *a, const float *bt, const int32_t *ranks, int parts, const int32_t *widths,
+                       int panels, int r, int in, float *x32, float *t) {
+    const int tr = parts * r;
+    const float *xf = x_fp32 ? (const float *)x : x32;
+    const int64_t xs = x_fp32 ? x_stride : in;
+    for (int i = lo, end; i < hi; i = end) {
+        const int s = row_slot[order[i]];
+        for (end = i + 1; end < hi && row_slot[order[end]] == s; end++) {}
+        if (!x_fp32)
+            for (int j = i; j < end; j++) {
+                const uint16_t *src = (const uint16_t *)x + (size_t)order[j] * x_stride;
+                float *dst = x32 + (size_t)order[j] * in;
+                for (int c = 0; c < in; c++) dst[c] = bf16_to_f32(src[c]);
+            }
+        for (int p = 0; p < parts; p++) {
+            const int rank = ranks[s * parts + p];
+            for (int k = 0; k < rank; k += SHRINK_A) { /* the A block stays in L1 over the rows */
+                const float *ab = a + ((size_t)s * tr + p * r + k) * in;
+                const int na = rank - k < SHRINK_A ? rank - k : SHRINK_A;
+                for (int j = i; j < end; j += SHRINK_X)
+                    shrink_tile(t, tr, p * r + k, xf, xs, order + j, end - j < SHRINK_X ? end - j : SHRINK_X,
+                                row_scale, ab, na, in);
+            }
+        }
+        for (int p = 0, col0 = 0, panel = 0; p < parts; col0 += widths[p], panel += (widths[p] + PANEL - 1) / PANEL,
+             p++) {
+            const int rank = ranks[s * parts + p];
+            if (rank == 0) continue;
+            for (int c = 0; c < widths[p]; c += TILE * PANEL) { /* the Bt tile stays in L1 over the rows */
+                const int nc = widths[p] - c < TILE * PANEL ? widths[p] - c : TILE * PANEL;
+                const float *bp = bt + ((size_t)s * panels + panel + c / PANEL) * r * PANEL;
+                for (int j = i; j < end; j++)
+                    expand_row(y, y_fp32, y_stride, order[j], col0 + c, nc, t + (size_t)order[j] * tr + p * r, bp,
+                               rank, r, (nc + PANEL - 1) / PANEL);
+            }
+        }
+    }
+}
+
 /* y += the adapters' deltas of `rows` rows (see the header). x: [rows, in] bf16 (x_fp32 = 0) or fp32, row
  * stride x_stride; y: [rows, sum(widths)] bf16 or fp32, row stride y_stride; row_slot: int32 [rows], -1 or
  * < slots; row_scale: fp32 [rows]; r: the stack's rank (max_lora_rank). Returns 0, or -1 when scratch memory
- * cannot be had (y untouched). */
+ * cannot be had (y untouched).
+ *
+ * Threads split the rows under an adapter, sorted by slot, into equal runs: no thread waits for another inside
+ * the call (engines wait passively, so every OpenMP barrier is a futex wake-up, ~10 us; a decode step makes
+ * ~120 of these calls). With several adapters a slot's weights are mostly read by one thread; a slot whose rows
+ * two threads share is read by both (from L3 for the second). */
 int pd_lora_apply(void *y, int y_fp32, int64_t y_stride, const void *x, int x_fp32, int64_t x_stride, int rows,
                   const int32_t *row_slot, const float *row_scale, const float *a, const float *bt,
                   const int32_t *ranks, int slots, int parts, const int32_t *widths, int r, int in,
                   int num_threads) {
     if (rows <= 0) return 0;
-    int panels = 0, shrink_items = 0, expand_items = 0;
-    for (int p = 0; p < parts; p++) {
-        panels += (widths[p] + PANEL - 1) / PANEL;
-        expand_items += ((widths[p] + PANEL - 1) / PANEL + TILE - 1) / TILE;
-    }
-    const int tr = parts * r; /* t's row: every part's r columns */
+    int panels = 0;
+    for (int p = 0; p < parts; p++) panels += (widths[p] + PANEL - 1) / PANEL;
     const int x_rows = x_fp32 ? 0 : rows;
-    size_t bytes = ((size_t)x_rows * in + (size_t)rows * tr) * sizeof(float)
-                   + ((size_t)rows + slots + 1 + 3 * (size_t)slots * parts * ((r + SHRINK_A - 1) / SHRINK_A)
-                      + 3 * (size_t)expand_items) * sizeof(int);
+    const size_t bytes = ((size_t)x_rows * in + (size_t)rows * parts * r) * sizeof(float)
+                         + ((size_t)rows + slots + 1) * sizeof(int);
     float *x32 = scratch_for(bytes);
     if (!x32) return -1;
     float *t = x32 + (size_t)x_rows * in;
-    int *order = (int *)(t + (size_t)rows * tr); /* rows by slot; slot s's at [start[s], start[s + 1]) */
-    int *start = order + rows;
-    int *shrink = start + slots + 1;             /* (slot, first A row, A rows) per shrink block */
-    int *expand = shrink + 3 * (size_t)slots * parts * ((r + SHRINK_A - 1) / SHRINK_A); /* (part, panel, n) */
-
-    memset(start, 0, (slots + 1) * sizeof(int));
+    int *order = (int *)(t + (size_t)rows * parts * r); /* rows under an adapter, by slot (counting sort) */
+    int *next = order + rows;
+    memset(next, 0, (slots + 1) * sizeof(int));
     for (int i = 0; i < rows; i++)
-        if (row_slot[i] >= 0 && row_slot[i] < slots) start[row_slot[i] + 1]++;
-    for (int s = 0; s < slots; s++) start[s + 1] += start[s];
-    {
-        int fill[slots > 0 ? slots : 1];
-        memcpy(fill, start, slots * sizeof(int));
-        for (int i = 0; i < rows; i++)
-            if (row_slot[i] >= 0 && row_slot[i] < slots) order[fill[row_slot[i]]++] = i;
-    }
-    const int used_rows = start[slots];
-    if (used_rows == 0) return 0;
-    int64_t work = 0;
-    for (int s = 0; s < slots; s++) {
-        const int n = start[s + 1] - start[s];
-        if (n == 0) continue;
-        for (int p = 0; p < parts; p++) {
-            const int rank = ranks[s * parts + p];
-            work += (int64_t)n * rank * (in + widths[p]);
-            for (int k = 0; k < rank; k += SHRINK_A) {
-                shrink[3 * shrink_items] = s;
-                shrink[3 * shrink_items + 1] = p * r + k;
-                shrink[3 * shrink_items + 2] = rank - k < SHRINK_A ? rank - k : SHRINK_A;
-                shrink_items++;
-            }
-        }
-    }
-    if (shrink_items == 0) return 0; /* no used slot has pairs on this layer */
-    expand_items = 0;
-    for (int p = 0, panel = 0; p < parts; p++) {
-        const int np = (widths[p] + PANEL - 1) / PANEL;
-        for (int q = 0; q < np; q += TILE) {
-            expand[3 * expand_items] = p;
-            expand[3 * expand_items + 1] = panel + q;
-            expand[3 * expand_items + 2] = np - q < TILE ? np - q : TILE;
-            expand_items++;
-        }
-        panel += np;
-    }
-    const float *xf = x_fp32 ? (const float *)x : x32;
-    const int64_t xs = x_fp32 ? x_stride : in;
-    const int threads = work < SERIAL_WORK ? 1 : num_threads;
-
+        if (row_slot[i] >= 0 && row_slot[i] < slots) next[row_slot[i] + 1]++;
+    for (int s = 0; s < slots; s++) next[s + 1] += next[s];
+    const int used = next[slots];
+    for (int i = 0; i < rows; i++)
+        if (row_slot[i] >= 0 && row_slot[i] < slots) order[next[row_slot[i]]++] = i;
+    if (used == 0) return 0;
+    int64_t work = 0; /* multiply-adds */
+    for (int i = 0; i < used; i++)
+        for (int p = 0; p < parts; p++) work += (int64_t)ranks[row_slot[order[i]] * parts + p] * (in + widths[p]);
+    if (work == 0) return 0; /* no used slot has pairs on this layer */
+    int threads = work < SERIAL_WORK ? 1 : num_threads < used ? num_threads : used;
+    if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads)
     {
-        if (!x_fp32) { /* only the rows under an adapter are widened */
-#pragma omp for schedule(static)
-            for (int i = 0; i < used_rows; i++) {
-                const uint16_t *src = (const uint16_t *)x + (size_t)order[i] * x_stride;
-                float *dst = x32 + (size_t)order[i] * in;
-                for (int c = 0; c < in; c++) dst[c] = bf16_to_f32(src[c]);
-            }
-        }
-#pragma omp for schedule(static)
-        for (int b = 0; b < shrink_items; b++) {
-            const int s = shrink[3 * b], j0 = shrink[3 * b + 1], na = shrink[3 * b + 2];
-            const float *ab = a + ((size_t)s * tr + j0) * in;
-            for (int i = start[s]; i < start[s + 1]; i += SHRINK_X) {
-                const int nx = start[s + 1] - i < SHRINK_X ? start[s + 1] - i : SHRINK_X;
-                shrink_tile(t, tr, j0, xf, xs, order + i, nx, row_scale, ab, na, in);
-            }
-        }
-#pragma omp for schedule(static)
-        for (int e = 0; e < expand_items; e++) {
-            const int p = expand[3 * e], panel = expand[3 * e + 1], np = expand[3 * e + 2];
-            int col0 = 0, first = 0; /* the part's first column and first panel */
-            for (int q = 0; q < p; q++) {
-                col0 += widths[q];
-                first += (widths[q] + PANEL - 1) / PANEL;
-            }
-            col0 += (panel - first) * PANEL;
-            const int end = col0 + np * PANEL, part_end = col0 - (panel - first) * PANEL + widths[p];
-            const int nc = (end < part_end ? end : part_end) - col0;
-            for (int s = 0; s < slots; s++) {
-                const int rank = ranks[s * parts + p];
-                if (rank == 0) continue;
-                const float *bp = bt + ((size_t)s * panels + panel) * r * PANEL;
-                for (int i = start[s]; i < start[s + 1]; i++)
-                    expand_row(y, y_fp32, y_stride, order[i], col0, nc, t + (size_t)order[i] * tr + p * r, bp,
-                               rank, r, np);
-            }
-        }
+        int nt = 1, id = 0;
+#ifdef _OPENMP
+        nt = omp_get_num_threads();
+        id = omp_get_thread_num();
+#endif
+        apply_rows(y, y_fp32, y_stride, x, x_fp32, x_stride, order, (int)((int64_t)used * id / nt),
+                   (int)((int64_t)used * (id + 1) / nt), row_slot, row_scale, a, bt, ranks, parts, widths, panels,
+                   r, in, x32, t);
     }
     return 0;
 }
