@@ -43,6 +43,9 @@ class LoRAWeights:
         self.a = torch.zeros(slots, len(widths) * rank, in_features)
         self.bt = torch.zeros(slots, sum(panels), rank, PANEL)
         self.ranks = torch.zeros(slots, len(widths), dtype=torch.int32)
+        # What every call passes after the rows (the tensors are written in place, never moved): read once.
+        self.args = (self.a.data_ptr(), self.bt.data_ptr(), self.ranks.data_ptr(), slots, len(widths),
+                     self.widths.data_ptr(), rank, in_features)
 
     def clear(self, slot: int) -> None:
         self.ranks[slot].zero_()  # the kernel reads no rank row beyond these: the old weights may stay
@@ -75,28 +78,24 @@ class LoRAKernel:
 
     def __call__(self, y: torch.Tensor, x: torch.Tensor, row_slot: torch.Tensor, row_scale: torch.Tensor,
                  weights: LoRAWeights) -> None:
-        """In place on y [rows, out]; x [rows, in]; row_slot int32 [rows]; row_scale fp32 [rows]. About 120
-        calls a decode step: only the checks that keep the C code's assumptions."""
-        rows = x.shape[0]
-        if (x.dtype not in _DTYPES or y.dtype not in _DTYPES or not x.is_cpu or not y.is_cpu
-                or x.dim() != 2 or y.dim() != 2):
-            raise TypeError(f"LoRA kernel takes 2-d bf16/fp32 CPU tensors, not x {x.dtype} {tuple(x.shape)} on "
-                            f"{x.device}, y {y.dtype} {tuple(y.shape)} on {y.device}")
-        if (x.shape[1] != weights.in_features or y.shape != (rows, weights.out_features)
-                or row_slot.shape != (rows,) or row_scale.shape != (rows,)):
-            raise ValueError(f"LoRA kernel: x {tuple(x.shape)}, y {tuple(y.shape)}, {tuple(row_slot.shape)} slots, "
-                             f"{tuple(row_scale.shape)} scalings for in {weights.in_features}, "
-                             f"out {weights.out_features}")
-        if (row_slot.dtype != torch.int32 or row_scale.dtype != torch.float32 or not row_slot.is_contiguous()
-                or not row_scale.is_contiguous()):
-            raise TypeError("LoRA kernel: row_slot must be contiguous int32 and row_scale contiguous fp32")
+        """In place on y [rows, out]; x [rows, in]; row_slot int32 [rows]; row_scale fp32 [rows]. A decode step
+        makes ~120 calls, and checks on torch attributes cost twice the ctypes call itself: only the ones that
+        keep the C code's assumptions, in one expression."""
+        xs, ys = x.shape, y.shape
+        if not (x.dtype in _DTYPES and y.dtype in _DTYPES and x.device.type == "cpu" and y.device.type == "cpu"
+                and len(xs) == 2 and xs[1] == weights.in_features and ys == (xs[0], weights.out_features)
+                and row_slot.dtype == torch.int32 and row_scale.dtype == torch.float32
+                and row_slot.shape == row_scale.shape == xs[:1] and row_slot.is_contiguous()
+                and row_scale.is_contiguous() and y.stride(1) == 1):
+            raise ValueError(f"LoRA kernel: x {x.dtype} {tuple(xs)} on {x.device}, y {y.dtype} {tuple(ys)} on "
+                             f"{y.device} (columns contiguous), row_slot {row_slot.dtype} {tuple(row_slot.shape)}, "
+                             f"row_scale {row_scale.dtype} {tuple(row_scale.shape)} do not fit in "
+                             f"{weights.in_features}, out {weights.out_features} (bf16/fp32 CPU tensors, contiguous "
+                             f"int32 slots and fp32 scalings)")
         if x.stride(1) != 1:
             x = x.contiguous()
-        if y.stride(1) != 1:
-            raise ValueError("LoRA kernel: y's columns must be contiguous (it writes y in place)")
         rc = self._fn(y.data_ptr(), y.dtype == torch.float32, y.stride(0), x.data_ptr(), x.dtype == torch.float32,
-                      x.stride(0), rows, row_slot.data_ptr(), row_scale.data_ptr(), weights.a.data_ptr(),
-                      weights.bt.data_ptr(), weights.ranks.data_ptr(), weights.slots, len(weights.widths),
-                      weights.widths.data_ptr(), weights.rank, weights.in_features, torch.get_num_threads())
+                      x.stride(0), xs[0], row_slot.data_ptr(), row_scale.data_ptr(), *weights.args,
+                      torch.get_num_threads())
         if rc != 0:
-            raise MemoryError(f"LoRA kernel could not allocate scratch for {rows} rows")
+            raise MemoryError(f"LoRA kernel could not allocate scratch for {xs[0]} rows")

@@ -134,8 +134,10 @@ def test_shapes_that_do_not_fit_raise(kernel):
     slots, scaling = torch.zeros(3, dtype=torch.int32), torch.ones(3)
     with pytest.raises(ValueError):
         kernel(torch.zeros(3, sum(WIDTHS)), torch.zeros(3, IN + 1), slots, scaling, weights)
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError):
         kernel(torch.zeros(3, sum(WIDTHS)), torch.zeros(3, IN), slots.long(), scaling, weights)
+    with pytest.raises(ValueError):
+        kernel(torch.zeros(3, sum(WIDTHS)).half(), torch.zeros(3, IN), slots, scaling, weights)
     with pytest.raises(ValueError):
         weights.put(0, 1, torch.zeros(RANK + 1, IN), torch.zeros(17, RANK + 1))
 
