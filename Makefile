@@ -38,9 +38,13 @@ test-tools: promtool
 	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
 	  $(SUDO) apt-get install -y -qq --no-install-recommends chromium; }
 
-# The contract CI runs: every test but what only a release needs (pytest marker `release`).
+# The contract CI runs: every test but what only a release needs (pytest marker `release`). Two pytest-xdist
+# workers, each taking whole files (a module's shared cluster stays in one process): the suite's clusters
+# wait on their children's start-up and I/O much of the time, so two files at once keep two cores busy.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile
 test: install redis-server test-tools
-	$(PY) -m pytest -q --durations=20 -m "not release" tests
+	$(PY) -m pytest -q --durations=20 $(XDIST) -m "not release" tests
 
 # What a release adds: the container image built and run with podman, the compose and Kubernetes files'
 # command lines run until healthy (the image is built once per build context and then reused).
@@ -51,7 +55,7 @@ test-release: install redis-server container-tools test-tools
 # or tests (pytest markers, registered in pyproject.toml; a new test that takes seconds carries `slow`).
 QUICK_MARKERS := not container and not browser and not netns and not slow and not release
 test-quick: install redis-server promtool
-	$(PY) -m pytest -q -m "$(QUICK_MARKERS)" tests
+	$(PY) -m pytest -q $(XDIST) -m "$(QUICK_MARKERS)" tests
 
 # The GPU suite (tests_gpu/, never collected by `make test`): needs a CUDA device and runs with that
 # machine's own CUDA torch (GPU_PY), installing nothing. What that Python lacks comes from GPU_DEPS,

@@ -64,8 +64,14 @@ SHARED_CORES = Variable(
     "(`GOMP_SPINCOUNT=100`) as every engine's do unless `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` is set "
     "(`common/cpu_budget.py`)")
 
+PORT_RANGE = Variable(
+    "PDSERVE_PORT_RANGE", "`LOW-HIGH`", "",
+    "the ports launchers pick for the processes they start (`make serve`, the test suite's clusters); unset: "
+    "10000 up to the kernel's ephemeral range. Concurrent launchers on one host given disjoint ranges never "
+    "pick the same port (`deploy/processes.py`)")
+
 VARIABLES: tuple[Variable, ...] = (CACHE_DIR, API_KEY, NODE_API_KEY, EVENT_LOOP, KERNELS, LINEAR, CPU_ISA,
-                                   CONFIGURE_LOGGING, SHARED_CORES)
+                                   CONFIGURE_LOGGING, SHARED_CORES, PORT_RANGE)
 _OFF = ("0", "false", "no", "off")
 
 

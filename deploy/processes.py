@@ -59,13 +59,13 @@ def free_port() -> int:
 
     Picked below the kernel's ephemeral range: a port asked of the kernel with bind(0) comes from
     that range, where any outgoing connection can take it before the child binds it (CI saw a node
-    fail to start that way). Below it only explicit binds compete, and none in this process twice.
+    fail to start that way). Below it only explicit binds compete, and none in this process twice;
+    launchers running side by side (the test suite's workers) are given disjoint PDSERVE_PORT_RANGEs.
     """
-    low, _ = _ephemeral_range()
-    top = low - 1 if low > 11000 else 65535  # an odd range: fall back to the ports above 10000
+    bottom, top = _port_range()
     rng = random.Random()
     for _ in range(2000):
-        port = rng.randint(10000, top)
+        port = rng.randint(bottom, top)
         if port in _handed_out:
             continue
         with socket.socket() as s:
@@ -75,7 +75,27 @@ def free_port() -> int:
                 continue
         _handed_out.add(port)
         return port
-    raise RuntimeError(f"no free port found on {HOST} between 10000 and {top}")
+    raise RuntimeError(f"no free port found on {HOST} between {bottom} and {top}")
+
+
+def _port_range() -> tuple[int, int]:
+    """PDSERVE_PORT_RANGE's `LOW-HIGH`, else 10000 up to the kernel's ephemeral range."""
+    text = env.value(env.PORT_RANGE).strip()
+    if text:
+        try:
+            bottom, top = (int(part) for part in text.split("-"))
+        except ValueError:
+            raise ValueError(f"{env.PORT_RANGE.name} must be LOW-HIGH (e.g. 20000-29999), got {text!r}") from None
+        if not 1024 <= bottom <= top <= 65535:
+            raise ValueError(f"{env.PORT_RANGE.name}={text}: need 1024 <= LOW <= HIGH <= 65535")
+        return bottom, top
+    return default_port_range()
+
+
+def default_port_range() -> tuple[int, int]:
+    """10000 up to the kernel's ephemeral range (an odd ephemeral range: 10000 and up)."""
+    low, _ = _ephemeral_range()
+    return 10000, (low - 1 if low > 11000 else 65535)
 
 
 def wait_for_port(port: int, timeout_s: float, host: str = HOST) -> bool:

@@ -13,6 +13,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pdserve.deploy.redis_servers import RedisClusterServer, RedisServer  # noqa: E402
+from tests.helpers.workers import claim_port_range  # noqa: E402
+
+claim_port_range()  # pytest-xdist's workers (`make test` runs two) start clusters side by side
 
 # Hook modules, each registered as its own plugin (no hook name of one can shadow another's).
 pytest_plugins = ["tests.plugins.isa_report", "tests.plugins.requirements"]

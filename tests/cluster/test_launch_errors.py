@@ -2,6 +2,7 @@
 stderr and a non-zero exit, before any weights are loaded."""
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -75,3 +76,26 @@ def test_free_ports_stay_out_of_the_kernels_ephemeral_range():
     assert all(10000 <= p < low for p in ports), [p for p in ports if not 10000 <= p < low]
     with socket.socket() as s:  # each is bindable right now
         s.bind(("127.0.0.1", ports[-1]))
+
+
+def test_free_ports_come_from_the_launchers_range(monkeypatch):
+    """PDSERVE_PORT_RANGE keeps launchers side by side (the suite's xdist workers) on disjoint ports."""
+    from tests.helpers.workers import claim_port_range
+
+    monkeypatch.setenv("PDSERVE_PORT_RANGE", "23000-23049")
+    ports = {free_port() for _ in range(40)}
+    assert len(ports) == 40 and all(23000 <= p <= 23049 for p in ports), sorted(ports)
+    for bad in ("23000", "x-y", "900-1000", "30000-20000"):
+        monkeypatch.setenv("PDSERVE_PORT_RANGE", bad)
+        with pytest.raises(ValueError, match="PDSERVE_PORT_RANGE"):
+            free_port()
+    ranges = []
+    for worker in ("gw0", "gw1", "gw2"):
+        monkeypatch.delenv("PDSERVE_PORT_RANGE")
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+        claim_port_range()
+        low, high = map(int, os.environ["PDSERVE_PORT_RANGE"].split("-"))
+        ranges.append(range(low, high + 1))
+    assert all(len(r) > 1000 for r in ranges)
+    assert not set(ranges[0]) & set(ranges[1]) and not set(ranges[1]) & set(ranges[2])
