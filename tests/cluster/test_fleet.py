@@ -1,4 +1,4 @@
-"""A fleet that changes while it serves (issue 37, item 1), with real processes and a real redis-server: two
+"""A fleet that changes while it serves, with real processes and a real redis-server: two
 proxies started with --fleet-registry and no node at all serve once a prefill and a decode node announce
 themselves; a decode node started later joins both proxies and gets traffic; SIGTERM takes a node out at
 once while its stream finishes; SIGKILL takes it out once its announcement expires; a node of another model

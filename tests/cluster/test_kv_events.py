@@ -1,4 +1,4 @@
-"""KV events and the proxy's global index (issue 37, item 2), with real processes and a real redis-server: two
+"""KV events and the proxy's global index, with real processes and a real redis-server: two
 prefill nodes and a decode node publish their prefix caches' chunk keys (--kv-events); a kv-aware proxy
 reading them sends a repeated prefix back to the node holding it with no Lookup call at all; a killed node's
 entries go; a restarted node sends a snapshot; trimmed, forged and garbage events only change routes, and

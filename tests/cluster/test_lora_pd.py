@@ -1,4 +1,4 @@
-"""LoRA adapters through P/D (issue 38 part 2): a prefill node, a decode node and pd-proxy per KV store (file,
+"""LoRA adapters through P/D: a prefill node, a decode node and pd-proxy per KV store (file,
 redis), every node serving adapters (--enable-lora --lora-modules). Outputs equal HF + PEFT greedy token for
 token (fp32) for one adapter and for a batch mixing two adapters and the base model; a prompt under adapter B
 after the same prompt under A finds none of A's KV (the nodes' KV lines say so); loads and unloads through the

@@ -1,4 +1,4 @@
-"""Parallel nodes behind pd-proxy (issue 28 steps 3 and 5): real prefill/decode node processes, each with its
+"""Parallel nodes behind pd-proxy: real prefill/decode node processes, each with its
 rank processes, a real store.
 
 - a prefill node of one layout hands off to a decode node of another, exactly;

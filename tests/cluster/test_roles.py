@@ -1,4 +1,4 @@
-"""Live role switching (issue 37, items 3 and 6), with real processes and a real redis-server: two `--role auto`
+"""Live role switching, with real processes and a real redis-server: two `--role auto`
 nodes (one starting as prefill, one as decode) and one fixed decode node behind a proxy with a registry and SLOs.
 Long prompts with one-token answers put prefill past its TTFT SLO: the planner moves the auto decode node to
 prefill. Short prompts (prefilled by the decode nodes themselves) with long answers then put decode past its

@@ -1,4 +1,4 @@
-"""One decode node that pauses or dies mid-stream (issue 40 item 2): its streams wait for it, bounded, and go on.
+"""One decode node that pauses or dies mid-stream: its streams wait for it, bounded, and go on.
 
 A real P/D cluster with a single decode node (deploy/chaos.py's, with redis behind its relay); every fault is
 real: SIGSTOP then SIGCONT of the node's process (`kill -STOP; sleep; kill -CONT`), or SIGKILL and a restart.

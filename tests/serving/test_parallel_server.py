@@ -1,4 +1,4 @@
-"""-tp / -pp on the servers (issue 28 step 3): a real pd-serve with its rank processes, and its supervision.
+"""-tp / -pp on the servers: a real pd-serve with its rank processes, and its supervision.
 
 A server that loses a rank cannot answer any more: it exits non-zero at once (the proxy then routes to
 another node) and leaves no process behind.
@@ -87,7 +87,7 @@ def test_make_serve_passes_the_layout_flags_to_both_nodes():
 
 
 def test_a_tp_the_model_does_not_take_stops_start_up_naming_the_values_it_takes(tmp_path):
-    """Issue 40 item 7d: SmolLM2-135M (make serve's default) has 9 attention heads and 3 KV heads; -tp 2 stops
+    """SmolLM2-135M (make serve's default) has 9 attention heads and 3 KV heads; -tp 2 stops
     pd-serve with one line that says which values it takes (1 or 3), here on a random model of that head layout."""
     from pdserve.engine.builtin_model import make_model
 
@@ -135,7 +135,7 @@ def _open_stream(server: ServerProcess, max_tokens: int) -> http.client.HTTPResp
 @pytest.mark.parametrize("tp", [2, 3])
 def test_sigterm_stops_a_tp_node_within_the_documented_bound_even_with_a_rank_that_does_not_answer(
         six_heads, tmp_path, tp):
-    """Issue 40 item 7c: SIGTERM to a -tp node is obeyed within --shutdown-timeout + STOP_GRACE_S
+    """SIGTERM to a -tp node is obeyed within --shutdown-timeout + STOP_GRACE_S
     (docs/operations.md), ranks included, even while a step waits on a rank that does not answer (here a
     SIGSTOPped one, mid-stream): without that bound the node waits out the collective's deadline
     (distributed_timeout_s, 60 s) and longer."""

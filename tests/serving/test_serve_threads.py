@@ -88,7 +88,7 @@ def _environ(pid: int) -> dict[str, str]:
 
 
 def test_cluster_nodes_are_sized_together(tiny_llama, tmp_path, monkeypatch):
-    """A LocalCluster sizes its engines together (issue 39, item 2; common/cpu_budget.py split_cores): on this
+    """A LocalCluster sizes its engines together (common/cpu_budget.py split_cores): on this
     machine's CPUs, each node's threads and whether it is pinned or shares the cores (then told so, and its
     OpenMP workers wait passively: the engine set GOMP_SPINCOUNT before torch loaded, its line says so)."""
     from pdserve.deploy.processes import SHARED_CORES_ENV

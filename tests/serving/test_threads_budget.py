@@ -1,4 +1,4 @@
-"""An engine sizes its threads from what its process may use (issue 39, item 1): real pd-serve processes
+"""An engine sizes its threads from what its process may use: real pd-serve processes
 under a real cgroup CPU quota, an affinity mask, `--threads`, an operator's OpenMP settings and -tp ranks.
 
 What each start-up says is its "threads:" line (common/cpu_budget.py `ThreadPlan.line`). A wait setting the

@@ -1,4 +1,4 @@
-"""The KV hand-off between layouts (issue 28 step 5): a prefill engine of one (TP, PP) saves, a decode engine of
+"""The KV hand-off between layouts: a prefill engine of one (TP, PP) saves, a decode engine of
 another loads, over a real file store and a real redis-server; every rank saves and loads only its part
 (kvstore/layout.py), rank 0 aggregates the ranks' finished and failed I/O (engine/parallel/kv_ranks.py).
 

@@ -1,4 +1,4 @@
-"""Tensor and pipeline parallelism together (issue 35): TP=2 x PP=2 and TP=4, four real rank processes (gloo),
+"""Tensor and pipeline parallelism together: TP=2 x PP=2 and TP=4, four real rank processes (gloo),
 against transformers' greedy output token for token in fp32; and PP=2 on the real SmolLM2.
 
 The tiny model here has 8 q heads and 4 KV heads, so every split is a real one (at TP=4 each rank owns one KV

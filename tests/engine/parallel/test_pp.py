@@ -1,4 +1,4 @@
-"""Pipeline parallelism (issue 28): PP=2 on two real processes (gloo) against transformers, fp32 greedy.
+"""Pipeline parallelism: PP=2 on two real processes (gloo) against transformers, fp32 greedy.
 
 Rank 0 embeds and runs the first layers, sends (hidden, residual) to rank 1, which runs the rest and the
 final norm and sends the sampled rows' hidden states back: the LM head and sampling stay on rank 0.

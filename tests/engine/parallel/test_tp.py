@@ -1,4 +1,4 @@
-"""Tensor parallelism (issue 28): TP=2 on two real processes (gloo) against transformers, fp32 greedy.
+"""Tensor parallelism: TP=2 on two real processes (gloo) against transformers, fp32 greedy.
 
 Each test starts rank 1 as a child process through `LLM(..., tensor_parallel_size=2)`; `parallel_llm`
 checks the child is gone after shutdown. Outputs must equal HF's token for token (the tiny models'
