@@ -184,15 +184,21 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """Multi-LoRA serving (docs/lora.md), vLLM's bounds: `max_loras` adapters in one batch (resident in the
-    batch's slots), ranks up to `max_lora_rank`, `max_cpu_loras` adapters kept loaded (LRU; None: max_loras)."""
+    batch's slots), ranks up to `max_lora_rank`, `max_cpu_loras` adapters kept loaded (LRU; None: max_loras).
+    `lora_dtype`: the dtype adapter weights are held in, as vLLM's: `auto` is the model's (a bf16 model's adapters
+    rounded to bf16, half the bytes a decode step reads), `float32` keeps them as PEFT does."""
 
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
@@ -201,6 +207,8 @@ class LoRAConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}, got {self.lora_dtype!r}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 

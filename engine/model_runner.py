@@ -90,7 +90,7 @@ class ModelRunner:
             self.model.load_weights(shard.weights(iterate_weights(model_dir, device)))
             self.model.eval()
             # LoRA wraps the linear layers once the base weights are packed (EngineConfig refuses it with -tp/-pp)
-            self.lora = LoRAManager(config.lora, self.model, cfg.hidden_size, device) if config.lora.enable_lora \
+            self.lora = LoRAManager(config.lora, self.model, cfg.hidden_size, device, self.dtype) if config.lora.enable_lora \
                 else None
             self.driver = shard.driver(self.model, self.dtype, self)
             self.attn_backend = select_attention_backend(device, config.device.attention_backend)

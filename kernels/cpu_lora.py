@@ -1,7 +1,7 @@
 """Multi-LoRA on decode rows through the compiled kernel (kernels/csrc/cpu_lora.c): one ctypes call per layer.
 
-`LoRAWeights` holds one linear layer's slots in the kernel's layout (fp32, as PEFT keeps adapter weights),
-written when a slot gets another adapter; `LoRAKernel` adds each row's adapter delta into y in place, shrink
+`LoRAWeights` holds one linear layer's slots in the kernel's layout (fp32, as PEFT keeps adapter weights, or
+bf16: `--lora-dtype`, engine/lora/dtype.py), written when a slot gets another adapter; `LoRAKernel` adds each row's adapter delta into y in place, shrink
 and expand in one call, rounded once into y's dtype. engine/lora/stacked.py takes this path on CPU when the
 library builds (`build_or_none`: else its torch path runs). `extra_flags` builds another ISA level (tests).
 """
@@ -19,8 +19,8 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_lora.c"
 PANEL = 16  # PANEL in the C source: output columns per Bt panel
 
 _c_ptr, _c_int, _c_i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-_ARGTYPES = [_c_ptr, _c_int, _c_i64, _c_ptr, _c_int, _c_i64, _c_int, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr,
-             _c_int, _c_int, _c_ptr, _c_int, _c_int, _c_int]
+_ARGTYPES = [_c_ptr, _c_int, _c_i64, _c_ptr, _c_int, _c_i64, _c_int, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int,
+             _c_ptr, _c_int, _c_int, _c_ptr, _c_int, _c_int, _c_int]
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -32,20 +32,24 @@ def _library(build_dir: Path | None, extra_flags: tuple[str, ...]) -> ctypes.CDL
 class LoRAWeights:
     """One linear layer's slots as the kernel reads them (see the C source's header): A [slots, parts * r, in],
     Bt [slots, panels, r, 16] (each part's output columns in panels of 16, the last zero-padded) and each
-    slot's rank per part (0: nothing there; the kernel skips it)."""
+    slot's rank per part (0: nothing there; the kernel skips it). `dtype`: fp32 or bf16 (what put() is given is
+    rounded to it)."""
 
-    def __init__(self, slots: int, rank: int, in_features: int, widths: tuple[int, ...]) -> None:
+    def __init__(self, slots: int, rank: int, in_features: int, widths: tuple[int, ...],
+                 dtype: torch.dtype = torch.float32) -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"LoRA kernel weights are bf16 or fp32, not {dtype}")
         self.slots, self.rank, self.in_features = slots, rank, in_features
         self.widths = torch.tensor(widths, dtype=torch.int32)
         self.out_features = sum(widths)
         panels = [-(-w // PANEL) for w in widths]
         self.first_panel = [sum(panels[:p]) for p in range(len(widths))]
-        self.a = torch.zeros(slots, len(widths) * rank, in_features)
-        self.bt = torch.zeros(slots, sum(panels), rank, PANEL)
+        self.a = torch.zeros(slots, len(widths) * rank, in_features, dtype=dtype)
+        self.bt = torch.zeros(slots, sum(panels), rank, PANEL, dtype=dtype)
         self.ranks = torch.zeros(slots, len(widths), dtype=torch.int32)
         # What every call passes after the rows (the tensors are written in place, never moved): read once.
-        self.args = (self.a.data_ptr(), self.bt.data_ptr(), self.ranks.data_ptr(), slots, len(widths),
-                     self.widths.data_ptr(), rank, in_features)
+        self.args = (self.a.data_ptr(), self.bt.data_ptr(), dtype == torch.bfloat16, self.ranks.data_ptr(), slots,
+                     len(widths), self.widths.data_ptr(), rank, in_features)
 
     def clear(self, slot: int) -> None:
         self.ranks[slot].zero_()  # the kernel reads no rank row beyond these: the old weights may stay
@@ -58,7 +62,7 @@ class LoRAWeights:
                              f"in {self.in_features}, width {width}")
         self.a[slot, part * self.rank:part * self.rank + rank].copy_(a)
         panels = -(-width // PANEL)
-        padded = torch.zeros(panels * PANEL, rank)
+        padded = torch.zeros(panels * PANEL, rank, dtype=self.bt.dtype)
         padded[:width] = b
         block = self.bt[slot, self.first_panel[part]:self.first_panel[part] + panels]
         block.zero_()

@@ -16,8 +16,8 @@ from typing import Any, NoReturn
 from pdserve.common.cli_types import port_number
 from pdserve.common.units import format_bytes
 from pdserve.engine.config import (ATTENTION_BACKENDS, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_MEMORY,
-                                   DEVICE_RE, DTYPES, CacheConfig, DeviceConfig, KVTransferConfig, LoRAConfig,
-                                   ModelConfig, ParallelConfig, SchedulerConfig)
+                                   DEVICE_RE, DTYPES, LORA_DTYPES, CacheConfig, DeviceConfig, KVTransferConfig,
+                                   LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig)
 from pdserve.serving.limits import add_http_timeout_args
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -161,6 +161,10 @@ def add_lora_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"largest adapter rank accepted (default {d(LoRAConfig, 'max_lora_rank')})")
     g.add_argument("--max-cpu-loras", type=_positive_int, default=None,
                    help="adapters kept loaded, least recently used dropped beyond it (default: --max-loras)")
+    g.add_argument("--lora-dtype", choices=LORA_DTYPES, default=None,
+                   help="dtype of the adapters' weights: auto is the model's, as in vLLM (a bf16 model's adapters "
+                        "rounded to bf16: half the bytes per decode step); float32 keeps them as PEFT does "
+                        f"(default {d(LoRAConfig, 'lora_dtype')})")
     return parser
 
 

@@ -3,8 +3,9 @@
 PEFT names the projections transformers has (q_proj, k_proj, ..., up_proj); the engine fuses q/k/v into
 `qkv_proj` and gate/up into `gate_up_proj` (engine/models/llama.py). So an adapter's pairs are grouped per
 fused layer: one A stacked over its parts ([sum of ranks, in]) and, per part, the B that writes that
-part's output columns. Weights stay in fp32 whatever the model's dtype, as PEFT keeps them
-(`autocast_adapter_dtype`), and the delta is added in fp32 and rounded once.
+part's output columns. Weights are held in fp32 (values rounded first to `--lora-dtype`: by default the
+model's dtype, as vLLM holds them; `float32` keeps PEFT's, its `autocast_adapter_dtype`), and the delta is
+added in fp32 and rounded once.
 """
 from __future__ import annotations
 

@@ -40,9 +40,12 @@ _TARGETS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up
 
 
 class LoRAManager:
-    def __init__(self, config: LoRAConfig, model: Any, hidden_size: int, device: torch.device) -> None:
+    def __init__(self, config: LoRAConfig, model: Any, hidden_size: int, device: torch.device,
+                 model_dtype: torch.dtype = torch.float32) -> None:
         self.config = config
         self.device = device
+        # what adapter weights are rounded to (`--lora-dtype`; auto: the model's, as vLLM holds them)
+        self.dtype = model_dtype if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
         self.layout = TargetLayout.of(model, hidden_size)
         self.step = LoRAStep()
         self._layers: list[LoRALinear] = []
@@ -51,7 +54,8 @@ class LoRAManager:
                 parent = getattr(model.layers[i], block)
                 layer = LoRALinear(getattr(parent, name), i, name, self.step)
                 in_features, widths = self.layout.parts[name]
-                layer.stack = LoRAStack(config.max_loras, config.max_lora_rank, in_features, widths, device)
+                layer.stack = LoRAStack(config.max_loras, config.max_lora_rank, in_features, widths, device,
+                                        self.dtype)
                 setattr(parent, name, layer)
                 self._layers.append(layer)
         self._compiled = bool(self._layers) and all(layer.stack is not None and layer.stack.kernel is not None
@@ -63,7 +67,7 @@ class LoRAManager:
     # ---- adapters in memory ----
     def read(self, request: LoRARequest) -> LoRAAdapter:
         """Read and check an adapter directory (any thread: nothing shared changes); LoRAError if unusable."""
-        return read_adapter(request, self.layout, self.config.max_lora_rank)
+        return read_adapter(request, self.layout, self.config.max_lora_rank, self.dtype)
 
     def load(self, request: LoRARequest) -> LoRAAdapter:
         """The loaded adapter of `request`: the cached one when its id, name, path and files are unchanged."""

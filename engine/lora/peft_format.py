@@ -73,12 +73,17 @@ def read_config(path: str, max_rank: int) -> dict[str, Any]:
     return cfg
 
 
-def read_adapter(request: LoRARequest, layout: TargetLayout, max_rank: int) -> LoRAAdapter:
-    """The adapter at `request.lora_path`, checked against the base model's shapes; LoRAError otherwise."""
+def read_adapter(request: LoRARequest, layout: TargetLayout, max_rank: int,
+                 dtype: torch.dtype = torch.float32) -> LoRAAdapter:
+    """The adapter at `request.lora_path`, checked against the base model's shapes; LoRAError otherwise. Its
+    weights are rounded to `dtype` (`--lora-dtype`) and kept in fp32, so every path computes with the same values;
+    the rounding enters the fingerprint (KV made with rounded weights is another adapter's KV)."""
     path = request.lora_path
     cfg = read_config(path, max_rank)
     r, alpha, rslora = cfg["r"], float(cfg["lora_alpha"]), bool(cfg.get("use_rslora", False))
-    pairs = _read_pairs(path, layout, r)
+    read = _read_pairs(path, layout, r)
+    pairs = read if dtype == torch.float32 else {
+        key: (a.to(dtype).float(), b.to(dtype).float()) for key, (a, b) in read.items()}
     modules: dict[tuple[int, str], LoRAModule] = {}
     grouped: dict[tuple[int, str], list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
     for (layer, peft_module), (a, b) in sorted(pairs.items()):
@@ -90,9 +95,11 @@ def read_adapter(request: LoRARequest, layout: TargetLayout, max_rank: int) -> L
             parts.append(LoRAPart(offset, rows, start, start + a.shape[0], b))
             start += a.shape[0]
         modules[key] = LoRAModule(torch.cat([a for _, a, _ in members]), tuple(parts))
-    ident = {"r": r, "lora_alpha": alpha, "use_rslora": rslora}
+    ident: dict[str, object] = {"r": r, "lora_alpha": alpha, "use_rslora": rslora}
+    if dtype != torch.float32:  # (fp32's fingerprints stay what they were)
+        ident["weights_dtype"] = str(dtype).removeprefix("torch.")
     tensors = [(f"{layer}.{m}.{ab}", t.contiguous().view(torch.uint8).numpy().tobytes())
-               for (layer, m), pair in sorted(pairs.items()) for ab, t in zip("AB", pair)]
+               for (layer, m), pair in sorted(read.items()) for ab, t in zip("AB", pair)]
     return LoRAAdapter(name=request.lora_name, int_id=request.lora_int_id, path=path, rank=r,
                        scaling=alpha / (math.sqrt(r) if rslora else r), fingerprint=adapter_fingerprint(ident, tensors),
                        modules=modules, target_modules=tuple(sorted({m for _, m in pairs})), stamp=stamp(path),

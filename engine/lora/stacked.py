@@ -72,13 +72,16 @@ class LoRAStack:
     slot s's rank rows of a part at [s*r, s*r + its rank)."""
 
     def __init__(self, slots: int, rank: int, in_features: int, widths: tuple[int, ...],
-                 device: torch.device) -> None:
+                 device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         self.rank = rank
         self.columns = tuple((sum(widths[:p]), w) for p, w in enumerate(widths))  # each part's (offset, width)
         self.kernel = lora_kernel() if device.type == "cpu" else None
         self.weights: LoRAWeights | None = None
         if self.kernel is not None:
-            self.weights = LoRAWeights(slots, rank, in_features, widths)
+            # bf16 adapter weights (`--lora-dtype`) stay bf16 in the kernel's layout: half the bytes a step reads;
+            # other dtypes' values, already rounded, are exact in fp32
+            self.weights = LoRAWeights(slots, rank, in_features, widths,
+                                       torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
             return
         self.a = torch.zeros(len(widths), slots * rank, in_features, device=device)
         self.bt = [torch.zeros(slots * rank, w, device=device) for w in widths]

@@ -52,8 +52,9 @@ def _adapters(gen: torch.Generator) -> list[tuple[LoRAModule, float]]:
     return [(_module(gen, (8, 8, 8)), 2.0), (_module(gen, (4, None, 3)), 0.5), (_module(gen, (None, 6, None)), 1.0)]
 
 
-def _weights(adapters: list[tuple[LoRAModule, float]], gen: torch.Generator) -> LoRAWeights:
-    weights = LoRAWeights(len(adapters) + 1, RANK, IN, WIDTHS)
+def _weights(adapters: list[tuple[LoRAModule, float]], gen: torch.Generator,
+             dtype: torch.dtype = torch.float32) -> LoRAWeights:
+    weights = LoRAWeights(len(adapters) + 1, RANK, IN, WIDTHS, dtype)
     for slot, (module, _) in enumerate(adapters):
         other = _module(gen, (8, 8, 8))  # a former occupant of the slot: clear() must hide it
         for p, part in enumerate(other.parts):
@@ -101,6 +102,32 @@ def test_each_row_gets_its_own_slot_s_delta(kernel, rows, dtype):
         torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
         assert (got != want).float().mean() < 0.02
     assert not torch.allclose(got[~base].float(), y0[~base].float(), atol=1e-2)  # the deltas are not negligible
+
+
+def _rounded(module: LoRAModule, dtype: torch.dtype) -> LoRAModule:
+    """The module with its weights rounded to dtype (what `--lora-dtype` does at load), kept in fp32."""
+    return LoRAModule(module.a.to(dtype).float(), tuple(
+        LoRAPart(p.offset, p.rows, p.rank_start, p.rank_end, p.b.to(dtype).float()) for p in module.parts))
+
+
+@pytest.mark.parametrize("rows", [1, 4, 9, 33])
+def test_bf16_weights_are_the_rounded_adapter_read_at_half_the_bytes(kernel, rows):
+    """Weights held in bf16 (`--lora-dtype auto` on a bf16 model) give what fp32 weights rounded to bf16 give:
+    the kernel widens them exactly, so only the sums' order differs from the reference."""
+    gen = torch.Generator().manual_seed(100 + rows)
+    adapters = _adapters(gen)
+    weights = _weights(adapters, gen, torch.bfloat16)
+    assert weights.a.dtype == weights.bt.dtype == torch.bfloat16
+    slots, scaling = _rows(gen, rows, adapters)
+    x = torch.randn(rows, IN, generator=gen)
+    y0 = torch.randn(rows, sum(WIDTHS), generator=gen)
+    got = y0.clone()
+    kernel(got, x, slots, scaling, weights)
+    rounded = [(_rounded(module, torch.bfloat16), scaling) for module, scaling in adapters]
+    torch.testing.assert_close(got, _reference(y0, x, slots, rounded), rtol=1e-5, atol=1e-5)
+    unrounded = _reference(y0, x, slots, adapters)
+    assert not torch.allclose(got, unrounded, rtol=1e-5, atol=1e-5)  # the rounding is really there
+    torch.testing.assert_close(got, unrounded, rtol=0, atol=0.05)  # and no more than a bf16 rounding of weights
 
 
 @pytest.mark.parametrize("x_dtype,y_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])

@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+from pdserve.engine.config import LoRAConfig
 from pdserve.engine.lora.adapter import LoRAError, LoRAModule, LoRAPart, TargetLayout
 from pdserve.engine.lora.layers import add_lora
 from pdserve.engine.lora.peft_format import read_adapter
@@ -74,6 +75,25 @@ def test_broken_directories_are_refused(adapter_dir, tmp_path):
     other = TargetLayout(4, (0, 1, 2, 3), {**LAYOUT.parts, "qkv_proj": (64, (64, 32, 32))})
     with pytest.raises(LoRAError, match="another base model"):
         read_adapter(LoRARequest("x", 1, str(adapter_dir)), other, 64)
+
+
+def test_lora_dtype_rounds_the_weights_and_names_them_in_the_fingerprint(adapter_dir):
+    """`--lora-dtype`: weights rounded to it at load (held in fp32: every path computes with the same values), and
+    a fingerprint of its own, so KV computed under rounded weights never meets KV of the exact ones; fp32 reads
+    as before (its fingerprints do not change)."""
+    exact = read(adapter_dir)
+    assert read_adapter(LoRARequest("x", 1, str(adapter_dir)), LAYOUT, 64, torch.float32).fingerprint \
+        == exact.fingerprint
+    rounded = read_adapter(LoRARequest("x", 1, str(adapter_dir)), LAYOUT, 64, torch.bfloat16)
+    assert rounded.fingerprint != exact.fingerprint and rounded.num_bytes == exact.num_bytes
+    for key, module in exact.modules.items():
+        got = rounded.modules[key]
+        assert got.a.dtype == torch.float32 and torch.equal(got.a, module.a.to(torch.bfloat16).float())
+        for part, exact_part in zip(got.parts, module.parts):
+            assert torch.equal(part.b, exact_part.b.to(torch.bfloat16).float())
+    assert any(not torch.equal(rounded.modules[k].a, m.a) for k, m in exact.modules.items())
+    with pytest.raises(ValueError, match="lora_dtype must be one of auto, float32, bfloat16, float16"):
+        LoRAConfig(enable_lora=True, lora_dtype="int8")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
