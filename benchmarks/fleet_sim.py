@@ -12,11 +12,13 @@ traces. Two experiments, each on traces generated here (seeded):
             Planner.decide() every interval (its defaults, and its previous ones for comparison: 10 s interval,
             60 s window, hysteresis 3, 60 s cooldown, one switch per decision) moving nodes from 1:1: requests/s
             meeting the SLOs (TTFT <= --slo-ttft, time per output token <= --slo-tpot) over the trace's length, at
-            each of --shift-loads.
+            each of --shift-loads, for each of --goodput-seeds (the trace drawn again); with the planner's switches
+            and reversals (a switch the other way from the one before: one per shift is the least there can be).
 Writes a markdown table (stdout and bench-results/fleet_sim.md), the figures as JSON and a plot (--plot, PNG).
 Ratios against baselines in the same run; nothing here asserts a time.
 
     .venv/bin/python benchmarks/fleet_sim.py [--quick] [--sizes 8,32,128,512,1024] [--profile FILE] [--plot PATH]
+                                     [--goodput-seeds 0,1,2]
 """
 from __future__ import annotations
 
@@ -100,7 +102,8 @@ class PlannerDriver:
 
     def __init__(self, config: Any) -> None:
         from pdserve.proxy.planner import Planner
-        self.config, self.planner, self.switches = config, Planner(config), 0
+        self.config, self.planner, self.switches, self.reversals = config, Planner(config), 0, 0
+        self._towards: str | None = None  # the role the last switch fed
 
     def __call__(self, sim: Simulator, now: float) -> None:
         from pdserve.proxy.planner import NodeFigure
@@ -116,6 +119,8 @@ class PlannerDriver:
         decision = self.planner.decide(figures, now)
         for move in decision.switches:
             self.switches += 1
+            self.reversals += self._towards is not None and move.to_role != self._towards
+            self._towards = move.to_role
             sim.move(by_address[move.address])
 
 
@@ -145,9 +150,9 @@ def goodput(profile: Profile, n: int, duration: float, seed: int, slo_ttft: floa
         driver = PlannerDriver(config)
         res = Simulator(profile, n // 2, n - n // 2, "index", on_tick=driver, tick_s=config.interval_s).run(trace)
         planned[name] = {"goodput": _goodput(res, slo_ttft, slo_tpot), "switches": driver.switches,
-                         "prefill_nodes": [(round(t, 1), p) for t, p in res.roles]}
-    return {"nodes": n, "load": load, "requests": len(trace), "offered_rps": len(trace) / duration, "by_split": by_split,
-            "one_to_one": by_split[n // 2], "best_split": best, "best": by_split[best], "planner": planned}
+                         "reversals": driver.reversals, "prefill_nodes": [(round(t, 1), p) for t, p in res.roles]}
+    return {"nodes": n, "load": load, "seed": seed, "requests": len(trace), "offered_rps": len(trace) / duration,
+            "by_split": by_split, "one_to_one": by_split[n // 2], "best_split": best, "best": by_split[best], "planner": planned}
 
 
 def table(rows: list[dict[str, Any]], goods: list[dict[str, Any]], machine: str, profile: Profile) -> str:
@@ -161,17 +166,18 @@ def table(rows: list[dict[str, Any]], goods: list[dict[str, Any]], machine: str,
                    f" / {r['route_p99_us']:.0f} | {r['replay_p50_us']:.0f} / {r['replay_p99_us']:.0f} | {p2k} | {r['index_ops']:.1f} | {r['index_chunks']} | {r['index_bytes'] / 1e6:.1f}"
                    f" | {100 * r['hit_index']:.1f}% | {100 * r['hit_lookup']:.1f}%"
                    f" | {100 * (r['hit_index'] - r['hit_lookup']):+.1f} |")
-    out += ["", "| nodes | load | requests (req/s offered) | goodput 1:1 | best static P:D (hindsight) | best / 1:1 | "
-                "planner (config): goodput, switches | planner / 1:1 | planner / best |", "|---|---|---|---|---|---|---|---|---|"]
+    out += ["", "| nodes | load | seed | requests (req/s offered) | goodput 1:1 | best static P:D (hindsight) | best / 1:1 "
+                "| planner (config): goodput, switches (reversals) | planner / 1:1 | planner / best |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for g in goods:
         n = g["nodes"]
-        head = (f"| {n} | {g['load']:g} | {g['requests']} ({g['offered_rps']:.1f}) | {g['one_to_one']:.2f} req/s | "
-                f"{g['best_split']}:{n - g['best_split']} {g['best']:.2f} req/s | {g['best'] / g['one_to_one']:.2f}x")
+        head = (f"| {n} | {g['load']:g} | {g.get('seed', 0)} | {g['requests']} ({g['offered_rps']:.1f}) | "
+                f"{g['one_to_one']:.2f} req/s | {g['best_split']}:{n - g['best_split']} {g['best']:.2f} req/s | {g['best'] / g['one_to_one']:.2f}x")
         for name, p in g["planner"].items() or [("none: no proxy/planner.py", None)]:
             if p is None:
                 out.append(f"{head} | {name} | - | - |")
                 continue
-            out.append(f"{head} | ({name}) {p['goodput']:.2f} req/s, {p['switches']} | "
+            out.append(f"{head} | ({name}) {p['goodput']:.2f} req/s, {p['switches']} ({p.get('reversals', '-')}) | "
                        f"{p['goodput'] / g['one_to_one']:.2f}x | {p['goodput'] / g['best']:.2f}x |")
     return "\n".join(out)
 
@@ -194,6 +200,7 @@ def plot(rows: list[dict[str, Any]], goods: list[dict[str, Any]], path: Path, ma
         axes[1].plot(x, [100 * r["hit_index"] for r in rs], "o-", label=f"{trace}: index")
         axes[1].plot(x, [100 * r["hit_lookup"] for r in rs], "x:", label=f"{trace}: per-request lookups")
     axes[0].set_yscale("log")
+    goods = [g for g in goods if g.get("seed", 0) == goods[0].get("seed", 0)] if goods else []  # one seed's curves
     for ax, title, unit in ((axes[0], "Router.rank() over the KV index", "µs per request"),
                             (axes[1], "prompt tokens from the prefill node's cache", "%")):
         ax.set_xscale("log", base=2)
@@ -232,6 +239,7 @@ def main() -> None:
     ap.add_argument("--slo-ttft", type=float, default=4.0)
     ap.add_argument("--slo-tpot", type=float, default=0.06)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--goodput-seeds", help="seeds of the shifting trace, each a run (default: --seed)")
     ap.add_argument("--plot", default="docs/img/bench-fleet-sim.png")
     ap.add_argument("--from-json", help="redraw the table and the plot from a run's bench-results/fleet_sim.json")
     args = ap.parse_args()
@@ -254,11 +262,13 @@ def main() -> None:
             rows.append(routing(profile, n, shape, arrival, duration, args.seed))
             print(json.dumps(rows[-1]), flush=True)
     goods = []
+    seeds = [int(s) for s in args.goodput_seeds.split(",")] if args.goodput_seeds else [args.seed]
     for n in gsizes:
         for load in [float(x) for x in args.shift_loads.split(",")]:
-            goods.append(goodput(profile, n, args.goodput_duration or (240.0 if args.quick else 600.0), args.seed,
-                                 args.slo_ttft, args.slo_tpot, load))
-            print(json.dumps(goods[-1]), flush=True)
+            for seed in seeds:
+                goods.append(goodput(profile, n, args.goodput_duration or (240.0 if args.quick else 600.0), seed,
+                                     args.slo_ttft, args.slo_tpot, load))
+                print(json.dumps(goods[-1]), flush=True)
     text = table(rows, goods, machine, profile)
     print(text)
     OUT.mkdir(exist_ok=True)

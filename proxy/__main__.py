@@ -118,6 +118,11 @@ def _add_planner_args(p: ArgumentParser) -> None:
     g.add_argument("--planner-max-step", type=float, default=c.max_step, metavar="SHARE",
                    help=f"share of the fleet one decision may move, at least one node; it moves what the role lacks "
                         f"of its desired count (default {c.max_step:g}; 0: one node per decision)")
+    g.add_argument("--planner-lead", type=float, default=c.lead, metavar="SHARE",
+                   help=f"a role at this share of its SLO and rising gains a node before the SLO breaks, from one at "
+                        f"most --planner-slack of its own (default {c.lead:g}; 0: only once an SLO is broken)")
+    g.add_argument("--planner-slack", type=float, default=c.slack, metavar="SHARE",
+                   help=f"the share of its SLO a role may be at and still give a node on a lead (default {c.slack:g})")
     g.add_argument("--role-drain-timeout", type=float, default=c.drain_timeout_s, metavar="S",
                    help=f"seconds a switching node may take to finish its old role's calls (default "
                         f"{c.drain_timeout_s:g}; past it the role switches and they still finish)")
@@ -134,7 +139,7 @@ def _add_planner_args(p: ArgumentParser) -> None:
 def _planner_configs(args: argparse.Namespace) -> tuple[PlannerConfig, AdmissionConfig | None]:
     planner = PlannerConfig(args.slo_ttft_ms, args.slo_itl_ms, args.planner_interval, args.planner_window,
                             args.planner_hysteresis, args.planner_cooldown, args.planner_max_step,
-                            drain_timeout_s=args.role_drain_timeout)
+                            lead=args.planner_lead, slack=args.planner_slack, drain_timeout_s=args.role_drain_timeout)
     on = args.admission_control if args.admission_control is not None else args.slo_itl_ms is not None
     if on and args.slo_itl_ms is None:
         raise ValueError("--admission-control needs --slo-itl-ms: the queue holds requests while decode is past it")

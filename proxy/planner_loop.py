@@ -135,7 +135,7 @@ class PlannerLoop:
                 "slo": {"ttft_ms": self.config.slo_ttft_ms, "itl_ms": self.config.slo_itl_ms},
                 "interval_s": self.config.interval_s, "window_s": self.config.window_s,
                 "hysteresis": self.config.hysteresis, "cooldown_s": self.config.cooldown_s,
-                "max_step": self.config.max_step,
+                "max_step": self.config.max_step, "lead": self.config.lead, "slack": self.config.slack,
                 "current": current, "targets": last.targets if last else current,
                 "desired_replicas": last.desired if last else current, "switches": self.switches,
                 "failed_switches": self.failed_switches,
