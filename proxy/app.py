@@ -32,6 +32,7 @@ from pdserve.proxy.kv_events_consumer import KVEventsConsumer
 from pdserve.proxy.kv_index import KVIndex
 from pdserve.proxy.meter import Meter
 from pdserve.proxy.planner import PlannerConfig
+from pdserve.proxy.planner_lease import PlannerLease
 from pdserve.proxy.planner_loop import PlannerLoop, sample_interval
 from pdserve.proxy.router import DEFAULT_POLICY, Router
 from pdserve.serving import errors, tokenize_api
@@ -98,7 +99,9 @@ class Proxy:
             config.grpc_security, self.monitor.check)
         if index is not None and config.kv_events:
             self.fleet.kv_events = KVEventsConsumer(config.kv_events, index)
-        self.planner = PlannerLoop(config.planner, self.fleet, lambda: self.prefill.nodes + self.decode.nodes)
+        lease = PlannerLease(config.fleet_registry, config.planner.interval_s) \
+            if config.planner.enabled and config.fleet_registry else None
+        self.planner = PlannerLoop(config.planner, self.fleet, lambda: self.prefill.nodes + self.decode.nodes, lease)
         self.metrics.registry.register(self.planner)
         self.admission = Admission(self.planner.saturated, config.admission) if config.admission else None
         self.created = int(time.time())

@@ -6,6 +6,7 @@ proxy/node_figures.py), asks the planner (proxy/planner.py) for a decision and l
 switches are carried out here, all at once: each node leaves this proxy's rotation, `SetRole` drains and moves
 it (the node re-announces itself under its new role), and the fleet is polled at once so it routes to the node
 in its new role. Admission control (proxy/admission.py) reads `saturated()` from the same figures.
+Over a fleet registry only the proxy holding the planner lease decides (proxy/planner_lease.py); the others hold.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from pdserve.proxy.fleet import Fleet
 from pdserve.proxy.health import Node
 from pdserve.proxy.node_figures import SAMPLE_S, Sample, quantile
 from pdserve.proxy.planner import DECODE, PREFILL, ROLES, NodeFigure, Planner, PlannerConfig, Switch
+from pdserve.proxy.planner_lease import PlannerLease
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +60,10 @@ def figure_of(node: Node, window_s: float, now: float) -> NodeFigure:
 
 
 class PlannerLoop:
-    def __init__(self, config: PlannerConfig, fleet: Fleet, nodes: Callable[[], list[Node]]) -> None:
+    def __init__(self, config: PlannerConfig, fleet: Fleet, nodes: Callable[[], list[Node]],
+                 lease: PlannerLease | None = None) -> None:
         self.config = config
+        self.lease = lease  # None: this proxy plans alone (no registry)
         self.planner = Planner(config)
         self.fleet = fleet
         self.nodes = nodes
@@ -90,11 +94,15 @@ class PlannerLoop:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        if self.lease is not None:
+            await self.lease.release()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.config.interval_s)
+            if self.lease is not None and not await self.lease.held():
+                continue  # another proxy's planner moves the fleet's nodes
             decision = self.planner.decide(self.figures(), loop.time())
             repeat = len(self.planner.decisions) > 1 and self.planner.decisions[-2].reason == decision.reason
             # One line per decision; a hold repeating the last reason only at DEBUG (one every interval otherwise)
@@ -139,6 +147,7 @@ class PlannerLoop:
                 "current": current, "targets": last.targets if last else current,
                 "desired_replicas": last.desired if last else current, "switches": self.switches,
                 "failed_switches": self.failed_switches,
+                "lease": self.lease.status() if self.lease is not None else None,
                 "decisions": [d.to_json() for d in reversed(self.planner.decisions)]}
 
     async def handle(self, request: web.Request) -> web.Response:
