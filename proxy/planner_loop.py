@@ -103,12 +103,18 @@ class PlannerLoop:
             await asyncio.sleep(self.config.interval_s)
             if self.lease is not None and not await self.lease.held():
                 continue  # another proxy's planner moves the fleet's nodes
-            decision = self.planner.decide(self.figures(), loop.time())
-            repeat = len(self.planner.decisions) > 1 and self.planner.decisions[-2].reason == decision.reason
-            # One line per decision; a hold repeating the last reason only at DEBUG (one every interval otherwise)
-            logger.log(logging.DEBUG if repeat and decision.switch is None else logging.INFO, decision.line())
-            # the nodes of one decision drain at once: the fleet needs them all in their new role
-            await asyncio.gather(*(self.switch(move) for move in decision.switches))
+            try:
+                await self._decide(loop.time())
+            except Exception:  # one bad round must not end the fleet's planner (a task's error is silent)
+                logger.exception("planner: decision round failed; the next one comes in %.1f s", self.config.interval_s)
+
+    async def _decide(self, now: float) -> None:
+        decision = self.planner.decide(self.figures(), now)
+        repeat = len(self.planner.decisions) > 1 and self.planner.decisions[-2].reason == decision.reason
+        # One line per decision; a hold repeating the last reason only at DEBUG (one every interval otherwise)
+        logger.log(logging.DEBUG if repeat and decision.switch is None else logging.INFO, decision.line())
+        # the nodes of one decision drain at once: the fleet needs them all in their new role
+        await asyncio.gather(*(self.switch(move) for move in decision.switches))
 
     async def switch(self, move: Switch) -> bool:
         """Carry out one switch: out of this proxy's rotation, SetRole (the node drains and re-announces), poll the
@@ -121,6 +127,9 @@ class PlannerLoop:
             return False
         node.mark_down(f"switching to {move.to_role} (planner)")  # no new request of ours while it drains
         timeout_s = self.config.drain_timeout_s
+        # counted in flight: the node re-announces itself in its new role before it answers, and the fleet keeps
+        # the channel of its old membership open only while calls of ours run on it (proxy/fleet.py _retire)
+        node.load.in_flight += 1
         try:
             reply = await node.stub.SetRole(pb.SetRoleRequest(role=move.to_role, drain_timeout_s=timeout_s),
                                             timeout=timeout_s + 10.0)
@@ -129,6 +138,19 @@ class PlannerLoop:
                            e.code().name, e.details())
             self.failed_switches += 1
             return False
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the proxy stops
+            # the channel closed under the call all the same (the fleet dropped the node): the registry says
+            await self.fleet.poll_now()
+            logger.warning("%s: planner switch %s -> %s: no reply (the fleet saw the node leave its old role first); "
+                           "the registry now lists it as %s", move.address, move.from_role, move.to_role,
+                           next((role for role, address in self.fleet.members if address == move.address), "absent"))
+            self.failed_switches += 1
+            return False
+        finally:
+            node.load.in_flight -= 1
         await self.fleet.poll_now()
         self.switches += 1
         logger.info("%s: switched %s -> %s by the planner: drained in %.1f ms, %d old calls still running",
