@@ -138,17 +138,6 @@ class PlannerLoop:
                            e.code().name, e.details())
             self.failed_switches += 1
             return False
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise  # the proxy stops
-            # the channel closed under the call all the same (the fleet dropped the node): the registry says
-            await self.fleet.poll_now()
-            logger.warning("%s: planner switch %s -> %s: no reply (the fleet saw the node leave its old role first); "
-                           "the registry now lists it as %s", move.address, move.from_role, move.to_role,
-                           next((role for role, address in self.fleet.members if address == move.address), "absent"))
-            self.failed_switches += 1
-            return False
         finally:
             node.load.in_flight -= 1
         await self.fleet.poll_now()
